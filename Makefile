@@ -1,0 +1,36 @@
+# The two commands a fresh machine needs: `make book` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: book test unit notebooks sync bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[book,test,mpi]'
+	touch $(STAMP)
+
+## Execute every chapter and build the HTML book in _build/html (warnings fail the build).
+book: $(STAMP)
+	$(BIN)/jupyter-book build . --warningiserror --keep-going --builder html
+
+## Unit tests, then every chapter cell under nbval, in quick mode.
+test: unit notebooks
+
+unit: $(STAMP)
+	D2LPERF_QUICK=1 $(BIN)/python -m pytest -q tests
+
+notebooks: $(STAMP)
+	D2LPERF_QUICK=1 $(BIN)/python -m pytest -q --nbval-lax --nbval-cell-timeout=600 chapters/*.ipynb
+
+## Re-pair every chapter: the Markdown is the source, the notebook is rewritten from it.
+sync: $(STAMP)
+	$(BIN)/jupytext --to ipynb chapters/*.md
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/engine.py
+
+clean:
+	rm -rf _build

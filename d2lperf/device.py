@@ -1,0 +1,76 @@
+"""Devices: where an array lives, which array module computes on it, which worker runs it.
+
+A `Device` is a kind ('cpu' or 'gpu') and an index. CPU devices are virtual: `cpu(0)` and
+`cpu(1)` share the machine's cores but each gets its own engine worker, so two of them can
+compute side by side ("Automatic Parallelism"). GPUs compute with CuPy, imported only when a
+GPU is asked for, so the package runs on machines with neither CuPy nor a GPU.
+"""
+import functools
+
+import numpy
+
+
+class Device:
+    """A place to compute: `Device('cpu', 0)` or `Device('gpu', 1)`."""
+
+    __slots__ = ('kind', 'index')
+
+    def __init__(self, kind, index=0):
+        if kind not in ('cpu', 'gpu'):
+            raise ValueError(f"device kind must be 'cpu' or 'gpu', not {kind!r}")
+        self.kind, self.index = kind, int(index)
+
+    @property
+    def xp(self):
+        """The array module that computes on this device: numpy, or cupy for a GPU."""
+        return numpy if self.kind == 'cpu' else _cupy()
+
+    def __eq__(self, other):
+        return isinstance(other, Device) and (self.kind, self.index) == (other.kind, other.index)
+
+    def __hash__(self):
+        return hash((self.kind, self.index))
+
+    def __repr__(self):
+        return f'{self.kind}({self.index})'
+
+
+def cpu(i=0):
+    """The i-th (virtual) CPU device."""
+    return Device('cpu', i)
+
+
+def gpu(i=0):
+    """The i-th GPU; using it needs CuPy and an NVIDIA GPU."""
+    return Device('gpu', i)
+
+
+@functools.cache
+def _cupy():
+    try:
+        import cupy
+    except ImportError as err:
+        raise RuntimeError('this needs a GPU and CuPy: pip install -e .[gpu] '
+                           '(cupy-cuda12x), or use d2l.try_gpu() to fall back to the CPU'
+                           ) from err
+    return cupy
+
+
+@functools.cache
+def num_gpus():
+    """How many GPUs CuPy can see (0 without CuPy or without a driver)."""
+    try:
+        import cupy
+        return cupy.cuda.runtime.getDeviceCount()
+    except Exception:  # no CuPy, no driver, or no device: all mean "no GPU here"
+        return 0
+
+
+def try_gpu(i=0):
+    """gpu(i) if it exists, else cpu(0)."""
+    return gpu(i) if num_gpus() >= i + 1 else cpu()
+
+
+def try_all_gpus():
+    """Every GPU, or [cpu(0)] if there is none."""
+    return [gpu(i) for i in range(num_gpus())] or [cpu()]

@@ -1,0 +1,324 @@
+"""NDArray: a NumPy-like array whose every operation is one push to the engine.
+
+An operation returns at once with a new NDArray whose shape and dtype are already known
+(inferred from the inputs), while the engine computes its values in the background. Only
+what needs the values waits for them: `wait_to_read`, `asnumpy`, `item`, `print`, `float`,
+`bool`. Taught in "Asynchronous Computation".
+"""
+import numbers
+
+import numpy
+
+from . import engine
+from .device import Device, cpu
+from .ops import REGISTRY, index_shape
+
+
+class TapeState:
+    """Whether operations are being recorded for autograd (set by `autograd.record`)."""
+    recording = False
+
+
+TAPE = TapeState()
+
+
+class NDArray:
+    """An asynchronous array on one device; `_data` is filled in by the engine."""
+
+    __slots__ = ('_data', 'var', 'shape', 'dtype', 'device', '_node', 'grad', '__weakref__')
+    __array_ufunc__ = None          # make NumPy defer to our operators: `2.0 * x` stays async
+
+    def __init__(self, shape, dtype, device, var=None):
+        self.shape, self.dtype, self.device = tuple(shape), numpy.dtype(dtype), device
+        self.var = var if var is not None else engine.Var()
+        self._data = None
+        self._node = None           # (op, inputs, attrs) when recorded for autograd
+        self.grad = None
+
+    # -- blockers: everything that needs the values waits for them -----------------------
+    def wait_to_read(self):
+        """Block until this array's value is computed."""
+        engine.wait_for(self.var)
+        return self
+
+    def asnumpy(self):
+        """A NumPy copy of the values (waits for them)."""
+        self.wait_to_read()
+        return self._data.get() if self.device.kind == 'gpu' else numpy.array(self._data)
+
+    def item(self):
+        return self.asnumpy().item()
+
+    def __array__(self, dtype=None, copy=None):
+        return self.asnumpy() if dtype is None else self.asnumpy().astype(dtype)
+
+    def __float__(self):
+        return float(self.item())
+
+    def __int__(self):
+        return int(self.item())
+
+    def __bool__(self):
+        if self.size != 1:
+            raise ValueError(f'the truth value of an array of shape {self.shape} is ambiguous; '
+                             'use .any() or .all() on .asnumpy()')
+        return bool(self.item())
+
+    def __repr__(self):
+        text = repr(self.asnumpy())
+        return text if self.device == cpu() else f'{text[:-1]}, device={self.device})'
+
+    __str__ = __repr__
+
+    # -- metadata: known at push time, never blocks --------------------------------------
+    @property
+    def ndim(self):
+        return len(self.shape)
+
+    @property
+    def size(self):
+        return int(numpy.prod(self.shape))
+
+    def __len__(self):
+        if not self.shape:
+            raise TypeError('len() of a 0-d array')
+        return self.shape[0]
+
+    # -- arithmetic -----------------------------------------------------------------------
+    def __add__(self, other): return apply('add', self, other)
+    def __radd__(self, other): return apply('add', other, self)
+    def __sub__(self, other): return apply('subtract', self, other)
+    def __rsub__(self, other): return apply('subtract', other, self)
+    def __mul__(self, other): return apply('multiply', self, other)
+    def __rmul__(self, other): return apply('multiply', other, self)
+    def __truediv__(self, other): return apply('divide', self, other)
+    def __rtruediv__(self, other): return apply('divide', other, self)
+    def __pow__(self, other): return apply('power', self, other)
+    def __rpow__(self, other): return apply('power', other, self)
+    def __matmul__(self, other): return apply('matmul', self, other)
+    def __rmatmul__(self, other): return apply('matmul', other, self)
+    def __neg__(self): return apply('negative', self)
+    def __abs__(self): return apply('abs', self)
+    def __gt__(self, other): return apply('greater', self, other)
+    def __lt__(self, other): return apply('less', self, other)
+    def __ge__(self, other): return apply('greater_equal', self, other)
+    def __le__(self, other): return apply('less_equal', self, other)
+    def __eq__(self, other): return apply('equal', self, other)
+    def __ne__(self, other): return apply('not_equal', self, other)
+    __hash__ = object.__hash__
+
+    def __iadd__(self, other): return update_in_place(self, 'add', other)
+    def __isub__(self, other): return update_in_place(self, 'subtract', other)
+    def __imul__(self, other): return update_in_place(self, 'multiply', other)
+    def __itruediv__(self, other): return update_in_place(self, 'divide', other)
+
+    # -- methods --------------------------------------------------------------------------
+    def reshape(self, *shape):
+        shape = shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
+        return apply('reshape', self, shape=tuple(shape))
+
+    def transpose(self, *axes):
+        axes = axes[0] if len(axes) == 1 and isinstance(axes[0], (tuple, list)) else axes
+        return apply('transpose', self, axes=tuple(axes) if axes else None)
+
+    @property
+    def T(self):
+        return apply('transpose', self, axes=None)
+
+    def sum(self, axis=None, keepdims=False): return apply('sum', self, axis=axis, keepdims=keepdims)
+    def mean(self, axis=None, keepdims=False): return apply('mean', self, axis=axis, keepdims=keepdims)
+    def max(self, axis=None, keepdims=False): return apply('max', self, axis=axis, keepdims=keepdims)
+    def argmax(self, axis=None): return apply('argmax', self, axis=axis)
+    def exp(self): return apply('exp', self)
+    def log(self): return apply('log', self)
+    def astype(self, dtype): return apply('astype', self, dtype=numpy.dtype(dtype).name)
+    def copy(self): return apply('copy', self)
+
+    def copyto(self, device):
+        """A copy of this array on `device`: one engine operation reading self, writing the copy."""
+        return copy_to_device(self, device)
+
+    def __getitem__(self, key):
+        return view(self, key)
+
+    def __setitem__(self, key, value):
+        assign(self, key, value)
+
+
+def as_device_input(x):
+    """Check one operation input: an NDArray, a Python/NumPy scalar, or a tracer (returned)."""
+    if isinstance(x, (numbers.Number, numpy.generic)):
+        return None
+    if isinstance(x, numpy.ndarray):
+        raise TypeError('a NumPy array cannot enter a d2lperf operation directly; wrap it '
+                        'with d2lperf.np.array(x, device=...) first')
+    raise TypeError(f'd2lperf operations take NDArrays or scalars, not {type(x).__name__}')
+
+
+def common_device(name, arrays):
+    device = arrays[0].device
+    for x in arrays[1:]:
+        if x.device != device:
+            raise ValueError(f"operation '{name}' mixes arrays on {device} and {x.device}; "
+                             f'move one with x.copyto({device}) first')
+    return device
+
+
+_inferred = {}
+
+
+def infer(op, inputs, attrs):
+    """`op.infer`, remembered per input shapes and dtypes: the rules are pure, pushes are hot."""
+    key = (op.name, *[(x.shape, x.dtype) if type(x) is NDArray else type(x) for x in inputs])
+    if attrs:
+        key += tuple(attrs.items())
+    try:
+        return _inferred[key]
+    except KeyError:
+        result = _inferred[key] = op.infer(*inputs, **attrs)
+        return result
+    except TypeError:                           # an unhashable attribute: just compute it
+        return op.infer(*inputs, **attrs)
+
+
+def apply(name, *inputs, **attrs):
+    """Push one registered operation; return its output NDArray at once."""
+    op = REGISTRY[name]
+    arrays = []
+    for x in inputs:
+        if type(x) is NDArray:
+            arrays.append(x)
+        elif hasattr(x, 'apply_op'):            # a tracer from the compiler: it builds a graph
+            return x.apply_op(name, inputs, attrs)
+        else:
+            as_device_input(x)
+    if not arrays:
+        raise TypeError(f"operation '{name}' needs at least one NDArray input")
+    device = arrays[0].device if len(arrays) == 1 else common_device(name, arrays)
+    shape, dtype = infer(op, inputs, attrs)
+    out = NDArray(shape, dtype, device)
+    compute, xp = op.compute, device.xp
+    if len(arrays) == len(inputs):
+        def run():
+            out._data = compute(xp, *[x._data for x in inputs], **attrs)
+    else:
+        def run():
+            out._data = compute(xp, *[x._data if type(x) is NDArray else x for x in inputs],
+                                **attrs)
+    engine.push(run, [x.var for x in arrays], [out.var], device, name)
+    if TAPE.recording and any(x._node is not None or x.grad is not None for x in arrays):
+        out._node = (op, inputs, attrs)
+    return out
+
+
+def refuse_while_recording(target, what):
+    if TAPE.recording and (target._node is not None or target.grad is not None):
+        raise RuntimeError(f'{what} would overwrite an array that autograd is recording; '
+                           'compute a new array instead (y = x + 1), or do it outside record()')
+
+
+def update_in_place(target, name, other):
+    """`target op= other` as one engine operation that reads `other` and writes `target`."""
+    refuse_while_recording(target, f'in-place {name}')
+    shape, dtype = REGISTRY[name].infer(target, other)
+    if shape != target.shape or not numpy.can_cast(dtype, target.dtype, 'same_kind'):
+        raise ValueError(f'in-place {name} cannot store a {dtype}{list(shape)} result in '
+                         f'a {target.dtype}{list(target.shape)} array')
+    ufunc = getattr(target.device.xp, name)
+    reads = [other.var] if isinstance(other, NDArray) else []
+    if reads:
+        common_device(name, [target, other])
+
+        def run():
+            ufunc(target._data, other._data, out=target._data)
+    else:
+        as_device_input(other)
+
+        def run():
+            ufunc(target._data, other, out=target._data)
+    engine.push(run, reads, [target.var], target.device, f'{name}_')
+    return target
+
+
+BASIC_INDEX = (int, numpy.integer, slice, type(None), type(Ellipsis))
+
+
+def check_basic_key(key):
+    parts = key if isinstance(key, tuple) else (key,)
+    if not all(isinstance(k, BASIC_INDEX) for k in parts):
+        raise IndexError('d2lperf arrays take basic indexes only (ints, slices, None, ...); '
+                         'for gathering by index arrays use npx.pick')
+    return key
+
+
+def view(base, key):
+    """`base[key]`: a view that shares base's memory and so its engine variable."""
+    check_basic_key(key)
+    out = NDArray(index_shape(base.shape, base.dtype, key), base.dtype, base.device, base.var)
+
+    def run():
+        out._data = base._data[key]
+    # Filling in the view counts as a write of the shared variable: it orders with both.
+    engine.push(run, [], [base.var], base.device, 'view')
+    if TAPE.recording and (base._node is not None or base.grad is not None):
+        out._node = (REGISTRY['getitem'], (base,), {'key': key})
+    return out
+
+
+def assign(target, key, value):
+    """`target[key] = value` as one engine operation."""
+    check_basic_key(key)
+    refuse_while_recording(target, 'item assignment')
+    index_shape(target.shape, target.dtype, key)
+    if isinstance(value, NDArray):
+        common_device('setitem', [target, value])
+
+        def run():
+            target._data[key] = value._data
+        engine.push(run, [value.var], [target.var], target.device, 'setitem')
+    else:
+        as_device_input(value)
+
+        def run():
+            target._data[key] = value
+        engine.push(run, [], [target.var], target.device, 'setitem')
+
+
+def copy_to_device(x, device):
+    out = NDArray(x.shape, x.dtype, device)
+    to_gpu, from_gpu = device.kind == 'gpu', x.device.kind == 'gpu'
+
+    def run():
+        if to_gpu:
+            with device.xp.cuda.Device(device.index):
+                out._data = device.xp.array(x._data)
+        else:
+            out._data = x._data.get() if from_gpu else x._data.copy()
+    # The copy runs on the GPU side when there is one, so it is ordered on its stream.
+    engine.push(run, [x.var], [out.var], x.device if from_gpu else device, 'copyto')
+    return out
+
+
+def from_host(host, device, name='array'):
+    """An NDArray holding a copy of the NumPy array `host`."""
+    out = NDArray(host.shape, host.dtype, device)
+
+    def run():
+        out._data = host if device.kind == 'cpu' else device.xp.asarray(host)
+    engine.push(run, [], [out.var], device, name)
+    return out
+
+
+def create(shape, dtype, device, make, name):
+    """An NDArray whose values `make(xp)` computes on `device` (ones, zeros, random ...)."""
+    shape = (shape,) if isinstance(shape, numbers.Integral) else tuple(shape)
+    device = device or cpu()
+    if not isinstance(device, Device):
+        raise TypeError(f'device must be a Device such as d2l.cpu() or d2l.gpu(0), not {device!r}')
+    out = NDArray(shape, dtype, device)
+    xp = device.xp
+
+    def run():
+        out._data = make(xp, out.shape, out.dtype)
+    engine.push(run, [], [out.var], device, name)
+    return out
