@@ -45,15 +45,18 @@ class Var:
 
 
 class Operation:
-    """A function with the variables it reads and writes; `waiting` counts missing grants."""
+    """A function with the variables it reads and writes; `waiting` counts missing grants.
+
+    A variable may be read twice (x * x) but never both read and written by one operation:
+    an in-place update lists its target among the writes only.
+    """
 
     __slots__ = ('fn', 'name', 'device', 'reads', 'writes', 'waiting', 'record')
 
     def __init__(self, fn, reads, writes, device, name):
         self.fn, self.name, self.device = fn, name, device
-        self.writes = writes
-        self.reads = [v for v in reads if v not in writes]
-        self.waiting = len(self.reads) + len(self.writes) + 1   # +1 until push is done
+        self.reads, self.writes = reads, writes
+        self.waiting = len(reads) + len(writes) + 1      # +1 until push is done
         self.record = None
 
 
@@ -195,11 +198,17 @@ class ThreadedEngine:
         record = op.record
         if record is not None:
             record.worker, record.start = worker.name, time.perf_counter()
-        error = next((v.error for v in op.reads if v.error is not None), None)
-        own_error = None
-        if error is None:
+        error = own_error = None
+        for var in op.reads:
+            if var.error is not None:
+                error = var.error
+                break
+        else:
             try:
-                _run_on(worker.stream, op)
+                if worker.stream is None:
+                    op.fn()
+                else:
+                    _run_on_stream(worker.stream, op)
             except Exception as cause:                   # noqa: BLE001 - any failure travels on
                 error = own_error = OperationError(op.name, cause)
         if record is not None:
@@ -213,6 +222,8 @@ class ThreadedEngine:
                 _complete_read(var, granted)
             for var in op.writes:
                 var.error = error
+                if op.device is None or op.device.kind == 'cpu':
+                    var.event = None
                 _complete_write(var, granted)
             for other in granted:
                 other.waiting -= 1
@@ -253,13 +264,8 @@ class ThreadedEngine:
             raise errors[0]
 
 
-def _run_on(stream, op):
-    """Run `op`; on a GPU, after the kernels it waits for and before those that wait for it."""
-    if stream is None:
-        op.fn()
-        for var in op.writes:
-            var.event = None
-        return
+def _run_on_stream(stream, op):
+    """Run `op` on a GPU stream: after the kernels it reads from, before those that read it."""
     for var in op.reads:
         if var.event is not None:
             stream.wait_event(var.event)

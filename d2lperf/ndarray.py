@@ -29,7 +29,8 @@ class NDArray:
     __array_ufunc__ = None          # make NumPy defer to our operators: `2.0 * x` stays async
 
     def __init__(self, shape, dtype, device, var=None):
-        self.shape, self.dtype, self.device = tuple(shape), numpy.dtype(dtype), device
+        """`shape` a tuple and `dtype` a numpy.dtype: pushes are hot, so nothing is converted."""
+        self.shape, self.dtype, self.device = shape, dtype, device
         self.var = var if var is not None else engine.Var()
         self._data = None
         self._node = None           # (op, inputs, attrs) when recorded for autograd
@@ -311,8 +312,8 @@ def from_host(host, device, name='array'):
 
 def create(shape, dtype, device, make, name):
     """An NDArray whose values `make(xp)` computes on `device` (ones, zeros, random ...)."""
-    shape = (shape,) if isinstance(shape, numbers.Integral) else tuple(shape)
-    device = device or cpu()
+    shape = (int(shape),) if isinstance(shape, numbers.Integral) else tuple(map(int, shape))
+    dtype, device = numpy.dtype(dtype), device or cpu()
     if not isinstance(device, Device):
         raise TypeError(f'device must be a Device such as d2l.cpu() or d2l.gpu(0), not {device!r}')
     out = NDArray(shape, dtype, device)

@@ -75,3 +75,12 @@ class Accumulator:
 
     def __getitem__(self, idx):
         return self.data[idx]
+
+
+def memory_in_use(device=None):
+    """Bytes this process holds: host memory (resident set) and, on a GPU, CuPy's pool in use."""
+    import psutil
+    used = {'host': psutil.Process().memory_info().rss, 'device': None}
+    if device is not None and device.kind == 'gpu':
+        used['device'] = device.xp.get_default_memory_pool().used_bytes()
+    return used
