@@ -8,8 +8,8 @@ from .device import Device, cpu, gpu, num_gpus, try_all_gpus, try_gpu
 from . import np, npx, autograd, nn
 from .nn import L2Loss, SoftmaxCrossEntropyLoss
 from .trainer import Trainer
-from .utils import Accumulator, Benchmark, Timer, quick_mode, workload
+from .utils import Accumulator, Benchmark, Timer, memory_in_use, quick_mode, workload
 
 __all__ = ['engine', 'Device', 'cpu', 'gpu', 'num_gpus', 'try_all_gpus', 'try_gpu', 'np', 'npx',
            'autograd', 'nn', 'L2Loss', 'SoftmaxCrossEntropyLoss', 'Trainer', 'Accumulator',
-           'Benchmark', 'Timer', 'quick_mode', 'workload']
+           'Benchmark', 'Timer', 'memory_in_use', 'quick_mode', 'workload']
