@@ -145,11 +145,42 @@ def _use_gpu_stream(device):
     return stream
 
 
+class PoliteLock:
+    """A lock that never sleeps while holding itself hostage to the GIL.
+
+    A thread blocked in `Lock.acquire` has released the GIL; when the lock is handed to it,
+    it holds the lock while it waits to get the GIL back, and the other thread, wanting the
+    lock, must give the GIL up: from then on the two threads take turns at every operation
+    (a lock convoy). Trying without blocking, and yielding the GIL between tries, avoids it.
+    """
+
+    __slots__ = ('_lock',)
+
+    def __init__(self):
+        self._lock = threading.Lock()
+
+    def acquire(self, blocking=True):
+        while not self._lock.acquire(False):
+            if not blocking:
+                return False
+            time.sleep(0)
+        return True
+
+    def release(self):
+        self._lock.release()
+
+    def __enter__(self):
+        self.acquire()
+
+    def __exit__(self, *exc_info):
+        self._lock.release()
+
+
 class ThreadedEngine:
     """Track dependencies under one lock; run ready operations on per-device workers."""
 
     def __init__(self, max_in_flight=None):
-        self.lock = threading.Lock()
+        self.lock = PoliteLock()
         self.idle = threading.Condition(self.lock)      # wait_all sleeps here
         self.room = threading.Condition(self.lock)      # push sleeps here when the bound is hit
         self.workers = {}

@@ -1,0 +1,133 @@
+"""The dependency engine's cost per operation, measured side by side in one run.
+
+    python benchmarks/engine.py            # full sizes
+    D2LPERF_QUICK=1 python benchmarks/engine.py
+
+Rows: µs per tiny operation (`x + 1` on a 1×2 float32 array) for plain NumPy (the floor:
+no engine at all), one Python thread round trip (queue to a worker and back: the floor of
+any design that computes on another thread), the naive engine, the threaded engine waiting
+after every operation, the threaded engine asynchronously, and PyTorch eager when installed.
+Then the time to *issue* 10 products of 1000×1000 matrices over the time to finish them.
+Each figure is the median of several repeats.
+"""
+import platform
+import queue
+import statistics
+import threading
+import time
+
+import numpy
+
+import d2lperf as d2l
+from d2lperf import engine, np, npx
+
+OPS = d2l.workload(10_000, 2_000)
+REPEATS = 5
+
+
+def per_op_us(run):
+    """Median over repeats of the wall time of `run()` (which does OPS operations), per op."""
+    run()
+    times = []
+    for _ in range(REPEATS):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) / OPS * 1e6
+
+
+def numpy_floor():
+    x = numpy.ones((1, 2), numpy.float32)
+
+    def run():
+        for _ in range(OPS):
+            x + 1
+    return per_op_us(run)
+
+
+def thread_round_trip():
+    requests, replies = queue.SimpleQueue(), queue.SimpleQueue()
+
+    def worker():
+        while (item := requests.get()) is not None:
+            replies.put(item)
+    thread = threading.Thread(target=worker, daemon=True)
+    thread.start()
+
+    def run():
+        for i in range(OPS):
+            requests.put(i)
+            replies.get()
+    result = per_op_us(run)
+    requests.put(None)
+    return result
+
+
+def engine_tiny_ops(kind, wait_each):
+    engine.use(kind)
+    x = np.ones((1, 2))
+    x.wait_to_read()
+
+    def run():
+        for _ in range(OPS):
+            y = x + 1
+            if wait_each:
+                y.wait_to_read()
+        npx.waitall()
+    result = per_op_us(run)
+    engine.use('threaded')
+    return result
+
+
+def torch_eager():
+    try:
+        import torch
+    except ImportError:
+        return None
+    torch.set_num_threads(1)
+    x = torch.ones((1, 2))
+
+    def run():
+        for _ in range(OPS):
+            x + 1
+    return per_op_us(run)
+
+
+def issue_over_finish(n=d2l.workload(1000, 400)):
+    a = np.random.normal(size=(n, n))
+    npx.waitall()
+    ratios = []
+    for _ in range(REPEATS):
+        start = time.perf_counter()
+        for _ in range(10):
+            b = np.dot(a, a)
+        issued = time.perf_counter() - start
+        b.wait_to_read()
+        finished = time.perf_counter() - start
+        ratios.append((issued, finished))
+    issued, finished = min(ratios, key=lambda r: r[0] / r[1])
+    return n, issued, finished
+
+
+def main():
+    floor = numpy_floor()
+    rows = [('NumPy, no engine (floor)', floor),
+            ('thread round trip, queue to worker and back', thread_round_trip()),
+            ('naive engine (synchronous, caller thread)', engine_tiny_ops('naive', False)),
+            ('threaded engine, wait after every op', engine_tiny_ops('threaded', True)),
+            ('threaded engine, asynchronous', engine_tiny_ops('threaded', False)),
+            ('PyTorch eager (1 thread)', torch_eager())]
+    print(f'# {platform.processor() or platform.machine()}, {OPS} ops of x + 1 on a 1x2 array, '
+          f'median of {REPEATS}')
+    print(f'| {"what":46s} | µs/op | × NumPy |')
+    print(f'|{"-" * 48}|------:|--------:|')
+    for name, us in rows:
+        if us is not None:
+            print(f'| {name:46s} | {us:5.1f} | {us / floor:7.1f} |')
+    n, issued, finished = issue_over_finish()
+    print(f'\nissuing 10 products of {n}x{n}: {issued * 1e3:.3f} ms; finishing them: '
+          f'{finished * 1e3:.1f} ms; issue / finish = {100 * issued / finished:.2f}%')
+
+
+if __name__ == '__main__':
+    main()
