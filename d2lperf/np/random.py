@@ -13,7 +13,8 @@ def _generator(device):
     """The generator of one device; only that device's worker thread draws from it."""
     if device not in _generators:
         kind = 0 if device.kind == 'cpu' else 1
-        seed = None if _seed[0] is None else (_seed[0], kind, device.index)
+        # One integer per device (CuPy's generators take only an int): distinct streams.
+        seed = None if _seed[0] is None else (_seed[0] * 2 + kind) * 1024 + device.index
         _generators[device] = device.xp.random.default_rng(seed)
     return _generators[device]
 
