@@ -8,7 +8,7 @@ backward pass is as asynchronous as the forward one.
 import contextlib
 
 from . import engine
-from .ndarray import TAPE, NDArray, apply
+from .ndarray import TAPE, NDArray, create
 
 
 @contextlib.contextmanager
@@ -36,11 +36,20 @@ def is_recording():
 
 
 def attach_grad(self):
-    """Give this array a gradient buffer, `.grad`, that `backward()` writes into."""
-    self.grad = apply('multiply', self, 0) if self.dtype.kind == 'f' else None
-    if self.grad is None:
+    """Give this array a gradient buffer, `.grad`, that `backward()` writes into.
+
+    The buffer starts as zeros made fresh (not `self * 0`, which is NaN where self is
+    infinite), and is a real array even for a 0-d self, so that backward can write into it.
+    """
+    if self.dtype.kind != 'f':
         raise TypeError(f'only floating arrays can have gradients, not {self.dtype}')
+    self.grad = _filled(self, 0)
     return self
+
+
+def _filled(like, value):
+    return create(like.shape, like.dtype, like.device,
+                  lambda xp, shape, dtype: xp.full(shape, value, dtype), 'full')
 
 
 def _topological_order(head):
@@ -95,7 +104,7 @@ def backward(head, head_grad=None, retain_graph=False):
         raise RuntimeError('nothing to differentiate: compute the head inside autograd.record() '
                            'from arrays that called attach_grad()')
     with pause():
-        grads = {id(head): head_grad if head_grad is not None else apply('multiply', head, 0) + 1}
+        grads = {id(head): head_grad if head_grad is not None else _filled(head, 1)}
         for array in reversed(_topological_order(head)):
             g = grads.pop(id(array), None)
             if g is None:
@@ -105,7 +114,7 @@ def backward(head, head_grad=None, retain_graph=False):
                 if not retain_graph:
                     array._node = None
             elif array.grad is not None:
-                array.grad[:] = g
+                array.grad[...] = g          # `...`, not `:`, so that a 0-d leaf works too
 
 
 NDArray.attach_grad = attach_grad

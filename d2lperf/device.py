@@ -1,9 +1,10 @@
 """Devices: where an array lives, which array module computes on it, which worker runs it.
 
 A `Device` is a kind ('cpu' or 'gpu') and an index. CPU devices are virtual: `cpu(0)` and
-`cpu(1)` share the machine's cores but each gets its own engine worker, so two of them can
+`cpu(1)` share the machine's cores but each gets its own engine workers, so two of them can
 compute side by side ("Automatic Parallelism"). GPUs compute with CuPy, imported only when a
-GPU is asked for, so the package runs on machines with neither CuPy nor a GPU.
+GPU is asked for, so the package runs on machines with neither CuPy nor a GPU. `transfer`
+says how data moves between two devices.
 """
 import functools
 
@@ -43,6 +44,34 @@ def cpu(i=0):
 def gpu(i=0):
     """The i-th GPU; using it needs CuPy and an NVIDIA GPU."""
     return Device('gpu', i)
+
+
+def transfer(source, target):
+    """The function that copies an array's data from the `source` device to the `target`.
+
+    It runs on the copy lane the engine picks (`engine.copy_lane`), whose thread already has
+    that lane's GPU and stream current: host to host is a NumPy copy; host to GPU, CuPy uploads
+    on the current stream; GPU to host, `get` downloads on it and waits; GPU to GPU, a peer copy
+    on the source's stream.
+    """
+    if source.kind == 'cpu' and target.kind == 'cpu':
+        return numpy.ndarray.copy
+    if source.kind == 'cpu':
+        return lambda data: _cupy().asarray(data)
+    if target.kind == 'cpu':
+        return lambda data: data.get()
+    return functools.partial(_peer_copy, target.index)
+
+
+def _peer_copy(target_index, data):
+    """Copy a CuPy array to GPU `target_index` on the current (source) device's stream."""
+    cupy = _cupy()
+    contiguous = cupy.ascontiguousarray(data)
+    with cupy.cuda.Device(target_index):
+        out = cupy.empty(contiguous.shape, contiguous.dtype)
+    out.data.copy_from_device_async(contiguous.data, contiguous.nbytes,
+                                    cupy.cuda.get_current_stream())
+    return out
 
 
 @functools.cache

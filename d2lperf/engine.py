@@ -4,17 +4,20 @@ As in MXNet's engine, it knows only *variables* (tags for pieces of data) and *o
 (functions with the variables they read and write). Each variable keeps a queue of the
 operations waiting for it; an operation runs once every variable has granted it access:
 readers after the last writer, a writer after every earlier reader and writer (RAW, WAR,
-WAW). Tracking is kept apart from the running policy: ready operations go to one worker
-thread per device. `D2LPERF_ENGINE=naive` runs each operation at once on the caller's
-thread, for debugging. Taught in "Asynchronous Computation" and "Automatic Parallelism".
+WAW). Tracking is kept apart from the running policy (`workers.py`): ready operations go to
+one worker thread per device and lane (compute, copy in, copy out). `D2LPERF_ENGINE=naive`
+runs each operation at once on the caller's thread, for debugging. `trace()` (and the
+profiler built on it) records what ran where and when. Taught in "Asynchronous Computation"
+and "Automatic Parallelism".
 """
 import collections
 import contextlib
 import itertools
 import os
-import queue
 import threading
 import time
+
+from .workers import COMPUTE, COPY_IN, COPY_OUT, SharedCores, Worker, copy_lane  # noqa: F401
 
 _var_ids = itertools.count()
 
@@ -51,10 +54,10 @@ class Operation:
     an in-place update lists its target among the writes only.
     """
 
-    __slots__ = ('fn', 'name', 'device', 'reads', 'writes', 'waiting', 'record')
+    __slots__ = ('fn', 'name', 'device', 'lane', 'reads', 'writes', 'waiting', 'record')
 
-    def __init__(self, fn, reads, writes, device, name):
-        self.fn, self.name, self.device = fn, name, device
+    def __init__(self, fn, reads, writes, device, name, lane=COMPUTE):
+        self.fn, self.name, self.device, self.lane = fn, name, device, lane
         self.reads, self.writes = reads, writes
         self.waiting = len(reads) + len(writes) + 1      # +1 until push is done
         self.record = None
@@ -100,49 +103,23 @@ def _complete_write(var, granted):
 
 
 class OpRecord:
-    """What a trace keeps of one operation: for dependency graphs and the profiler."""
+    """What a trace keeps of one operation: for dependency graphs and the profiler.
 
-    __slots__ = ('name', 'device', 'reads', 'writes', 'worker', 'start', 'end')
+    `worker` names the thread (or GPU stream) that ran it, `start` and `end` are
+    `time.perf_counter()` seconds; on a GPU, `events` are the CUDA events around its kernels,
+    which the profiler turns into device times.
+    """
+
+    __slots__ = ('name', 'device', 'lane', 'reads', 'writes', 'worker', 'start', 'end', 'events')
 
     def __init__(self, op):
-        self.name, self.device = op.name, op.device
+        self.name, self.device, self.lane = op.name, op.device, op.lane
         self.reads = [v.id for v in op.reads]
         self.writes = [v.id for v in op.writes]
-        self.worker, self.start, self.end = None, None, None
+        self.worker, self.start, self.end, self.events = None, None, None, None
 
     def __repr__(self):
         return f'OpRecord({self.name!r}, reads={self.reads}, writes={self.writes})'
-
-
-class Worker:
-    """One thread per device, running that device's ready operations in the order they came."""
-
-    def __init__(self, engine, device):
-        self.device, self.name = device, f'{device} compute'
-        self.ready = queue.SimpleQueue()
-        self.stream = None
-        started = threading.Event()
-        self.thread = threading.Thread(target=self._loop, args=(engine, started),
-                                       name=f'd2lperf-{device}', daemon=True)
-        self.thread.start()
-        started.wait()
-
-    def _loop(self, engine, started):
-        if self.device.kind == 'gpu':
-            self.stream = _use_gpu_stream(self.device)
-        started.set()
-        get, run = self.ready.get, engine._run
-        while True:
-            run(get(), self)
-
-
-def _use_gpu_stream(device):
-    """Make `device` current on this thread and give the thread a stream of its own."""
-    cupy = device.xp
-    cupy.cuda.Device(device.index).use()
-    stream = cupy.cuda.Stream(non_blocking=True)
-    stream.use()
-    return stream
 
 
 class PoliteLock:
@@ -183,15 +160,16 @@ class ThreadedEngine:
         self.lock = PoliteLock()
         self.idle = threading.Condition(self.lock)      # wait_all sleeps here
         self.room = threading.Condition(self.lock)      # push sleeps here when the bound is hit
-        self.workers = {}
+        self.workers = {}                               # (device, lane) -> Worker
+        self.cores = SharedCores()
         self.in_flight = 0
         self.max_in_flight = max_in_flight
         self.errors = []
         self.recording = None
 
-    def push(self, fn, reads, writes, device, name):
-        """Queue `fn` to run on `device` once `reads` and `writes` allow it; returns at once."""
-        op = Operation(fn, reads, writes, device, name)
+    def push(self, fn, reads, writes, device, name, lane=COMPUTE):
+        """Queue `fn` to run on `device`'s `lane` once `reads` and `writes` allow it."""
+        op = Operation(fn, reads, writes, device, name, lane)
         if self.recording is not None and device is not None:
             op.record = OpRecord(op)
             self.recording.append(op.record)
@@ -215,14 +193,17 @@ class ThreadedEngine:
             op.fn()
             self._complete(op, None)
         else:
-            worker = self.workers.get(op.device) or self._start_worker(op.device)
+            key = (op.device, op.lane)
+            worker = self.workers.get(key) or self._start_worker(key)
             worker.ready.put(op)
 
-    def _start_worker(self, device):
+    def _start_worker(self, key):
         with self.lock:
-            if device not in self.workers:
-                self.workers[device] = Worker(self, device)
-            return self.workers[device]
+            if key not in self.workers:
+                self.workers[key] = Worker(self, *key, self.cores)
+                cpu_devices = {d for d, lane in self.workers if d.kind == 'cpu' and lane == COMPUTE}
+                self.cores.active = self.cores.enabled and len(cpu_devices) > 1
+            return self.workers[key]
 
     def _run(self, op, worker):
         """Run one operation on `worker`; a failure is kept on what it writes, not raised here."""
@@ -239,7 +220,7 @@ class ThreadedEngine:
                 if worker.stream is None:
                     op.fn()
                 else:
-                    _run_on_stream(worker.stream, op)
+                    worker.run_on_stream(op)
             except Exception as cause:                   # noqa: BLE001 - any failure travels on
                 error = own_error = OperationError(op.name, cause)
         if record is not None:
@@ -289,21 +270,9 @@ class ThreadedEngine:
                 self.idle.wait()
             errors, self.errors = self.errors, []
         for worker in list(self.workers.values()):
-            if worker.stream is not None:
-                worker.stream.synchronize()
+            worker.synchronize()
         if errors:
             raise errors[0]
-
-
-def _run_on_stream(stream, op):
-    """Run `op` on a GPU stream: after the kernels it reads from, before those that read it."""
-    for var in op.reads:
-        if var.event is not None:
-            stream.wait_event(var.event)
-    op.fn()
-    event = stream.record()
-    for var in op.writes:
-        var.event = event
 
 
 def _raise_or_sync(var):
@@ -319,8 +288,8 @@ class NaiveEngine:
     def __init__(self):
         self.recording = None
 
-    def push(self, fn, reads, writes, device, name):
-        op = Operation(fn, reads, writes, device, name)
+    def push(self, fn, reads, writes, device, name, lane=COMPUTE):
+        op = Operation(fn, reads, writes, device, name, lane)
         record = None
         if self.recording is not None and device is not None:
             record = OpRecord(op)
@@ -386,13 +355,18 @@ def use(kind):
     if kind not in ENGINES:
         raise ValueError(f'{kind!r} is not an engine; use one of {sorted(ENGINES)}')
     _engine.wait_all()
+    recording = _engine.recording
     _engine = ENGINES[kind]()
+    _engine.recording = recording
     return _engine
 
 
-def push(fn, reads, writes, device, name):
-    """Run `fn` on `device` once the variables it reads and writes are ready; returns at once."""
-    _engine.push(fn, reads, writes, device, name)
+def push(fn, reads, writes, device, name, lane=COMPUTE):
+    """Run `fn` on `device` once the variables it reads and writes are ready; returns at once.
+
+    `lane` picks the device's worker: COMPUTE, or COPY_IN / COPY_OUT for moving data.
+    """
+    _engine.push(fn, reads, writes, device, name, lane)
 
 
 def wait_for(var):
@@ -420,13 +394,40 @@ def set_max_in_flight(limit):
     return old
 
 
-@contextlib.contextmanager
-def trace():
-    """Record every operation pushed inside the block (name, device, vars, start, end)."""
+def set_blas_division(enabled):
+    """Divide BLAS threads among busy CPU devices (True, the default) or not; returns the old."""
+    if not isinstance(_engine, ThreadedEngine):
+        return False
+    cores, old = _engine.cores, _engine.cores.enabled
+    cores.enabled = bool(enabled)
+    cpu_devices = {d for d, lane in list(_engine.workers) if d.kind == 'cpu' and lane == COMPUTE}
+    cores.active = cores.enabled and len(cpu_devices) > 1
+    return old
+
+
+def start_recording():
+    """Keep an `OpRecord` of every operation pushed from now on; returns the list they go to.
+
+    Costs one branch per operation while off. The list fills as operations are pushed; their
+    `start` and `end` are known once they ran (after `stop_recording`, for all of them).
+    """
     records = []
     _engine.recording = records
+    return records
+
+
+def stop_recording():
+    """Stop recording, wait for every recorded operation to finish, return the records."""
+    records, _engine.recording = _engine.recording, None
+    _engine.wait_all()
+    return records if records is not None else []
+
+
+@contextlib.contextmanager
+def trace():
+    """Record every operation pushed inside the block (name, device, vars, worker, times)."""
+    records = start_recording()
     try:
         yield records
     finally:
-        _engine.recording = None
-        _engine.wait_all()
+        stop_recording()

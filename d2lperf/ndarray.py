@@ -10,7 +10,7 @@ import numbers
 import numpy
 
 from . import engine
-from .device import Device, cpu
+from .device import Device, cpu, transfer
 from .ops import REGISTRY, index_shape
 
 
@@ -157,15 +157,28 @@ def as_device_input(x):
 
 
 def common_device(name, arrays):
+    """The one device all of an operation's arrays live on; a ValueError says how to get there.
+
+    The engine never moves data behind the program's back: a copy is an operation of its own
+    (`x.copyto(device)`), which the program writes where it wants the transfer to happen.
+    """
     device = arrays[0].device
-    for x in arrays[1:]:
+    for i, x in enumerate(arrays[1:], 1):
         if x.device != device:
-            raise ValueError(f"operation '{name}' mixes arrays on {device} and {x.device}; "
-                             f'move one with x.copyto({device}) first')
+            where = ', '.join(f'input {j} on {a.device}' for j, a in enumerate(arrays))
+            raise ValueError(
+                f"operation '{name}' mixes arrays on {device} and {x.device} ({where}); "
+                f'an operation runs on one device: move the data first with '
+                f'x.copyto(d2l.{device}) or x.copyto(d2l.{x.device})')
     return device
 
 
 _inferred = {}
+
+
+def as_array(xp, value):
+    """NumPy returns scalars from 0-d operations; an array is needed to update in place."""
+    return value if type(value) is xp.ndarray else xp.asarray(value)
 
 
 def infer(op, inputs, attrs):
@@ -201,11 +214,11 @@ def apply(name, *inputs, **attrs):
     compute, xp = op.compute, device.xp
     if len(arrays) == len(inputs):
         def run():
-            out._data = compute(xp, *[x._data for x in inputs], **attrs)
+            out._data = as_array(xp, compute(xp, *[x._data for x in inputs], **attrs))
     else:
         def run():
-            out._data = compute(xp, *[x._data if type(x) is NDArray else x for x in inputs],
-                                **attrs)
+            out._data = as_array(xp, compute(
+                xp, *[x._data if type(x) is NDArray else x for x in inputs], **attrs))
     engine.push(run, [x.var for x in arrays], [out.var], device, name)
     if TAPE.recording and any(x._node is not None or x.grad is not None for x in arrays):
         out._node = (op, inputs, attrs)
@@ -226,8 +239,7 @@ def update_in_place(target, name, other):
         raise ValueError(f'in-place {name} cannot store a {dtype}{list(shape)} result in '
                          f'a {target.dtype}{list(target.shape)} array')
     ufunc = getattr(target.device.xp, name)
-    reads = [other.var] if isinstance(other, NDArray) else []
-    if reads:
+    if isinstance(other, NDArray):
         common_device(name, [target, other])
 
         def run():
@@ -237,8 +249,16 @@ def update_in_place(target, name, other):
 
         def run():
             ufunc(target._data, other, out=target._data)
-    engine.push(run, reads, [target.var], target.device, f'{name}_')
+    engine.push(run, reads_besides(target, other), [target.var], target.device, f'{name}_')
     return target
+
+
+def reads_besides(target, source):
+    """What an update of `target` reads: `source`'s variable, unless it is target's own
+    (`x += x`, or a view of x): an operation never both reads and writes one variable."""
+    if isinstance(source, NDArray) and source.var is not target.var:
+        return [source.var]
+    return []
 
 
 BASIC_INDEX = (int, numpy.integer, slice, type(None), type(Ellipsis))
@@ -257,8 +277,12 @@ def view(base, key):
     check_basic_key(key)
     out = NDArray(index_shape(base.shape, base.dtype, key), base.dtype, base.device, base.var)
 
+    element_key = key if isinstance(key, tuple) else (key,)
+    if Ellipsis not in element_key:
+        element_key += (Ellipsis,)      # x[1, 2, ...] is a 0-d view; x[1, 2] a copied scalar
+
     def run():
-        out._data = base._data[key]
+        out._data = base._data[element_key]
     # Filling in the view counts as a write of the shared variable: it orders with both.
     engine.push(run, [], [base.var], base.device, 'view')
     if TAPE.recording and (base._node is not None or base.grad is not None):
@@ -276,7 +300,7 @@ def assign(target, key, value):
 
         def run():
             target._data[key] = value._data
-        engine.push(run, [value.var], [target.var], target.device, 'setitem')
+        engine.push(run, reads_besides(target, value), [target.var], target.device, 'setitem')
     else:
         as_device_input(value)
 
@@ -286,17 +310,20 @@ def assign(target, key, value):
 
 
 def copy_to_device(x, device):
+    """`x.copyto(device)`: one engine operation, on a copy lane, that reads x and writes the copy.
+
+    It runs beside the devices' computation (see `engine.copy_lane`): whatever does not read
+    the copy goes on while the data moves.
+    """
+    if not isinstance(device, Device):
+        raise TypeError(f'copyto needs a Device such as d2l.cpu(1) or d2l.gpu(0), not {device!r}')
     out = NDArray(x.shape, x.dtype, device)
-    to_gpu, from_gpu = device.kind == 'gpu', x.device.kind == 'gpu'
+    move = transfer(x.device, device)
 
     def run():
-        if to_gpu:
-            with device.xp.cuda.Device(device.index):
-                out._data = device.xp.array(x._data)
-        else:
-            out._data = x._data.get() if from_gpu else x._data.copy()
-    # The copy runs on the GPU side when there is one, so it is ordered on its stream.
-    engine.push(run, [x.var], [out.var], x.device if from_gpu else device, 'copyto')
+        out._data = move(x._data)
+    where, lane = engine.copy_lane(x.device, device)
+    engine.push(run, [x.var], [out.var], where, 'copyto', lane)
     return out
 
 

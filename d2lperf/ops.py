@@ -83,7 +83,7 @@ def sum_dtype(dtype):
 
 def matmul_shape(a, b):
     """NumPy's matmul rule: vectors are promoted, leading (batch) dimensions broadcast."""
-    sa, sb = a.shape, b.shape
+    sa, sb = shape_of(a), shape_of(b)
     if not sa or not sb:
         raise ValueError('matmul needs arrays of at least one dimension, not scalars')
     ma, mb = (sa if len(sa) > 1 else (1,) + sa), (sb if len(sb) > 1 else sb + (1,))
@@ -95,13 +95,18 @@ def matmul_shape(a, b):
 
 
 def dot_shape(a, b):
-    if a.ndim <= 2 and b.ndim <= 2 and a.ndim and b.ndim:
+    """NumPy's dot rule: a scalar scales; else a's last axis meets b's second-to-last, or
+    b's only axis when b is a vector (an N-D array times a vector is common)."""
+    sa, sb = a.shape, b.shape
+    if not sa or not sb:
+        return numpy.broadcast_shapes(sa, sb)
+    if len(sa) <= 2 and len(sb) <= 2:
         return matmul_shape(a, b)
-    if not a.ndim or not b.ndim:
-        return numpy.broadcast_shapes(a.shape, b.shape)
-    if a.shape[-1] != b.shape[-2]:
-        raise ValueError(f'shapes {a.shape} and {b.shape} are not aligned for dot')
-    return a.shape[:-1] + b.shape[:-2] + b.shape[-1:]
+    axis = 0 if len(sb) == 1 else len(sb) - 2
+    if sa[-1] != sb[axis]:
+        raise ValueError(f'shapes {sa} and {sb} are not aligned for dot: '
+                         f'{sa[-1]} (dim {len(sa) - 1}) != {sb[axis]} (dim {axis})')
+    return sa[:-1] + sb[:axis] + sb[axis + 1:]
 
 
 def reshape_shape(shape, newshape):
@@ -201,7 +206,8 @@ def _dot_vjp(xp, g, out, a, b):
 defop('dot', lambda xp, a, b: xp.dot(a, b),
       lambda a, b: (dot_shape(a, b), numpy.result_type(a.dtype, b.dtype)), _dot_vjp)
 defop('matmul', lambda xp, a, b: xp.matmul(a, b),
-      lambda a, b: (matmul_shape(a, b), numpy.result_type(a.dtype, b.dtype)), _matmul_vjp)
+      lambda a, b: (matmul_shape(a, b), numpy.result_type(dtype_of(a), dtype_of(b))),
+      _matmul_vjp)
 
 
 # -- reductions ----------------------------------------------------------------------------
@@ -249,7 +255,14 @@ def _inverse(axes):
 
 
 def _transpose_axes(ndim, axes):
-    return tuple(reversed(range(ndim))) if axes is None else tuple(axes)
+    """The permutation `axes` names, negative axes counted from the end: the gradient
+    inverts it, so it must be checked and normalized here, at push time."""
+    if axes is None:
+        return tuple(reversed(range(ndim)))
+    normalized = tuple(a + ndim if a < 0 else a for a in axes)
+    if sorted(normalized) != list(range(ndim)):
+        raise ValueError(f'axes {tuple(axes)} are not a permutation of the {ndim} axes')
+    return normalized
 
 
 defop('reshape', lambda xp, a, shape: xp.reshape(a, shape),
@@ -347,7 +360,11 @@ def _fully_connected_infer(x, weight, bias):
     if x.shape[-1:] != weight.shape[1:]:
         raise ValueError(f'a Dense layer with weight {weight.shape} expects inputs of '
                          f'{weight.shape[1]} features, got shape {x.shape}')
-    return x.shape[:-1] + weight.shape[:1], numpy.result_type(x.dtype, weight.dtype)
+    if tuple(bias.shape) != tuple(weight.shape[:1]):
+        raise ValueError(f'a Dense layer with weight {weight.shape} needs a bias of shape '
+                         f'{weight.shape[:1]}, got {bias.shape}')
+    # The bias is added last, so its dtype promotes the result too.
+    return x.shape[:-1] + weight.shape[:1], numpy.result_type(x.dtype, weight.dtype, bias.dtype)
 
 
 def _fully_connected_vjp(xp, g, out, x, weight, bias):
@@ -357,3 +374,34 @@ def _fully_connected_vjp(xp, g, out, x, weight, bias):
 
 defop('fully_connected', lambda xp, x, weight, bias: xp.matmul(x, weight.T) + bias,
       _fully_connected_infer, _fully_connected_vjp)
+
+
+# -- for the compiler ("Compilers and Interpreters"): selection and randomness -------------
+
+RANDOM_OPS = {'dropout_mask'}   # results that are not a function of the inputs: never merged
+
+
+def _where_infer(cond, a, b):
+    return numpy.broadcast_shapes(*map(shape_of, (cond, a, b))), numpy.result_type(
+        dtype_of(a), dtype_of(b))
+
+
+def _where_vjp(xp, g, out, cond, a, b):
+    picked = cond.astype(bool)
+    return (None,) + _grads(g, (a, lambda: g * picked), (b, lambda: g * ~picked))
+
+
+def _dropout_mask_infer(x, rate):
+    if not 0 <= rate < 1:
+        raise ValueError(f'dropout rate must be in [0, 1), not {rate}')
+    return x.shape, numpy.dtype(x.dtype)
+
+
+def _dropout_mask(xp, x, rate):
+    """Zeros with probability `rate`, else 1 / (1 - rate): E[mask * x] = x."""
+    keep = xp.random.random(x.shape) >= rate
+    return keep.astype(x.dtype) / x.dtype.type(1 - rate)
+
+
+defop('where', lambda xp, cond, a, b: xp.where(cond, a, b), _where_infer, _where_vjp)
+defop('dropout_mask', _dropout_mask, _dropout_mask_infer, lambda xp, g, out, x, rate: (None,))

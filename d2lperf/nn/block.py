@@ -2,12 +2,17 @@
 
 A Block registers the child blocks and parameters assigned to it as attributes, so
 `collect_params()` finds every parameter by walking the tree. `forward` is ordinary Python
-on asynchronous arrays ("imperative"); the compiler chapter turns it into a graph.
+on asynchronous arrays ("imperative"). A HybridBlock can also be compiled: after
+`hybridize()`, its next call traces `forward` into a graph and every later call runs the
+generated program as one engine operation ("Compilers and Interpreters").
 """
 import collections
+import operator
 
-from .. import np, npx
-from .init import Zero
+from .. import autograd, hybrid, np, npx
+from ..device import cpu
+from ..ndarray import NDArray, apply
+from .init import Initializer, Zero
 from .parameter import Parameter
 
 
@@ -39,6 +44,12 @@ class Block:
     def __call__(self, *args):
         return self.forward(*args)
 
+    def hybridize(self, active=True):
+        """Compile every HybridBlock inside this block (a plain Block itself stays imperative)."""
+        for child in self._children.values():
+            child.hybridize(active)
+        return self
+
     def forward(self, *args):
         raise NotImplementedError(f'{type(self).__name__} must define forward(self, x)')
 
@@ -47,6 +58,86 @@ class Block:
                  for name, child in self._children.items()]
         return f'{type(self).__name__}(\n' + '\n'.join(lines) + '\n)' if lines else \
             f'{type(self).__name__}()'
+
+
+class CurrentArrays:
+    """Some parameters' arrays on one device, read again only when one gets new arrays.
+
+    Compiled code runs on every call, so it keeps the arrays instead of asking each
+    parameter for them; `initialize(force_reinit=True)` gives a parameter a new dict."""
+
+    __slots__ = ('params', 'device', 'stores', 'arrays')
+
+    def __init__(self, params, device):
+        self.params, self.device, self.stores, self.arrays = params, device, None, ()
+
+    def __call__(self):
+        if self.stores is None or not all(map(operator.is_, map(_data_of, self.params),
+                                              self.stores)):
+            self.arrays = tuple(p.data(self.device) for p in self.params)
+            self.stores = list(map(_data_of, self.params))
+        return self.arrays
+
+
+_data_of = operator.attrgetter('_data')
+
+
+class HybridBlock(Block):
+    """A block whose `forward` only uses d2lperf operations, so that it can be compiled."""
+
+    def __init__(self):
+        super().__init__()
+        object.__setattr__(self, '_compiled', None)
+
+    def hybridize(self, active=True):
+        """From the next call on, trace `forward` once per input shape and run compiled code."""
+        super().hybridize(active)
+        compiled = hybrid.CompiledFunction(self.forward, self.collect_params, type(self).__name__,
+                                           CurrentArrays) if active else None
+        object.__setattr__(self, '_compiled', compiled)
+        return self
+
+    def __call__(self, *args):
+        compiled = self._compiled
+        if compiled is not None and (type(args[0]) is NDArray if len(args) == 1 else
+                                     all(type(x) is NDArray for x in args)):
+            return compiled(args)
+        return self.forward(*args)          # imperative, or inside a parent's trace
+
+    # -- what the compiler made of the last call -------------------------------------------
+    def _executable(self, what):
+        if self._compiled is None or self._compiled.last is None:
+            raise RuntimeError(f'{what} needs a compiled block: call net.hybridize() and run '
+                               'it once (net(x)) so that forward is traced')
+        return self._compiled.last
+
+    def traced_graph(self):
+        """The graph the last trace recorded, before any pass."""
+        return self._executable('traced_graph()').traced
+
+    def optimized_graph(self):
+        """The graph the generated code computes: folded, merged, pruned and fused."""
+        return self._executable('optimized_graph()').graph
+
+    def memory_plan(self):
+        return self._executable('memory_plan()').plan
+
+    def generated_code(self):
+        """The Python source the last call ran, with a header naming its arguments."""
+        executable = self._executable('generated_code()')
+        if executable.recording:
+            raise RuntimeError('the last call was recorded for autograd and ran the graph '
+                               'interpreter; call the net outside autograd.record() first')
+        return str(executable.program)
+
+    def export(self, path, epoch=0):
+        """Write PATH-symbol.json and PATH-EPOCH.params (e.g. models/my_mlp-0000.params)."""
+        executable = self._executable('export()')
+        graph = executable.simplified
+        values = {n.name: n.value for n in graph.nodes if n.kind == 'constant'}
+        values.update({n.name: array.asnumpy()
+                       for n, array in zip(graph.params, executable.param_arrays())})
+        return hybrid.save(path, graph, values, epoch)
 
 
 class Sequential(Block):
@@ -69,6 +160,10 @@ class Sequential(Block):
         return len(self._children)
 
 
+class HybridSequential(HybridBlock, Sequential):
+    """Sequential that compiles: hybridize() traces all its children into one graph."""
+
+
 ACTIVATIONS = {'relu': npx.relu, 'sigmoid': npx.sigmoid, 'tanh': np.tanh}
 
 
@@ -78,7 +173,7 @@ def _activation(name):
     return ACTIVATIONS.get(name)
 
 
-class Dense(Block):
+class Dense(HybridBlock):
     """A fully connected layer; its input size is learnt from the first batch it sees."""
 
     def __init__(self, units, activation=None, in_units=0):
@@ -98,3 +193,91 @@ class Dense(Block):
     def __repr__(self):
         return (f'Dense({self.weight.shape[1] or None} -> {self.units}, '
                 f'{self.activation or "linear"})')
+
+
+class Activation(HybridBlock):
+    """An activation function as a layer: Activation('relu'), 'sigmoid' or 'tanh'."""
+
+    def __init__(self, activation):
+        super().__init__()
+        self.activation, self.act = activation, _activation(activation)
+
+    def forward(self, x):
+        return self.act(x)
+
+    def __repr__(self):
+        return f'Activation({self.activation})'
+
+
+class Dropout(HybridBlock):
+    """Zero each value with probability `rate` while training (inside autograd.record())."""
+
+    def __init__(self, rate):
+        super().__init__()
+        if not 0 <= rate < 1:
+            raise ValueError(f'dropout rate must be in [0, 1), not {rate}')
+        self.rate = rate
+
+    def forward(self, x):
+        if not autograd.is_recording() or self.rate == 0:
+            return x
+        return x * apply('dropout_mask', x, rate=self.rate)
+
+    def __repr__(self):
+        return f'Dropout({self.rate})'
+
+
+class _Loaded(Initializer):
+    """An initializer that returns the values read from a parameter file."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __call__(self, shape, device):
+        return np.array(self.value, device=device)
+
+
+class SymbolBlock(HybridBlock):
+    """A block rebuilt from an exported graph, without the Python class that made it."""
+
+    def __init__(self, graph, params):
+        super().__init__()
+        object.__setattr__(self, '_graph', graph)
+        object.__setattr__(self, '_constants', {})
+        self._params.update(params)
+
+    @staticmethod
+    def imports(symbol_file, input_names, param_file, device=None):
+        """Load `net.export()`'s two files; the result runs compiled on `device` (default cpu)."""
+        graph, values = hybrid.load(symbol_file, input_names, param_file)
+        device = device or cpu()
+        params = collections.OrderedDict()
+        for name, value in values.items():
+            params[name] = Parameter(name, value.shape, init=_Loaded(value))
+            params[name].initialize(device=device)
+        return SymbolBlock(graph, params).hybridize()
+
+    def forward(self, *args):
+        """Run the graph one operation at a time (with arrays, or with a tracer's symbols)."""
+        graph = self._graph
+        if len(args) != len(graph.inputs):
+            raise TypeError(f'this block takes {len(graph.inputs)} inputs '
+                            f'({[n.name for n in graph.inputs]}), got {len(args)}')
+        device = args[0].device
+        values = dict(zip(graph.inputs, args))
+        values.update((n, self._params[n.name].data(device)) for n in graph.params)
+        values.update(zip(self._constant_nodes(), self._constant_arrays(device)))
+        return hybrid.apply_graph(graph, values, apply)
+
+    def _constant_nodes(self):
+        return [n for n in self._graph.nodes if n.kind == 'constant']
+
+    def _constant_arrays(self, device):
+        if device not in self._constants:
+            self._constants[device] = [np.array(n.value, device=device)
+                                       for n in self._constant_nodes()]
+        return self._constants[device]
+
+    def __repr__(self):
+        inputs = ', '.join(f'{n.name}: {n.type}' for n in self._graph.inputs)
+        return f'SymbolBlock({inputs} -> {len(self._graph.nodes)} nodes)'

@@ -1,9 +1,9 @@
 """Losses: one value per example, averaged over everything but the batch axis."""
 from .. import npx
-from .block import Block
+from .block import HybridBlock
 
 
-class L2Loss(Block):
+class L2Loss(HybridBlock):
     """(pred - label)² / 2 per example."""
 
     def forward(self, pred, label):
@@ -12,7 +12,7 @@ class L2Loss(Block):
         return per_value.mean(axis=tuple(range(1, pred.ndim))) if pred.ndim > 1 else per_value
 
 
-class SoftmaxCrossEntropyLoss(Block):
+class SoftmaxCrossEntropyLoss(HybridBlock):
     """-log softmax(pred)[label] per example; labels are class indices."""
 
     def forward(self, pred, label):

@@ -54,13 +54,14 @@ class Parameter:
         return self._data[device]
 
     def list_data(self):
+        self.data()             # no value yet: the same clear error as data(), not a TypeError
         return list(self._data.values())
 
     def grad(self, device=None):
         return self.data(device).grad
 
     def list_grad(self):
-        return [d.grad for d in self._data.values()]
+        return [d.grad for d in self.list_data()]
 
     def set_data(self, value):
         for array in self._data.values():

@@ -122,3 +122,8 @@ def broadcast_to(a, shape):
 
 def concatenate(arrays, axis=0):
     return apply('concatenate', *arrays, axis=axis)
+
+
+def where(condition, x, y):
+    """x where condition is true, else y: elementwise choice, the traceable form of `if`."""
+    return apply('where', condition, x, y)

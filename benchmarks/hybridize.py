@@ -1,0 +1,183 @@
+"""Hybridization: the 512 -> 256 -> 128 -> 2 MLP, called 1000 times, every way we have.
+
+One table from one run, ratios to the floor (NumPy written by hand with preallocated
+buffers) measured side by side: imperative d2lperf, hybridized d2lperf, and PyTorch eager,
+torch.jit.trace and torch.compile when PyTorch is installed. On a GPU, also hybridized with
+CUDA-graph replay against eager CuPy and PyTorch eager on the same GPU.
+
+    python benchmarks/hybridize.py [--calls 1000] [--repeats 7] [--batches 1 256]
+
+Every mode is timed `repeats` times, round-robin, and the median is reported.
+"""
+import argparse
+import os
+import platform
+import statistics
+import time
+
+import numpy
+
+import d2lperf as d2l
+from d2lperf import np, npx, nn
+
+WIDTHS, FEATURES = (256, 128, 2), 512
+
+
+def get_net(device):
+    net = nn.HybridSequential()
+    net.add(nn.Dense(256, activation='relu'), nn.Dense(128, activation='relu'), nn.Dense(2))
+    net.initialize(device=device)
+    return net
+
+
+def weights(net):
+    return [p.data().asnumpy() for p in net.collect_params().values()]
+
+
+def numpy_by_hand(ws, batch):
+    """The floor: what a person writes with preallocated buffers and no framework."""
+    (w1, b1, w2, b2, w3, b3), x = ws, numpy.random.normal(size=(batch, FEATURES))
+    x = x.astype(numpy.float32)
+    h1, h2 = numpy.empty((batch, 256), numpy.float32), numpy.empty((batch, 128), numpy.float32)
+    w1t, w2t, w3t = w1.T, w2.T, w3.T
+
+    def call():
+        numpy.matmul(x, w1t, out=h1)
+        numpy.add(h1, b1, out=h1)
+        numpy.maximum(h1, 0, out=h1)
+        numpy.matmul(h1, w2t, out=h2)
+        numpy.add(h2, b2, out=h2)
+        numpy.maximum(h2, 0, out=h2)
+        out = numpy.matmul(h2, w3t)
+        numpy.add(out, b3, out=out)
+        return out
+    return call, lambda: None
+
+
+def d2lperf_modes(batch, device):
+    x = np.random.normal(size=(batch, FEATURES), device=device)
+    imperative = get_net(device)
+    imperative(x).wait_to_read()
+    hybridized = get_net(device)
+    hybridized.hybridize()
+    hybridized(x).wait_to_read()
+    return {'d2lperf imperative': (lambda: imperative(x), npx.waitall),
+            'd2lperf hybridized': (lambda: hybridized(x), npx.waitall)}, imperative
+
+
+def torch_modes(ws, batch, device='cpu'):
+    try:
+        import torch
+    except ImportError:
+        return {}
+    model = torch.nn.Sequential(torch.nn.Linear(FEATURES, 256), torch.nn.ReLU(),
+                                torch.nn.Linear(256, 128), torch.nn.ReLU(), torch.nn.Linear(128, 2))
+    with torch.no_grad():
+        for layer, (w, b) in zip([model[0], model[2], model[4]], zip(ws[::2], ws[1::2])):
+            layer.weight.copy_(torch.from_numpy(w))
+            layer.bias.copy_(torch.from_numpy(b))
+    model = model.to(device).eval()
+    x = torch.randn(batch, FEATURES, device=device)
+    sync = torch.cuda.synchronize if device == 'cuda' else (lambda: None)
+    modes = {}
+    with torch.no_grad():
+        modes[f'PyTorch eager ({device})'] = model
+        if device == 'cpu':
+            modes['torch.jit.trace'] = torch.jit.trace(model, x)
+            try:
+                compiled = torch.compile(model)
+                compiled(x)
+                modes['torch.compile'] = compiled
+            except Exception as err:                     # noqa: BLE001 - report, do not crash
+                print(f'torch.compile unavailable: {type(err).__name__}: {err}'[:200])
+    return {name: (no_grad(torch, fn, x), sync) for name, fn in modes.items()}
+
+
+def no_grad(torch, fn, x):
+    def call():
+        with torch.no_grad():
+            return fn(x)
+    return call
+
+
+def cupy_by_hand(ws, batch):
+    import cupy
+    (w1, b1, w2, b2, w3, b3) = [cupy.asarray(w) for w in ws]
+    x = cupy.random.standard_normal((batch, FEATURES), dtype=cupy.float32)
+
+    def call():
+        h = cupy.maximum(x @ w1.T + b1, 0)
+        h = cupy.maximum(h @ w2.T + b2, 0)
+        return h @ w3.T + b3
+    return call, cupy.cuda.get_current_stream().synchronize
+
+
+def time_modes(modes, calls, repeats):
+    """Median seconds per call of each mode, timed round-robin so that drift hits all alike."""
+    for fn, sync in modes.values():                       # warm up
+        for _ in range(max(10, calls // 10)):
+            fn()
+        sync()
+    times = {name: [] for name in modes}
+    for _ in range(repeats):
+        for name, (fn, sync) in modes.items():
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            sync()
+            times[name].append((time.perf_counter() - start) / calls)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def table(rows):
+    lines = ['| device | batch | mode | µs per call | × floor |', '|---|---:|---|---:|---:|']
+    for device, batch, name, seconds, floor in rows:
+        lines.append(f'| {device} | {batch} | {name} | {seconds * 1e6:.1f} | '
+                     f'{seconds / floor:.2f} |')
+    return '\n'.join(lines)
+
+
+def cpu_rows(batch, calls, repeats):
+    modes, net = d2lperf_modes(batch, d2l.cpu())
+    ws = weights(net)
+    modes = {'NumPy by hand (floor)': numpy_by_hand(ws, batch), **modes, **torch_modes(ws, batch)}
+    results = time_modes(modes, calls, repeats)
+    floor = results['NumPy by hand (floor)']
+    return [('cpu', batch, name, seconds, floor) for name, seconds in results.items()]
+
+
+def gpu_rows(batch, calls, repeats):
+    device = d2l.gpu(0)
+    modes, net = d2lperf_modes(batch, device)
+    ws = weights(net)
+    modes = {'CuPy eager by hand (floor)': cupy_by_hand(ws, batch), **modes,
+             **torch_modes(ws, batch, 'cuda')}
+    results = time_modes(modes, calls, repeats)
+    floor = results['CuPy eager by hand (floor)']
+    return [('gpu', batch, name, seconds, floor) for name, seconds in results.items()]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument('--calls', type=int, default=d2l.workload(1000, 200))
+    parser.add_argument('--repeats', type=int, default=d2l.workload(7, 3))
+    parser.add_argument('--batches', type=int, nargs='+', default=[1, 256])
+    args = parser.parse_args()
+    try:
+        import torch
+        torch_version = torch.__version__
+    except ImportError:
+        torch_version = 'not installed'
+    print(f'# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, '
+          f'NumPy {numpy.__version__}, PyTorch {torch_version}, engine '
+          f'{os.environ.get("D2LPERF_ENGINE", "threaded")}; {args.calls} calls, median of '
+          f'{args.repeats}\n')
+    rows = [row for batch in args.batches for row in cpu_rows(batch, args.calls, args.repeats)]
+    if d2l.num_gpus():
+        rows += [row for batch in args.batches
+                 for row in gpu_rows(batch, args.calls, args.repeats)]
+    print(table(rows))
+
+
+if __name__ == '__main__':
+    main()

@@ -1,0 +1,112 @@
+"""Automatic parallelism, measured side by side in one run: one table.
+
+    python benchmarks/parallel.py            # full sizes
+    D2LPERF_QUICK=1 python benchmarks/parallel.py
+
+Two independent workloads on two devices, each alone and both together (no barrier between
+them): `together / slower alone` is 1.0 when the devices really run side by side, 2.0 when
+they take turns. Then computation on one device whose results are copied to another:
+compute alone, copy alone, both; `both / max` is 1.0 when the copies hide behind the
+computation. Every figure is the best of several interleaved repeats, so that a burst of
+load from another process hurts all rows alike rather than one.
+
+Rows (pairs `cpu(0)` + `cpu(1)` always; `cpu(0)` + `gpu(0)` and `gpu(0)` → `cpu(0)` with a GPU):
+* matmul: 10 products of n × n float32 matrices; BLAS uses every core for one product, so
+  two virtual CPU devices on the same cores can at best take turns. Run twice: with the
+  engine dividing BLAS threads among busy CPU devices (the default) and without.
+* elementwise: 10 `tanh` of a large vector; NumPy runs these on one core, so a second
+  virtual CPU device has a core of its own to use.
+"""
+import os
+import platform
+import time
+
+import d2lperf as d2l
+from d2lperf import engine, np, npx
+
+REPEATS = d2l.workload(7, 5)
+N = d2l.workload(1000, 500)
+GPU_N = 4000
+VECTOR = d2l.workload(4_000_000, 1_000_000)
+
+
+def matmuls(x):
+    return [np.dot(x, x) for _ in range(10)]
+
+
+def elementwise(x):
+    return [np.tanh(x) for _ in range(10)]
+
+
+def copy_all(ys, device):
+    return [y.copyto(device) for y in ys]
+
+
+def best_times(cases, repeats=REPEATS):
+    """{name: best wall time} of each `fn()` (run until done), interleaved over repeats."""
+    for fn in cases.values():               # warm up: workers, BLAS buffers, allocator
+        fn()
+        npx.waitall()
+    best = dict.fromkeys(cases, float('inf'))
+    for _ in range(repeats):
+        for name, fn in cases.items():
+            npx.waitall()
+            start = time.perf_counter()
+            fn()
+            npx.waitall()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best
+
+
+def side_by_side(work, x, y):
+    """Alone on x's device, alone on y's, and both pushed without a barrier between."""
+    best = best_times({'a': lambda: work(x), 'b': lambda: work(y),
+                       'both': lambda: (work(x), work(y))})
+    return best['a'], best['b'], best['both'], best['both'] / max(best['a'], best['b'])
+
+
+def compute_and_copy(x, target):
+    """Compute on x's device, copy the results to `target`: apart and together."""
+    ys = matmuls(x)
+    npx.waitall()
+    best = best_times({'compute': lambda: matmuls(x), 'copy': lambda: copy_all(ys, target),
+                       'both': lambda: copy_all(matmuls(x), target)})
+    return best['compute'], best['copy'], best['both'], best['both'] / max(best['compute'],
+                                                                           best['copy'])
+
+
+def rows():
+    cpu0, cpu1 = d2l.cpu(0), d2l.cpu(1)
+    a = np.random.uniform(size=(N, N), device=cpu0)
+    b = np.random.uniform(size=(N, N), device=cpu1)
+    u = np.random.uniform(size=(VECTOR,), device=cpu0)
+    v = np.random.uniform(size=(VECTOR,), device=cpu1)
+    yield ('two devices', f'matmul {N}², cpu(0) + cpu(1), BLAS threads divided',
+           *side_by_side(matmuls, a, b))
+    old = engine.set_blas_division(False)
+    yield ('two devices', f'matmul {N}², cpu(0) + cpu(1), BLAS threads not divided',
+           *side_by_side(matmuls, a, b))
+    engine.set_blas_division(old)
+    yield ('two devices', f'tanh {VECTOR:,}, cpu(0) + cpu(1)', *side_by_side(elementwise, u, v))
+    yield ('compute + copy', f'matmul {N}² on cpu(0), copy to cpu(1)', *compute_and_copy(a, cpu1))
+    if d2l.num_gpus():
+        g = np.random.uniform(size=(GPU_N, GPU_N), device=d2l.gpu(0))
+        yield ('two devices', f'matmul {N}² on cpu(0) + {GPU_N}² on gpu(0)',
+               *side_by_side(matmuls, a, g))
+        yield ('compute + copy', f'matmul {GPU_N}² on gpu(0), copy to cpu(0)',
+               *compute_and_copy(g, cpu0))
+
+
+def main():
+    print(f'# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, '
+          f'{d2l.num_gpus()} GPUs; best of {REPEATS} interleaved repeats, seconds')
+    print('| experiment | workload | first alone | second alone | together | ratio |')
+    print('|---|---|--:|--:|--:|--:|')
+    for kind, workload, first, second, both, ratio in rows():
+        print(f'| {kind} | {workload} | {first:.4f} | {second:.4f} | {both:.4f} | {ratio:.2f} |')
+    print('\nratio: two devices = together / slower alone; compute + copy = both / max(compute, '
+          'copy) (first alone = compute, second alone = copy)')
+
+
+if __name__ == '__main__':
+    main()

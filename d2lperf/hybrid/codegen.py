@@ -1,0 +1,186 @@
+"""Code generation: the optimized graph becomes Python source calling the array module.
+
+Each step calls NumPy (or CuPy) directly, writing into the buffer the memory plan gave it
+(`out=`), so a call of the compiled program runs no tracer, no graph walk and no per-op
+dispatch: just the calls a person would write by hand. The source is compiled with Python's
+own `compile()`. Every name in it is generated here (`x0`, `p1`, `buf0`, `v7`); values that
+come from a graph (attributes, scalars, constants) enter only as numbers known to be safe or
+as objects bound in the program's namespace, never as text. Taught in "Compilers and
+Interpreters".
+"""
+import itertools
+import linecache
+import math
+
+from ..ops import REGISTRY
+from .graph import ARGUMENT_KINDS
+from .memory import COMPARISONS, VIEW_OPS, writes_into
+from .passes import ELEMENTWISE
+
+UFUNCS = (ELEMENTWISE - {'relu', 'sigmoid'}) | COMPARISONS
+_programs = itertools.count()
+
+
+def is_plain_number(x):
+    return type(x) in (bool, int) or (type(x) is float and math.isfinite(x))
+
+
+def is_plain_attr(x):
+    """Attribute values that can be written as Python literals: numbers, None, tuples, slices."""
+    if x is None or x is Ellipsis or is_plain_number(x):
+        return True
+    if isinstance(x, tuple):
+        return all(map(is_plain_attr, x))
+    if isinstance(x, slice):
+        return all(map(is_plain_attr, (x.start, x.stop, x.step)))
+    return False
+
+
+class Writer:
+    """The state of one generation: lines written so far, names given, objects bound."""
+
+    def __init__(self, xp):
+        self.xp, self.lines, self.names = xp, [], {}
+        self.namespace = {'xp': xp}
+        self.counts = itertools.count()
+        self.kernels = []           # (name, source) of the GPU kernels a fuser made
+
+    def bind(self, value, stem):
+        """Put an object into the program's namespace under a new name, and return the name."""
+        name = f'{stem}{next(self.counts)}'
+        self.namespace[name] = value
+        return name
+
+    def function(self, name):
+        """The array module's function `name` (one of ours: never a name read from a file)."""
+        self.namespace.setdefault(name, getattr(self.xp, name))
+        return name
+
+    def dtype(self, dtype):
+        """A dtype by its NumPy name (`float32`), bound to the dtype object itself."""
+        name = dtype.name
+        if not name.isidentifier() or self.namespace.get(name, dtype) != dtype:
+            return self.bind(dtype, 'dtype')
+        self.namespace[name] = dtype
+        return name
+
+    def literal(self, x):
+        return repr(x) if is_plain_attr(x) else self.bind(x, 'k')
+
+    def expr(self, x):
+        return self.names[x] if x in self.names else self.literal(x)
+
+    def emit(self, line):
+        self.lines.append('    ' + line)
+
+
+def emit_into(w, node, out):
+    """The lines that compute one call node into the existing array named `out`."""
+    a, op, f = [w.expr(x) for x in node.inputs], node.op, w.function
+    if op in UFUNCS:
+        return [f'{f(op)}({", ".join(a)}, out={out})']
+    if op == 'relu':
+        return [f'{f("maximum")}({a[0]}, 0, out={out})']
+    if op == 'sigmoid':                 # 1 / (1 + exp(-a)), one step at a time, in place
+        return [f'{f("negative")}({a[0]}, out={out})', f'{f("exp")}({out}, out={out})',
+                f'{f("add")}({out}, 1, out={out})', f'{f("divide")}(1, {out}, out={out})']
+    if op == 'fully_connected':
+        return [f'{f("matmul")}({a[0]}, {a[1]}.T, out={out})', f'{f("add")}({out}, {a[2]}, out={out})']
+    if op in ('matmul', 'dot'):
+        return [f'{f(op)}({a[0]}, {a[1]}, out={out})']
+    if op == 'concatenate':
+        return [f'{f(op)}(({", ".join(a)},), axis={w.literal(node.attrs.get("axis", 0))}, '
+                f'out={out})']
+    raise AssertionError(f'no out= form for {op}')
+
+
+def emit_call(w, node, name):
+    """`name = op(...)` for an operation that allocates its own result."""
+    compute = REGISTRY[node.op].compute
+    function = w.bind(compute, f'{node.op}_op' if node.op.isidentifier() else 'op')
+    args = [w.expr(x) for x in node.inputs]
+    attrs = [f'{k}={w.literal(v)}' for k, v in node.attrs.items() if k.isidentifier()]
+    w.emit(f'{name} = {function}(xp, {", ".join(args + attrs)})')
+
+
+def emit_node(w, index, node, slot, fused_kernel):
+    if node.kind == 'call' and node.op in VIEW_OPS or not writes_into(node):
+        w.names[node] = f'v{index}'
+        emit_call(w, node, w.names[node])
+        return
+    out = slot.name
+    if slot.kind == 'fresh' and out not in w.names.values():
+        w.emit(f'{out} = {w.function("empty")}({node.shape!r}, {w.dtype(node.dtype)})')
+    lines = fused_kernel(w, node, out) if fused_kernel and node.kind == 'fused' else None
+    if lines is None:
+        lines = []
+        for step in (node.body if node.kind == 'fused' else [node]):
+            lines += emit_into(w, step, out)
+            w.names[step] = out
+    for line in lines:
+        w.emit(line)
+    w.names[node] = out
+
+
+class Program:
+    """Generated source, its namespace (buffers, constants, functions) and the compiled function."""
+
+    def __init__(self, source, namespace, header, kernels=()):
+        self.source, self.namespace, self.header = source, namespace, header
+        self.kernels = list(kernels)
+        filename = f'<d2lperf-hybrid-{next(_programs)}>'
+        linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+        exec(compile(source, filename, 'exec'), namespace)
+        self.fn = namespace['forward']
+
+    def __str__(self):
+        runner = getattr(self, 'runner', None)       # on a GPU: which variant runs, and why
+        status = '' if runner is None else (
+            f'# running: {getattr(runner, "name", "not yet chosen (first call pending)")}\n'
+            + ''.join(f'# note: {note}\n' for note in runner.notes))
+        kernels = ''.join(f'\n# {name}:\n' + ''.join(f'#   {line}\n' for line in
+                                                       source.strip().splitlines())
+                          for name, source in self.kernels)
+        return status + self.header + self.source + kernels
+
+    __repr__ = __str__
+
+
+def generate(graph, plan, xp, fused_kernel=None, copy_outputs=True):
+    """Python source for `graph` under `plan`, calling the array module `xp`.
+
+    `fused_kernel(writer, node, out)` may emit a fused node as one kernel (on a GPU); an
+    output kept in a workspace buffer is copied unless `copy_outputs` is False."""
+    w = Writer(xp)
+    arguments = []
+    for node in graph.arguments:
+        kind = 'x' if node.kind == 'input' else 'p'
+        w.names[node] = f'{kind}{sum(a.startswith(kind) for a in arguments)}'
+        arguments.append(w.names[node])
+    for node in graph.nodes:
+        if node.kind == 'constant':
+            w.names[node] = w.bind(xp.asarray(node.value), 'c')
+    for slot in plan.buffers:
+        w.namespace[slot.name] = xp.empty(slot.shape, slot.dtype)
+    for index, node in enumerate(graph.nodes):
+        if node.kind not in ARGUMENT_KINDS and node.kind != 'constant':
+            emit_node(w, index, node, plan.slots.get(node), fused_kernel)
+    results = [w.names[n] + ('.copy()' if copy_outputs and (
+        n not in plan.slots or plan.slots[n].kind == 'buffer') else '') for n in graph.outputs]
+    w.emit(f'return ({", ".join(results)},)')
+    source = f'def forward({", ".join(arguments)}):\n' + '\n'.join(w.lines) + '\n'
+    return Program(source, w.namespace, describe(graph, arguments, plan), w.kernels)
+
+
+def describe(graph, arguments, plan):
+    """Comment lines for the reader: which argument is which (not part of the compiled code)."""
+    pairs = [f'{a} = {n!r}' for a, n in zip(arguments, graph.arguments)]
+    lines, line = [], '#'
+    for pair in pairs:
+        if len(line) + len(pair) > 88:
+            lines.append(line)
+            line = '#'
+        line += f' {pair}'
+    lines.append(line)
+    lines.append(f'# workspace: {", ".join(f"{b.name} {b.dtype}{list(b.shape)}" for b in plan.buffers) or "none"}')
+    return '\n'.join(lines) + '\n'

@@ -1,0 +1,135 @@
+"""Memory planning: which buffer each value of the program is written into.
+
+The generated code computes into buffers allocated once, when the program is compiled, not
+on every call. A buffer is reused as soon as every value stored in it is dead (its lifetime
+does not overlap the next value's), and an elementwise step writes over its input when that
+input dies at this very step (in place). Outputs get a fresh array on every call: the caller
+keeps them. Values an operation allocates by itself (a sum, say) are "owned"; reshapes are
+views that keep their source's buffer alive. Taught in "Compilers and Interpreters".
+"""
+import math
+
+from .graph import ARGUMENT_KINDS
+from .passes import ANCHORS, ELEMENTWISE
+
+COMPARISONS = frozenset({'greater', 'less', 'equal', 'greater_equal', 'less_equal',
+                         'not_equal'})
+VIEW_OPS = frozenset({'reshape', 'transpose'})      # their result shares the input's memory
+NEVER = math.inf
+
+
+def writes_into(node):
+    """Can the generated code compute this node into a buffer it is given (`out=`)?"""
+    if node.kind == 'fused':
+        return True
+    if node.op == 'dot':
+        return all(1 <= x.ndim <= 2 for x in node.inputs)
+    return node.op in ELEMENTWISE or node.op in ANCHORS or node.op in COMPARISONS or \
+        node.op == 'concatenate'
+
+
+def first_step(node):
+    return node.body[0] if node.kind == 'fused' else node
+
+
+class Slot:
+    """Where one or more values live: a workspace buffer, a fresh output, or an owned array."""
+
+    def __init__(self, kind, name, shape, dtype, free_at):
+        self.kind, self.name, self.shape, self.dtype = kind, name, shape, dtype
+        self.free_at = free_at          # index of the last step that reads it
+
+    @property
+    def nbytes(self):
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+class MemoryPlan:
+    def __init__(self, graph):
+        self.graph = graph
+        self.slots = {}         # node -> Slot it is written into (or, for a view, read from)
+        self.in_place = {}      # node -> the input whose slot it overwrites
+        self.buffers = []       # the workspace: Slots allocated once per compiled program
+
+    def __str__(self):
+        values = [n for n in self.graph.nodes if n in self.slots]
+        size = sum(b.nbytes for b in self.buffers)
+        lines = [f'memory plan: {len(values)} values in {len(self.buffers)} workspace buffers '
+                 f'({size / 1024:.1f} KiB), {len(self.in_place)} written in place']
+        for node in values:
+            slot, note = self.slots[node], ''
+            if node in self.in_place:
+                note = f'  (in place of {self.in_place[node]!r})'
+            elif node.kind == 'call' and node.op in VIEW_OPS:
+                note = '  (a view)'
+            where = {'buffer': slot.name, 'fresh': 'new array per call',
+                     'owned': 'allocated by the op'}[slot.kind]
+            lines.append(f'  {node!r:<22} {node.type:<18} -> {where}{note}')
+        return '\n'.join(lines)
+
+    __repr__ = __str__
+
+
+def last_uses(graph):
+    """For each node, the index of the last step that reads it (outputs: never dead)."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    last = dict(order)
+    for node in graph.nodes:
+        for x in node.input_nodes():
+            last[x] = max(last[x], order[node])
+    for node in graph.outputs:
+        last[node] = NEVER
+    return last
+
+
+def _in_place_source(node, index, plan):
+    """An input of `node` that dies at `node` and has its shape and dtype, or None."""
+    step = first_step(node)
+    if step.op not in ELEMENTWISE:
+        return None
+    later = [x for m in (node.body[1:] if node.kind == 'fused' else ()) for x in m.inputs]
+    for x in step.input_nodes():
+        slot = plan.slots.get(x)
+        if (slot is not None and slot.kind != 'fresh' and slot.free_at <= index
+                and x.shape == node.shape and x.dtype == node.dtype and x not in later
+                and not (x.kind == 'call' and x.op in VIEW_OPS)):
+            return x
+    return None
+
+
+def _free_buffer(plan, node, index):
+    for slot in plan.buffers:
+        if slot.free_at < index and slot.shape == node.shape and slot.dtype == node.dtype:
+            return slot
+    slot = Slot('buffer', f'buf{len(plan.buffers)}', node.shape, node.dtype, -1)
+    plan.buffers.append(slot)
+    return slot
+
+
+def plan_memory(graph, static_outputs=False):
+    """Give every computed value a slot; reuse dead buffers; overwrite dying inputs in place.
+
+    With `static_outputs`, outputs too go into workspace buffers (for CUDA-graph replay)."""
+    plan, last, outputs = MemoryPlan(graph), last_uses(graph), set(graph.outputs)
+    for index, node in enumerate(graph.nodes):
+        if node.kind in ARGUMENT_KINDS or node.kind == 'constant':
+            continue
+        name = f'v{index}'
+        if node.kind == 'call' and node.op in VIEW_OPS:
+            source = plan.slots.get(node.inputs[0])
+            if source is not None:                  # a view keeps its source's slot alive
+                source.free_at = max(source.free_at, last[node])
+                plan.slots[node] = source
+            continue
+        if not writes_into(node):
+            plan.slots[node] = Slot('owned', name, node.shape, node.dtype, last[node])
+        elif node in outputs and not static_outputs:
+            plan.slots[node] = Slot('fresh', name, node.shape, node.dtype, NEVER)
+        elif (source := _in_place_source(node, index, plan)) is not None:
+            plan.in_place[node] = source
+            plan.slots[node] = plan.slots[source]
+            plan.slots[node].free_at = last[node]
+        else:
+            plan.slots[node] = _free_buffer(plan, node, index)
+            plan.slots[node].free_at = last[node]
+    return plan

@@ -1,0 +1,166 @@
+"""Running compiled programs: one engine push per call, a cache per input signature.
+
+`CompiledFunction` is what `hybridize()` puts in front of a block's `forward`: on a call it
+looks up the program compiled for these input shapes, dtypes and device (tracing and
+compiling on a miss), and pushes the whole program to the engine as ONE operation that reads
+the inputs and parameters and writes the outputs. Python's per-op cost is paid once per call,
+not once per layer. Under `autograd.record()` the program records one tape node whose
+backward runs the graph's own gradient rules. Taught in "Compilers and Interpreters".
+"""
+from .. import engine
+from ..ndarray import TAPE, NDArray
+from ..ops import Op
+from .codegen import generate
+from .graph import Node, evaluate, gradients
+from .memory import plan_memory
+from .passes import fuse_elementwise, simplify
+from .trace import trace
+
+
+def build_program(graph, plan, device):
+    """Generated code for `device`: NumPy source on a CPU, fused CuPy kernels on a GPU."""
+    if device.kind == 'gpu':
+        from . import gpu                   # CuPy is imported only when a GPU is used
+        return gpu.build_program(graph, plan, device)
+    return generate(graph, plan, device.xp)
+
+
+def fetch_each_time(params, device):
+    """The simplest way to read parameters: ask each one for its array on every call."""
+    return lambda: tuple(p.data(device) for p in params)
+
+
+class Executable:
+    """One compiled forward: the graph at every stage, the memory plan and the program.
+
+    `param_arrays()` returns the parameters' current arrays, in the graph's order."""
+
+    def __init__(self, traced, device, param_arrays, recording, name='hybrid_forward'):
+        self.traced, self.device, self.name = traced, device, name
+        self.param_arrays, self.recording = param_arrays, recording
+        self.simplified = simplify(traced)      # one op per node: export and autograd use it
+        self.graph = fuse_elementwise(self.simplified)
+        if not recording:
+            self.plan = plan_memory(self.graph)
+            self.program = build_program(self.graph, self.plan, device)
+            self.runner = getattr(self.program, 'runner', self.program.fn)
+        self.workspace = engine.Var()           # orders the calls that share its buffers
+        self.output_types = [(n.shape, n.dtype) for n in self.simplified.outputs]
+        self._params, self._param_vars = None, []
+        single = len(self.output_types) == 1 and not traced.returns_tuple
+        self.run = self.run_recorded if recording else self.run_one if single else self.run_many
+
+    def params(self):
+        """The parameters' arrays; their engine variables re-read when they are new arrays."""
+        params = self.param_arrays()
+        if params is not self._params:
+            self._params, self._param_vars = params, [p.var for p in params]
+        return params
+
+    def pack(self, outputs):
+        return tuple(outputs) if self.traced.returns_tuple else outputs[0]
+
+    def run_one(self, args):
+        """The hot path: one output array, one engine push for the whole program."""
+        arrays, run_program = args + self.params(), self.runner
+        out = NDArray(self.output_types[0][0], self.output_types[0][1], self.device)
+
+        def run():
+            out._data = run_program(*[a._data for a in arrays])[0]
+        engine.push(run, [a.var for a in args] + self._param_vars, [out.var, self.workspace],
+                    self.device, self.name)
+        return out
+
+    def run_many(self, args):
+        arrays, run_program = args + self.params(), self.runner
+        outs = [NDArray(s, d, self.device) for s, d in self.output_types]
+
+        def run():
+            for out, value in zip(outs, run_program(*[a._data for a in arrays])):
+                out._data = value
+        engine.push(run, [a.var for a in arrays], [o.var for o in outs] + [self.workspace],
+                    self.device, self.name)
+        return self.pack(outs)
+
+    def run_recorded(self, args):
+        """Forward through the reference interpreter, keeping every value for backward."""
+        arrays = args + self.params()
+        graph, xp, saved = self.simplified, self.device.xp, {}
+        outs = [NDArray(s, d, self.device) for s, d in self.output_types]
+
+        def run():
+            results, saved['values'] = evaluate(graph, xp, [a._data for a in arrays], keep=True)
+            for out, value in zip(outs, results):
+                out._data = value
+        engine.push(run, [a.var for a in arrays], [o.var for o in outs], self.device,
+                    f'{self.name}_recorded')
+        for index, out in enumerate(outs):
+            op = Op(self.name, None, None, self._backward(saved, index))
+            out._node = (op, tuple(arrays), {})
+        return self.pack(outs)
+
+    def _backward(self, saved, index):
+        graph = self.simplified
+
+        def vjp(xp, g, out, *inputs):
+            grads = gradients(graph, xp, saved['values'], graph.outputs[index], g)
+            return [xp.zeros_like(x) if grad is None else grad for grad, x in zip(grads, inputs)]
+        return vjp
+
+
+def apply_graph(graph, values, apply):
+    """Run `graph` one `apply(op, ...)` at a time: values for its arguments and constants in."""
+    for node in graph.nodes:
+        if node.kind == 'call':
+            values[node] = apply(node.op, *[values[x] if isinstance(x, Node) else x
+                                            for x in node.inputs], **node.attrs)
+    results = [values[n] for n in graph.outputs]
+    return tuple(results) if graph.returns_tuple else results[0]
+
+
+def _signature(args):
+    if len(args) == 1:
+        x = args[0]
+        return x.shape, x.dtype, x.device, TAPE.recording
+    return tuple((a.shape, a.dtype) for a in args), args[0].device, TAPE.recording
+
+
+class CompiledFunction:
+    """`forward`, traced and compiled once per input signature, then run from the cache.
+
+    `params()` returns the block's parameters by name (objects with `.data(device)`);
+    `param_arrays(params, device)` makes the function each call uses to read their arrays."""
+
+    def __init__(self, forward, params, name='hybrid_forward', param_arrays=fetch_each_time):
+        self.forward, self.params, self.name = forward, params, name
+        self.make_param_arrays = param_arrays
+        self.cache, self.last = {}, None
+
+    def __call__(self, args):
+        if len(args) == 1:
+            x = args[0]
+            key = (x.shape, x.dtype, x.device, TAPE.recording)
+        else:
+            key = _signature(args)
+        executable = self.cache.get(key)
+        if executable is None:
+            executable = self.cache[key] = self.compile(args)
+        self.last = executable
+        return executable.run(args)
+
+    def compile(self, args):
+        names = ['data'] if len(args) == 1 else [f'data{i}' for i in range(len(args))]
+        graph = trace(self.forward, args, names, self.param_name)
+        params, device = self.params(), args[0].device
+        param_arrays = self.make_param_arrays([params[n.name] for n in graph.params], device)
+        return Executable(graph, device, param_arrays, TAPE.recording, self.name)
+
+    def param_name(self, array):
+        """The name of the parameter whose value on `array`'s device is `array`, or None."""
+        for name, param in self.params().items():
+            try:
+                if param.data(array.device) is array:
+                    return name
+            except (RuntimeError, ValueError):     # not initialized yet, or not on that device
+                continue
+        return None

@@ -1,0 +1,168 @@
+"""The engine's running policy: which thread runs a ready operation, and how.
+
+The dependency tracker (`engine.py`) decides *when* an operation may run; this module decides
+*where*. Every device has one worker thread per *lane*, as in MXNet's per-device engine: a
+compute lane, and lanes that move data, so that a copy overlaps with computation that does
+not depend on it. On a GPU each lane owns a CUDA stream (compute; host to device; device to
+host), so the copy engines of the GPU work while its cores compute. Virtual CPU devices share
+the machine's cores: `SharedCores` divides the BLAS threads among the busy ones. Taught in
+"Automatic Parallelism".
+"""
+import collections
+import os
+import queue
+import threading
+
+COMPUTE, COPY_IN, COPY_OUT = 'compute', 'copy in', 'copy out'
+
+
+def copy_lane(source, target):
+    """The (device, lane) that runs a copy: a GPU's copy stream if one side is a GPU.
+
+    Data leaving a GPU goes on its copy-out stream; data entering a GPU from the host on its
+    copy-in stream; between GPUs on the source's copy-out stream (it waits for the source's
+    kernels); between CPU devices on the target's copy-in thread.
+    """
+    if source.kind == 'gpu':
+        return source, COPY_OUT
+    return target, COPY_IN
+
+
+class Worker:
+    """One thread for one lane of one device, running its ready operations in arrival order."""
+
+    def __init__(self, engine, device, lane, cores):
+        self.device, self.lane, self.name = device, lane, f'{device} {lane}'
+        self.ready = queue.SimpleQueue()
+        self.stream = None
+        self.launched = collections.deque()   # GPU: (event, op), kept alive until the event
+        self.cores = cores if device.kind == 'cpu' and lane == COMPUTE else None
+        started = threading.Event()
+        self.thread = threading.Thread(target=self._loop, args=(engine, started),
+                                       name=f'd2lperf-{self.name}', daemon=True)
+        self.thread.start()
+        started.wait()
+
+    def _loop(self, engine, started):
+        if self.device.kind == 'gpu':
+            self.stream = _use_gpu_stream(self.device)
+        started.set()
+        get, run, cores = self.ready.get, engine._run, self.cores
+        while True:
+            op = get()
+            if cores is None or not cores.active:
+                run(op, self)
+            else:
+                self._run_while_busy(op, run, cores)
+
+    def _run_while_busy(self, op, run, cores):
+        """Count this device as busy from its first ready operation until its queue is empty."""
+        cores.enter()
+        try:
+            run(op, self)
+            while not self.ready.empty():
+                run(self.ready.get(), self)
+        finally:
+            cores.leave()
+
+    def run_on_stream(self, op):
+        """Launch `op` on this lane's stream: after the kernels that wrote what it reads.
+
+        A copy lane waits for its copy to finish, so the engine completes a copy only once
+        the data has moved: later writers of its source (on any stream) cannot overtake it.
+        A compute lane returns at once; the op (and so the arrays its closure holds) is
+        kept until its kernels are done, so memory is never recycled under a running kernel.
+        """
+        stream = self.stream
+        for var in op.reads:
+            if var.event is not None:
+                stream.wait_event(var.event)
+        record = op.record
+        begin = stream.record() if record is not None else None
+        op.fn()
+        end = stream.record()
+        if record is not None:
+            record.events = (begin, end)
+        if self.lane != COMPUTE:
+            end.synchronize()
+            end = None
+        else:
+            self._keep_until_done(end, op)
+        for var in op.writes:
+            var.event = end
+
+    def _keep_until_done(self, event, op):
+        launched = self.launched
+        while launched and launched[0][0].done:
+            launched.popleft()
+        launched.append((event, op))
+
+    def synchronize(self):
+        """Wait for this lane's stream (if any) to finish everything launched on it."""
+        if self.stream is not None:
+            self.stream.synchronize()
+            self.launched.clear()
+
+
+def _use_gpu_stream(device):
+    """Make `device` current on this thread and give the thread a stream of its own."""
+    cupy = device.xp
+    cupy.cuda.Device(device.index).use()
+    stream = cupy.cuda.Stream(non_blocking=True)
+    stream.use()
+    return stream
+
+
+class SharedCores:
+    """Divide the BLAS threads of the process among the CPU devices busy at the same time.
+
+    Virtual CPU devices are threads on the same cores, and OpenBLAS's thread count is one
+    setting for the whole process. While one CPU device computes, it keeps the count in force
+    (all cores by default). While k > 1 of them compute, the count drops to cores // k, so k
+    devices on k cores run k single-threaded products side by side rather than k × cores
+    threads competing for k cores; when at most one is busy again, the count comes back.
+    """
+
+    def __init__(self, cores=None):
+        self.cores = cores or len(os.sched_getaffinity(0))
+        self.enabled = True
+        self.active = False          # switched on once two CPU devices have workers
+        self.busy = 0
+        self.saved = None            # the thread count in force before dividing
+        self.current = None          # the count this object last set
+        self.lock = threading.Lock()
+        self._blas = None
+
+    def enter(self):
+        with self.lock:
+            self.busy += 1
+            self._apply()
+
+    def leave(self):
+        with self.lock:
+            self.busy -= 1
+            self._apply()
+
+    def _apply(self):
+        if self.busy > 1:
+            if self.saved is None:
+                self.saved = self._get()
+            self._set(max(1, min(self.saved, self.cores // self.busy)))
+        elif self.saved is not None:
+            self._set(self.saved)
+            self.saved = self.current = None
+
+    def _controllers(self):
+        if self._blas is None:
+            import threadpoolctl
+            self._blas = threadpoolctl.ThreadpoolController().select(user_api='blas')
+        return self._blas.lib_controllers
+
+    def _get(self):
+        return max([lib.get_num_threads() or 1 for lib in self._controllers()], default=1)
+
+    def _set(self, threads):
+        if threads != self.current:
+            for lib in self._controllers():
+                lib.set_num_threads(threads)
+            self.current = threads

@@ -1,0 +1,73 @@
+"""Fixtures shared by the unit tests of d2lperf's core.
+
+Tests of the engine leave it as they found it: the threaded engine, no bound on operations
+in flight, no error waiting to surface at the next `wait_all`. `engine_kind` runs a test once
+under each engine.
+"""
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+
+from d2lperf import engine
+
+
+def drain_engine():
+    """Finish every pushed operation and drop errors nobody waited for."""
+    try:
+        engine.wait_all()
+    except engine.OperationError:
+        pass
+
+
+@pytest.fixture
+def fresh_engine():
+    """Run a test on a settled threaded engine and leave one behind."""
+    drain_engine()
+    yield
+    drain_engine()
+    engine.set_max_in_flight(None)
+    if not isinstance(engine.current(), engine.ThreadedEngine):
+        engine.use('threaded')
+
+
+@pytest.fixture(params=['threaded', 'naive'])
+def engine_kind(request, fresh_engine):
+    """Run the test under the threaded engine and under the naive one."""
+    engine.use(request.param)
+    yield request.param
+    drain_engine()
+    engine.use('threaded')
+
+
+def run_with_timeout(fn, seconds):
+    """Call `fn` on a thread; fail (rather than hang the suite) if it is not done in time."""
+    outcome = {}
+
+    def target():
+        try:
+            outcome['value'] = fn()
+        except BaseException as error:        # noqa: BLE001 - handed back to the test
+            outcome['error'] = error
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        pytest.fail(f'still running after {seconds} s: a deadlock in the engine?')
+    if 'error' in outcome:
+        raise outcome['error']
+    return outcome.get('value')
+
+
+def run_in_subprocess(code, seconds=30):
+    """Run `code` in a fresh interpreter: for programs that may deadlock the engine, which
+    would otherwise leave this process's engine stuck for every later test."""
+    try:
+        done = subprocess.run([sys.executable, '-c', textwrap.dedent(code)], timeout=seconds,
+                              capture_output=True, text=True)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f'the program did not finish in {seconds} s (deadlock):\n{code}')
+    assert done.returncode == 0, done.stderr
+    return done.stdout

@@ -1,0 +1,278 @@
+"""Tests of d2lperf.hardware and d2lperf.hardware_gpu at tiny sizes.
+
+They check values, never speed: every figure is positive, finite and carries its unit in
+its column name; the pointer chase is one dependent cycle over every node; FLOP and byte
+counts agree with a hand computation.
+"""
+import ctypes
+import math
+import os
+import sys
+import types
+
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+from d2lperf import hardware, hardware_gpu
+
+UNIT_WORDS = {'bytes', 'seconds', 'ns', 'us', 'gb', 'mb', 'gflop', 'tflop', 'flop', 'mhz',
+              'bits', 'error'}
+COUNTS = {'n', 'nodes', 'steps', 'reads', 'flops', 'launches', 'processes'}
+
+
+def names_a_unit(column):
+    return column in COUNTS or bool(UNIT_WORDS & set(column.split('_')))
+
+
+def assert_rows_have_units(rows, expected_rows=None):
+    """Every numeric cell is positive and finite, and its column names its unit."""
+    assert rows, 'a measurement returned an empty table'
+    if expected_rows is not None:
+        assert len(rows) == expected_rows
+    for row in rows:
+        assert list(row) == list(rows[0])
+        for key, value in row.items():
+            if isinstance(value, (int, float, np.integer, np.floating)):
+                assert names_a_unit(key), key
+                assert math.isfinite(value) and value > 0, (key, value)
+
+
+def test_system_summary_reports_cpu_memory_and_caches():
+    summary = hardware.system_summary()
+    assert summary['logical_cpus'] >= 1 and summary['memory_bytes'] > 0
+    assert isinstance(summary['cpu_model'], str) and summary['cpu_model']
+    assert all(isinstance(size, int) and size > 0 for size in summary['caches_bytes'].values())
+    assert isinstance(summary['gpus'], list)
+
+
+def test_median_seconds_warms_up_then_times_batches():
+    calls = []
+    seconds = hardware.median_seconds(lambda: calls.append(1), repeats=3, min_seconds=1e-4)
+    assert 0 < seconds < 1e-3
+    assert len(calls) > 3   # a warm-up call, then batches of many calls
+
+
+@pytest.mark.parametrize('n', [1, 100, hardware.TRIAD_BLOCK + 5])
+def test_stream_kernels_compute_copy_and_triad(n):
+    for name, expected in (('copy', 1.0), ('triad', 1.0 + 3.0 * 2.0)):
+        run, out = hardware.stream_kernel(name, n)
+        run()
+        np.testing.assert_array_equal(out, np.full(n, expected))
+
+
+def test_memory_bandwidth_counts_stream_bytes():
+    rows = hardware.memory_bandwidth([2 ** 16], repeats=2)
+    assert_rows_have_units(rows, expected_rows=2)
+    copy, triad = rows
+    assert copy['bytes_counted'] == 16 * (2 ** 16 // 16)   # read b, write a: 8 + 8 bytes
+    assert triad['bytes_counted'] == 24 * (2 ** 16 // 24)  # read b and c, write a
+
+
+def test_chase_cycle_visits_every_node_once():
+    nodes = hardware.chase_cycle(1000, seed=3)
+    start, seen, node = nodes[0], [], nodes[0]
+    for _ in range(len(nodes)):
+        seen.append(id(node))
+        node = hardware.walk(node, 1)
+    assert node is start                            # one cycle of length n ...
+    assert sorted(seen) == sorted(map(id, nodes))   # ... through every node
+    assert hardware.walk(start, len(nodes)) is start
+    hardware.unlink(nodes)
+    assert all(node.next is None for node in nodes)
+
+
+class RecordingNode:
+    """A node whose `next` logs which object it was read from."""
+
+    def __init__(self, log):
+        self.log, self.successor = log, None
+
+    @property
+    def next(self):
+        self.log.append(self)
+        return self.successor
+
+
+@pytest.mark.parametrize('steps', [1, hardware.HOP, 2 * hardware.HOP + 7])
+def test_walk_reads_each_address_from_the_previous_load(steps):
+    log = []
+    nodes = [RecordingNode(log) for _ in range(50)]
+    for node, successor in zip(nodes, nodes[1:] + nodes[:1]):
+        node.successor = successor
+    end = hardware.walk(nodes[0], steps)
+    # the k-th read is made on the object the (k-1)-th read returned, and on nothing else
+    assert log == [nodes[k % 50] for k in range(steps)]
+    assert end is nodes[steps % 50]
+
+
+def test_pointer_chase_rows():
+    rows = hardware.pointer_chase([2 ** 12, 2 ** 16], steps=2048, repeats=2)
+    assert_rows_have_units(rows, expected_rows=2)
+    stride = hardware.bytes_per_node(hardware.chase_cycle(64))
+    assert stride >= sys.getsizeof(hardware.ChaseNode())
+    for row, size in zip(rows, [2 ** 12, 2 ** 16]):
+        assert size - stride < row['working_set_bytes'] <= size
+
+
+def test_read_orders_read_the_same_data():
+    orders = hardware.read_orders(64)
+    np.testing.assert_array_equal(orders['sequential'], np.arange(64))
+    np.testing.assert_array_equal(np.sort(orders['random']), np.arange(64))   # a permutation
+
+
+def test_read_patterns_rows():
+    rows = hardware.read_patterns([2 ** 16], repeats=2)
+    assert_rows_have_units(rows, expected_rows=2)
+    assert [row['reads'] for row in rows] == [2 ** 13, 2 ** 13]
+
+
+@pytest.mark.parametrize('n, flops', [(1, 1), (2, 12), (3, 45)])
+def test_matmul_flop_count_by_hand(n, flops):
+    # each of the n^2 entries is n products and n - 1 additions
+    assert hardware.matmul_flops_count(n) == flops
+
+
+def test_kernel_counts_by_hand():
+    assert hardware.kernel_counts('vector add', 4) == (4, 3 * 4 * 8)
+    assert hardware.kernel_counts('triad', 4) == (8, 3 * 4 * 8)
+    assert hardware.kernel_counts('dot', 4) == (7, 2 * 4 * 8)
+    assert hardware.kernel_counts('matvec', 4) == (4 * 7, (16 + 4 + 4) * 8)
+    assert hardware.kernel_counts('matmul', 4) == (16 * 7, 3 * 16 * 8)
+    assert hardware.kernel_counts('matmul', 4, itemsize=4) == (16 * 7, 3 * 16 * 4)
+
+
+@given(st.integers(1, 10 ** 6))
+def test_matmul_intensity_grows_with_size(n):
+    flops, moved = hardware.kernel_counts('matmul', n)
+    assert flops / moved == pytest.approx((2 * n - 1) / 24)
+
+
+def test_three_matmuls_agree():
+    a, b = np.random.default_rng(0).random((2, 5, 5))
+    np.testing.assert_allclose(hardware.matmul_python(a.tolist(), b.tolist()), a @ b)
+    np.testing.assert_allclose(hardware.matmul_broadcast(a, b), a @ b)
+
+
+def test_vectorization_rows():
+    rows = hardware.vectorization(n=8, repeats=2)
+    assert_rows_have_units(rows, expected_rows=3)
+    assert {row['flops'] for row in rows} == {hardware.matmul_flops_count(8)}
+
+
+def test_matmul_flops_rows():
+    rows = hardware.matmul_flops([16, 32], dtypes=('float32', 'float64'), repeats=2)
+    assert_rows_have_units(rows, expected_rows=4)
+
+
+def test_roofline_kernels_rows():
+    sizes = {'vector add': 1000, 'triad': 1000, 'dot': 1000, 'matvec': 30, 'matmul': 30}
+    rows = hardware.roofline_kernels(sizes, repeats=2)
+    assert_rows_have_units(rows, expected_rows=5)
+    for row in rows:
+        assert (row['flops'], row['bytes']) == hardware.kernel_counts(row['kernel'], row['n'])
+
+
+def test_roofline_bound_and_prediction():
+    np.testing.assert_allclose(hardware.roofline_bound([0.1, 1, 100], 50.0, 20.0),
+                               [2.0, 20.0, 50.0])
+    # 1 GFLOP at 50 GFLOP/s beats 1 GB at 20 GB/s: memory decides, 50 ms
+    assert hardware.predict_seconds(1e9, 1e9, 50.0, 20.0) == pytest.approx(0.05)
+    assert hardware.predict_seconds(1e11, 1e9, 50.0, 20.0) == pytest.approx(2.0)
+
+
+def test_false_sharing_rows():
+    rows = hardware.false_sharing(increments=20000)
+    assert_rows_have_units(rows, expected_rows=3)
+    assert [row['processes'] for row in rows] == [1, 2, 2]
+
+
+def test_storage_reads_rows(tmp_path):
+    rows = hardware.storage_reads(file_bytes=2 ** 22, random_reads=50, directory=tmp_path,
+                                  repeats=2)
+    assert_rows_have_units(rows, expected_rows=2)
+    assert rows[0]['reads'] == 4 and rows[1]['reads'] == 50
+    assert all(row['page_cache'] for row in rows)
+    assert os.listdir(tmp_path) == []   # the temporary file is gone
+
+
+def test_loopback_messages_and_fit():
+    rows = hardware.loopback_messages([1, 2 ** 12, 2 ** 16], repeats=3)
+    assert_rows_have_units(rows, expected_rows=3)
+    fit = hardware.latency_and_bandwidth(rows)
+    assert fit['latency_seconds'] > 0
+
+
+def test_print_table(capsys):
+    hardware.print_table([{'name': 'a', 'value_ns': 1.5}, {'name': 'bb', 'value_ns': 20.0}])
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3 and 'value_ns' in lines[0]
+    hardware.print_table([])
+    assert 'empty' in capsys.readouterr().out
+
+
+class HostArray(np.ndarray):
+    """A NumPy array that exposes `.data.ptr` like a CuPy array."""
+
+    @property
+    def data(self):
+        return types.SimpleNamespace(ptr=self.ctypes.data)
+
+
+def column_major(pointer, rows, columns, leading):
+    """A float32 matrix stored column by column at `pointer` (what cuBLAS reads)."""
+    flat = np.ctypeslib.as_array((ctypes.c_float * (leading * columns)).from_address(pointer))
+    return flat.reshape(columns, leading).T[:rows]
+
+
+def fake_cupy():
+    """Just enough of CuPy for `hardware_gpu.gemm`, with cuBLAS's column-major semantics."""
+    modes = {'pointer': 5}
+
+    def gemm_ex(handle, transa, transb, m, n, k, alpha, a, a_type, lda, b, b_type, ldb,
+                beta, c, c_type, ldc, compute_type, algo):
+        assert (transa, transb, modes['pointer']) == (0, 0, hardware_gpu.CUBLAS_POINTER_MODE_HOST)
+        scale, shift = ctypes.c_float.from_address(alpha).value, ctypes.c_float.from_address(beta).value
+        out = column_major(c, m, n, ldc)
+        out[...] = scale * column_major(a, m, k, lda) @ column_major(b, k, n, ldb) + shift * out
+
+    cublas = types.SimpleNamespace(gemmEx=gemm_ex, getPointerMode=lambda h: modes['pointer'],
+                                   setPointerMode=lambda h, m: modes.update(pointer=m))
+    device = types.SimpleNamespace(get_cublas_handle=lambda: 1)
+    return types.SimpleNamespace(cuda=types.SimpleNamespace(cublas=cublas, device=device)), modes
+
+
+def test_gemm_passes_row_major_operands_in_cublas_order():
+    cp, modes = fake_cupy()
+    rng = np.random.default_rng(0)
+    a, b = (rng.random((5, 5), dtype=np.float32).view(HostArray) for _ in range(2))
+    c = np.zeros((5, 5), np.float32).view(HostArray)
+    hardware_gpu.gemm(cp, a, b, c, hardware_gpu.CUDA_R_32F, hardware_gpu.CUBLAS_COMPUTE_32F)
+    np.testing.assert_allclose(c, np.asarray(a) @ np.asarray(b), rtol=1e-5)
+    assert modes['pointer'] == 5   # the handle's pointer mode is restored
+
+
+NO_GPU = hardware_gpu.cupy_or_none() is None
+GPU_MEASUREMENTS = [hardware_gpu.gpu_memory_bandwidth, hardware_gpu.host_device_copies,
+                    hardware_gpu.kernel_launch_latency, hardware_gpu.gpu_matmul_flops]
+
+
+@pytest.mark.skipif(not NO_GPU, reason='a GPU is present')
+@pytest.mark.parametrize('measure', GPU_MEASUREMENTS)
+def test_gpu_measurements_without_gpu_return_empty_tables(measure, capsys):
+    assert measure() == []
+    assert 'No GPU found' in capsys.readouterr().out
+    assert hardware_gpu.gpu_summary() == []
+
+
+@pytest.mark.skipif(NO_GPU, reason='needs a GPU')
+def test_gpu_measurements_with_gpu():
+    assert all(gpu['multiprocessors'] > 0 for gpu in hardware_gpu.gpu_summary())
+    assert_rows_have_units(hardware_gpu.gpu_memory_bandwidth([2 ** 22], repeats=2))
+    assert_rows_have_units(hardware_gpu.host_device_copies([2 ** 16], repeats=2))
+    assert_rows_have_units(hardware_gpu.kernel_launch_latency(launches=50))
+    rows = hardware_gpu.gpu_matmul_flops(n=256, repeats=2)
+    assert_rows_have_units(rows)
+    tolerance = {'float32': 1e-5, 'tf32': 5e-3, 'float16': 5e-3, 'bfloat16': 3e-2}
+    for row in rows:
+        assert row['max_relative_error'] < tolerance[row['mode']]
