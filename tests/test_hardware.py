@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-from d2lperf import hardware, hardware_gpu
+from d2lperf import hardware, hardware_gpu, hardware_io
 
 UNIT_WORDS = {'bytes', 'seconds', 'ns', 'us', 'gb', 'mb', 'gflop', 'tflop', 'flop', 'mhz',
               'bits', 'error'}
@@ -182,13 +182,13 @@ def test_roofline_bound_and_prediction():
 
 
 def test_false_sharing_rows():
-    rows = hardware.false_sharing(increments=20000)
+    rows = hardware_io.false_sharing(increments=20000)
     assert_rows_have_units(rows, expected_rows=3)
     assert [row['processes'] for row in rows] == [1, 2, 2]
 
 
 def test_storage_reads_rows(tmp_path):
-    rows = hardware.storage_reads(file_bytes=2 ** 22, random_reads=50, directory=tmp_path,
+    rows = hardware_io.storage_reads(file_bytes=2 ** 22, random_reads=50, directory=tmp_path,
                                   repeats=2)
     assert_rows_have_units(rows, expected_rows=2)
     assert rows[0]['reads'] == 4 and rows[1]['reads'] == 50
@@ -197,9 +197,9 @@ def test_storage_reads_rows(tmp_path):
 
 
 def test_loopback_messages_and_fit():
-    rows = hardware.loopback_messages([1, 2 ** 12, 2 ** 16], repeats=3)
+    rows = hardware_io.loopback_messages([1, 2 ** 12, 2 ** 16], repeats=3)
     assert_rows_have_units(rows, expected_rows=3)
-    fit = hardware.latency_and_bandwidth(rows)
+    fit = hardware_io.latency_and_bandwidth(rows)
     assert fit['latency_seconds'] > 0
 
 
