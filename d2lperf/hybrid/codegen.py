@@ -12,6 +12,7 @@ import itertools
 import linecache
 import math
 
+from ..ndarray import as_array
 from ..ops import REGISTRY
 from .graph import ARGUMENT_KINDS
 from .memory import COMPARISONS, VIEW_OPS, writes_into
@@ -100,7 +101,8 @@ def emit_call(w, node, name):
     function = w.bind(compute, f'{node.op}_op' if node.op.isidentifier() else 'op')
     args = [w.expr(x) for x in node.inputs]
     attrs = [f'{k}={w.literal(v)}' for k, v in node.attrs.items() if k.isidentifier()]
-    w.emit(f'{name} = {function}(xp, {", ".join(args + attrs)})')
+    w.namespace['as_array'] = as_array         # NumPy returns 0-d results as scalars
+    w.emit(f'{name} = as_array(xp, {function}(xp, {", ".join(args + attrs)}))')
 
 
 def emit_node(w, index, node, slot, fused_kernel):

@@ -9,6 +9,7 @@ every pass and the code generator are tested against.
 """
 import numpy
 
+from ..ndarray import as_array
 from ..ops import REGISTRY
 
 ARGUMENT_KINDS = ('input', 'param')
@@ -150,7 +151,7 @@ def run_node(xp, node, values):
         for member in node.body:
             values[member] = run_node(xp, member, values)
         return values[node.body[-1]]
-    return REGISTRY[node.op].compute(xp, *map(read, node.inputs), **node.attrs)
+    return as_array(xp, REGISTRY[node.op].compute(xp, *map(read, node.inputs), **node.attrs))
 
 
 def evaluate(graph, xp, arguments, keep=False):
