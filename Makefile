@@ -31,6 +31,7 @@ sync: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/engine.py
+	$(BIN)/python benchmarks/hybridize.py
 
 clean:
 	rm -rf _build

@@ -7,9 +7,11 @@ CUDA-graph replay against eager CuPy and PyTorch eager on the same GPU.
 
     python benchmarks/hybridize.py [--calls 1000] [--repeats 7] [--batches 1 256]
 
-Every mode is timed `repeats` times, round-robin, and the median is reported.
+Every mode is timed `repeats` times, round-robin, and the median is reported; PyTorch runs
+after the others (see `main_rows`).
 """
 import argparse
+import gc
 import os
 import platform
 import statistics
@@ -70,6 +72,8 @@ def torch_modes(ws, batch, device='cpu'):
         import torch
     except ImportError:
         return {}
+    if device == 'cuda' and not torch.cuda.is_available():
+        return {}
     model = torch.nn.Sequential(torch.nn.Linear(FEATURES, 256), torch.nn.ReLU(),
                                 torch.nn.Linear(256, 128), torch.nn.ReLU(), torch.nn.Linear(128, 2))
     with torch.no_grad():
@@ -113,11 +117,16 @@ def cupy_by_hand(ws, batch):
 
 
 def time_modes(modes, calls, repeats):
-    """Median seconds per call of each mode, timed round-robin so that drift hits all alike."""
+    """Median seconds per call of each mode, timed round-robin so that drift hits all alike.
+
+    The heap is frozen first: PyTorch's import leaves a million objects that every full
+    garbage collection would walk again, a cost that belongs to neither side."""
     for fn, sync in modes.values():                       # warm up
         for _ in range(max(10, calls // 10)):
             fn()
         sync()
+    gc.collect()
+    gc.freeze()
     times = {name: [] for name in modes}
     for _ in range(repeats):
         for name, (fn, sync) in modes.items():
@@ -137,24 +146,32 @@ def table(rows):
     return '\n'.join(lines)
 
 
-def cpu_rows(batch, calls, repeats):
-    modes, net = d2lperf_modes(batch, d2l.cpu())
-    ws = weights(net)
-    modes = {'NumPy by hand (floor)': numpy_by_hand(ws, batch), **modes, **torch_modes(ws, batch)}
+def rows_for(device_name, floor_name, modes, batch, calls, repeats, floors):
     results = time_modes(modes, calls, repeats)
-    floor = results['NumPy by hand (floor)']
-    return [('cpu', batch, name, seconds, floor) for name, seconds in results.items()]
+    floors.update({(device_name, batch): results[floor_name]} if floor_name in results else {})
+    floor = floors[(device_name, batch)]
+    return [(device_name, batch, name, seconds, floor) for name, seconds in results.items()]
 
 
-def gpu_rows(batch, calls, repeats):
-    device = d2l.gpu(0)
-    modes, net = d2lperf_modes(batch, device)
-    ws = weights(net)
-    modes = {'CuPy eager by hand (floor)': cupy_by_hand(ws, batch), **modes,
-             **torch_modes(ws, batch, 'cuda')}
-    results = time_modes(modes, calls, repeats)
-    floor = results['CuPy eager by hand (floor)']
-    return [('gpu', batch, name, seconds, floor) for name, seconds in results.items()]
+def main_rows(batches, calls, repeats):
+    """d2lperf and the floor first, PyTorch after: its OpenMP threads keep spinning on the
+    cores for a while after each call, which would slow down whatever runs next."""
+    rows, floors, weights_of = [], {}, {}
+    devices = [('cpu', d2l.cpu(), 'NumPy by hand (floor)', numpy_by_hand)]
+    if d2l.num_gpus():
+        devices.append(('gpu', d2l.gpu(0), 'CuPy eager by hand (floor)', cupy_by_hand))
+    for name, device, floor_name, by_hand in devices:
+        for batch in batches:
+            modes, net = d2lperf_modes(batch, device)
+            weights_of[name, batch] = ws = weights(net)
+            modes = {floor_name: by_hand(ws, batch), **modes}
+            rows += rows_for(name, floor_name, modes, batch, calls, repeats, floors)
+    for name, device, floor_name, _ in devices:
+        for batch in batches:
+            modes = torch_modes(weights_of[name, batch], batch, 'cuda' if name == 'gpu' else 'cpu')
+            if modes:
+                rows += rows_for(name, floor_name, modes, batch, calls, repeats, floors)
+    return sorted(rows, key=lambda row: (row[0], row[1]))     # stable: keeps the mode order
 
 
 def main():
@@ -172,11 +189,7 @@ def main():
           f'NumPy {numpy.__version__}, PyTorch {torch_version}, engine '
           f'{os.environ.get("D2LPERF_ENGINE", "threaded")}; {args.calls} calls, median of '
           f'{args.repeats}\n')
-    rows = [row for batch in args.batches for row in cpu_rows(batch, args.calls, args.repeats)]
-    if d2l.num_gpus():
-        rows += [row for batch in args.batches
-                 for row in gpu_rows(batch, args.calls, args.repeats)]
-    print(table(rows))
+    print(table(main_rows(args.batches, args.calls, args.repeats)))
 
 
 if __name__ == '__main__':

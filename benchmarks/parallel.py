@@ -12,8 +12,9 @@ load from another process hurts all rows alike rather than one.
 
 Rows (pairs `cpu(0)` + `cpu(1)` always; `cpu(0)` + `gpu(0)` and `gpu(0)` → `cpu(0)` with a GPU):
 * matmul: 10 products of n × n float32 matrices; BLAS uses every core for one product, so
-  two virtual CPU devices on the same cores can at best take turns. Run twice: with the
-  engine dividing BLAS threads among busy CPU devices (the default) and without.
+  two virtual CPU devices on the same cores can at best take turns. Run twice: each device's
+  products with every BLAS thread (the default), and with the engine dividing the threads
+  among the busy CPU devices (`engine.set_blas_division(True)`).
 * elementwise: 10 `tanh` of a large vector; NumPy runs these on one core, so a second
   virtual CPU device has a core of its own to use.
 """
@@ -81,10 +82,10 @@ def rows():
     b = np.random.uniform(size=(N, N), device=cpu1)
     u = np.random.uniform(size=(VECTOR,), device=cpu0)
     v = np.random.uniform(size=(VECTOR,), device=cpu1)
-    yield ('two devices', f'matmul {N}², cpu(0) + cpu(1), BLAS threads divided',
+    yield ('two devices', f'matmul {N}², cpu(0) + cpu(1), all BLAS threads each (default)',
            *side_by_side(matmuls, a, b))
-    old = engine.set_blas_division(False)
-    yield ('two devices', f'matmul {N}², cpu(0) + cpu(1), BLAS threads not divided',
+    old = engine.set_blas_division(True)
+    yield ('two devices', f'matmul {N}², cpu(0) + cpu(1), BLAS threads divided',
            *side_by_side(matmuls, a, b))
     engine.set_blas_division(old)
     yield ('two devices', f'tanh {VECTOR:,}, cpu(0) + cpu(1)', *side_by_side(elementwise, u, v))
@@ -97,15 +98,33 @@ def rows():
                *compute_and_copy(g, cpu0))
 
 
+def cpu_seconds():
+    """(seconds all cores were busy, seconds this process was busy), where Linux tells us."""
+    try:
+        with open('/proc/stat') as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except OSError:
+        return None
+    ticks = os.sysconf('SC_CLK_TCK')
+    own = os.times()
+    return (sum(fields) - fields[3] - fields[4]) / ticks, own.user + own.system
+
+
 def main():
     print(f'# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, '
           f'{d2l.num_gpus()} GPUs; best of {REPEATS} interleaved repeats, seconds')
     print('| experiment | workload | first alone | second alone | together | ratio |')
     print('|---|---|--:|--:|--:|--:|')
+    before, start = cpu_seconds(), time.perf_counter()
     for kind, workload, first, second, both, ratio in rows():
         print(f'| {kind} | {workload} | {first:.4f} | {second:.4f} | {both:.4f} | {ratio:.2f} |')
     print('\nratio: two devices = together / slower alone; compute + copy = both / max(compute, '
           'copy) (first alone = compute, second alone = copy)')
+    after, wall = cpu_seconds(), time.perf_counter() - start
+    if before and after:
+        others = (after[0] - before[0]) - (after[1] - before[1])
+        print(f'other processes kept {max(0.0, others) / wall:.2f} cores busy on average during '
+              f'the {wall:.0f} s of this run (0.00: an idle machine)')
 
 
 if __name__ == '__main__':

@@ -3,6 +3,8 @@
 `engine.trace()` keeps, for every operation, the variables it read and wrote. Each write
 makes a new *version* of a variable, so the graph is acyclic even with in-place updates:
 an edge runs from the operation that wrote a version to every operation that read it.
+`plot_dependencies` lays the operations out by depth; `plot_device_lanes` gives each device a
+column of its own, so that work spread over devices, and the copies between them, show.
 Used by "Asynchronous Computation" and "Automatic Parallelism".
 """
 import matplotlib.pyplot as plt
@@ -25,6 +27,16 @@ def depths(records, edges):
     for writer, reader, _ in sorted(edges, key=lambda e: e[1]):
         depth[reader] = max(depth[reader], depth[writer] + 1)
     return depth
+
+
+def as_late_as_possible(depth, edges):
+    """Move each operation that depends on nothing down to just above its first reader."""
+    has_input = {reader for _, reader, _ in edges}
+    first_use = {}
+    for writer, reader, _ in edges:
+        first_use[writer] = min(first_use.get(writer, depth[reader]), depth[reader])
+    return [d if i in has_input or i not in first_use else max(0, first_use[i] - 1)
+            for i, d in enumerate(depth)]
 
 
 def plot_dependencies(records, names=None, ax=None, label=None):
@@ -60,5 +72,50 @@ def plot_dependencies(records, names=None, ax=None, label=None):
                 ax.text(x + 0.8, y, names[v], va='center', color='#a33')
     ax.set_xlim(-0.6, max(depth) + 1.1)
     ax.set_ylim(-max(rows.values()) + 0.4, 0.6)
+    ax.axis('off')
+    return ax
+
+
+def plot_device_lanes(records, names=None, ax=None, label=None):
+    """One column per device, depth downwards: what each device ran, and what it waited for.
+
+    Operations at the same depth in one column sit side by side; an arrow is a dependency
+    (it crosses columns where a copy moved data between devices).
+    """
+    names = names or {}
+    edges = dependency_edges(records)
+    depth = as_late_as_possible(depths(records, edges), edges)
+    cells = {}
+    for i, record in enumerate(records):
+        cells.setdefault((record.device, depth[i]), []).append(i)
+    lanes = sorted({r.device for r in records}, key=lambda d: (d.kind != 'cpu', d.kind, d.index))
+    width = {d: 0.9 * max(len(m) for (dev, _), m in cells.items() if dev == d) for d in lanes}
+    column, x = {}, 0.0
+    for d in lanes:
+        column[d] = x + width[d] / 2
+        x += width[d] + 0.3
+    position = [None] * len(records)
+    for (device, d), members in cells.items():
+        for j, i in enumerate(members):
+            position[i] = (column[device] + 0.9 * (j - (len(members) - 1) / 2), -d)
+    if ax is None:
+        _, ax = plt.subplots(figsize=(1.1 * x + 0.3, 0.42 * (max(depth) + 1) + 0.8))
+    for k, (device, middle) in enumerate(column.items()):
+        half = width[device] / 2 + 0.1
+        ax.axvspan(middle - half, middle + half, color=('#f3f6fb', '#fbf7f0')[k % 2], zorder=0)
+        ax.text(middle, 1.0, str(device), ha='center', va='center', fontsize=10, weight='bold')
+    for writer, reader, var in edges:
+        ax.annotate('', position[reader], position[writer], zorder=1,
+                    arrowprops=dict(arrowstyle='->', color='#888', lw=0.6, shrinkA=6, shrinkB=6))
+    for i, record in enumerate(records):
+        copy = record.lane != 'compute'
+        text = label(record) if label else record.name
+        if set(record.writes) & set(names):
+            text += ' → ' + ', '.join(names[v] for v in record.writes if v in names)
+        ax.annotate(text, position[i], ha='center', va='center', fontsize=7, zorder=2,
+                    bbox=dict(boxstyle='round,pad=0.2', ec='#e8710a' if copy else '#3367d6',
+                              fc='#fde9d9' if copy else '#e8f0fe'))
+    ax.set_xlim(-0.2, x - 0.1)
+    ax.set_ylim(-max(depth) - 0.6, 1.4)
     ax.axis('off')
     return ax

@@ -395,7 +395,8 @@ def set_max_in_flight(limit):
 
 
 def set_blas_division(enabled):
-    """Divide BLAS threads among busy CPU devices (True, the default) or not; returns the old."""
+    """Divide BLAS threads among busy CPU devices (True) or not (False, the default); returns
+    the old setting. See `workers.SharedCores` for what was measured."""
     if not isinstance(_engine, ThreadedEngine):
         return False
     cores, old = _engine.cores, _engine.cores.enabled

@@ -5,10 +5,11 @@ The dependency tracker (`engine.py`) decides *when* an operation may run; this m
 compute lane, and lanes that move data, so that a copy overlaps with computation that does
 not depend on it. On a GPU each lane owns a CUDA stream (compute; host to device; device to
 host), so the copy engines of the GPU work while its cores compute. Virtual CPU devices share
-the machine's cores: `SharedCores` divides the BLAS threads among the busy ones. Taught in
+the machine's cores; `SharedCores` can divide the BLAS threads among the busy ones. Taught in
 "Automatic Parallelism".
 """
 import collections
+import itertools
 import os
 import queue
 import threading
@@ -114,18 +115,20 @@ def _use_gpu_stream(device):
 
 
 class SharedCores:
-    """Divide the BLAS threads of the process among the CPU devices busy at the same time.
+    """Optionally divide the BLAS threads of the process among the CPU devices busy at once.
 
     Virtual CPU devices are threads on the same cores, and OpenBLAS's thread count is one
-    setting for the whole process. While one CPU device computes, it keeps the count in force
-    (all cores by default). While k > 1 of them compute, the count drops to cores // k, so k
-    devices on k cores run k single-threaded products side by side rather than k × cores
-    threads competing for k cores; when at most one is busy again, the count comes back.
+    setting for the whole process. While switched on (`engine.set_blas_division(True)`) and
+    k > 1 CPU devices compute, the count drops to cores // k, so k devices run k products
+    with fewer threads each instead of k × cores threads sharing the cores; when at most one
+    is busy again, the count in force before comes back. It is off by default because on the
+    2-core machine this course is tested on, dividing made two concurrent 1000 × 1000
+    products about 1.2× slower than letting them share every thread (benchmarks/parallel.py).
     """
 
     def __init__(self, cores=None):
         self.cores = cores or len(os.sched_getaffinity(0))
-        self.enabled = True
+        self.enabled = False
         self.active = False          # switched on once two CPU devices have workers
         self.busy = 0
         self.saved = None            # the thread count in force before dividing
@@ -154,9 +157,8 @@ class SharedCores:
 
     def _controllers(self):
         if self._blas is None:
-            import threadpoolctl
-            self._blas = threadpoolctl.ThreadpoolController().select(user_api='blas')
-        return self._blas.lib_controllers
+            self._blas = openblas_thread_controls()
+        return self._blas
 
     def _get(self):
         return max([lib.get_num_threads() or 1 for lib in self._controllers()], default=1)
@@ -166,3 +168,29 @@ class SharedCores:
             for lib in self._controllers():
                 lib.set_num_threads(threads)
             self.current = threads
+
+
+class OpenBLASThreads:
+    """Get and set one OpenBLAS library's thread count from any thread.
+
+    threadpoolctl finds the library; its own setter is not used because it lets only one
+    thread (the first to call it) change the count, and here every device's worker may.
+    """
+
+    def __init__(self, path):
+        import ctypes
+        library = ctypes.CDLL(path)
+        for prefix, suffix in itertools.product(('', 'scipy_'), ('', '64_', '_64')):
+            name = f'{prefix}openblas_%s_num_threads{suffix}'
+            if hasattr(library, name % 'get'):
+                self.get_num_threads = getattr(library, name % 'get')
+                self.set_num_threads = getattr(library, name % 'set')
+                return
+        raise LookupError(f'no openblas_get_num_threads in {path}')
+
+
+def openblas_thread_controls():
+    """One `OpenBLASThreads` per OpenBLAS the process has loaded (none: nothing to divide)."""
+    import threadpoolctl
+    return [OpenBLASThreads(info['filepath']) for info in threadpoolctl.threadpool_info()
+            if info['internal_api'] == 'openblas' and info.get('threading_layer') != 'openmp']

@@ -14,12 +14,11 @@ import d2lperf as d2l
 from d2lperf import autograd, engine, hybrid, np, npx, nn
 from d2lperf.hybrid import Spec, TraceError
 from d2lperf.hybrid import gpu as hybrid_gpu
-from d2lperf.hybrid.graph import Graph, Node
 
 from strategies_hybrid import (FakeCupy, build_net, net_specs, program_function, program_inputs,
                                programs)
 
-SETTINGS = settings(max_examples=int(os.environ.get('HYBRID_EXAMPLES', 25)), deadline=None,
+SETTINGS = settings(max_examples=int(os.environ.get('HYBRID_EXAMPLES', 100)), deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -225,7 +224,9 @@ def test_every_pass_and_the_generated_code_preserve_results(spec):
     expected = hybrid.evaluate(graph, numpy, args)
     stages = [hybrid.fold_constants, hybrid.eliminate_common_subexpressions,
               hybrid.eliminate_dead_code, hybrid.fuse_elementwise]
-    for stage in stages:
+    for stage in stages:                                 # each pass alone
+        close(hybrid.evaluate(stage(graph), numpy, args), expected)
+    for stage in stages:                                 # and all of them, in order
         graph = stage(graph)
         close(hybrid.evaluate(graph, numpy, args), expected)
     program = hybrid.generate(graph, hybrid.plan_memory(graph), numpy)
@@ -290,6 +291,60 @@ def test_nested_hybrid_blocks_and_plain_blocks():
     outer.hybridize()
     assert numpy.allclose(outer(x).asnumpy(), expected)
     assert inner._compiled is not None and outer[1]._compiled is not None
+
+
+def test_hybridize_before_the_first_call_infers_deferred_shapes():
+    np.random.seed(3)
+    net = get_net((4, 2)).hybridize()
+    x = np.ones((3, 5))
+    y = net(x)
+    assert y.shape == (3, 2) and net[0].weight.shape == (4, 5)
+    net.hybridize(False)
+    numpy.testing.assert_allclose(net(x).asnumpy(), y.asnumpy(), rtol=1e-6)
+
+
+def test_reinitialized_parameters_are_picked_up():
+    net, x = mlp_and_input()
+    net.hybridize()
+    before = net(x).asnumpy()
+    net.initialize(force_reinit=True)
+    after = net(x).asnumpy()
+    assert not numpy.allclose(before, after)
+    net.hybridize(False)
+    numpy.testing.assert_allclose(net(x).asnumpy(), after, rtol=1e-6)
+
+
+class TwoInTwoOut(nn.HybridBlock):
+    def __init__(self):
+        super().__init__()
+        self.dense = nn.Dense(3)
+
+    def forward(self, a, b):
+        h = self.dense(a) + b
+        return h, h.sum(axis=1)
+
+
+def test_several_inputs_and_outputs():
+    net = TwoInTwoOut()
+    net.initialize()
+    a, b = np.ones((2, 4)), np.ones((2, 3))
+    expected = [y.asnumpy() for y in net(a, b)]
+    net.hybridize()
+    outputs = net(a, b)
+    assert isinstance(outputs, tuple) and len(outputs) == 2
+    for y, e in zip(outputs, expected):
+        numpy.testing.assert_allclose(y.asnumpy(), e, rtol=1e-6)
+    assert '%data0' in str(net.traced_graph()) and '%data1' in str(net.traced_graph())
+
+
+def test_each_device_gets_its_own_compiled_program():
+    net = get_net((3, 2))
+    net.initialize(device=[d2l.cpu(0), d2l.cpu(1)], force_reinit=True)
+    net.hybridize()
+    x0, x1 = np.ones((2, 4), device=d2l.cpu(0)), np.ones((2, 4), device=d2l.cpu(1))
+    y0, y1 = net(x0), net(x1)
+    assert y1.device == d2l.cpu(1) and len(net._compiled.cache) == 2
+    numpy.testing.assert_allclose(y0.asnumpy(), y1.asnumpy(), rtol=1e-6)
 
 
 # -- random networks: hybridized == imperative, values and gradients ---------------------------
@@ -533,8 +588,8 @@ json_values = st.recursive(st.none() | st.booleans() | st.integers(-3, 30) | st.
                            max_leaves=6)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                                   HealthCheck.function_scoped_fixture])
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(st.data())
 def test_mutated_symbol_files_load_cleanly_or_raise_value_error(tmp_path, data):
     path = tmp_path / 'fuzz'
@@ -554,7 +609,7 @@ def test_mutated_symbol_files_load_cleanly_or_raise_value_error(tmp_path, data):
     block(x).wait_to_read()
 
 
-# -- the GPU code path, run by NumPy standing in for CuPy -------------------------------------------
+# -- the GPU code path, run by NumPy standing in for CuPy ---------------------------------
 
 def test_gpu_code_generation_with_a_stand_in_for_cupy(monkeypatch):
     fake = FakeCupy()
@@ -607,3 +662,18 @@ def test_gpu_kernels_preserve_results_on_random_programs(spec):
             program.runner.notes
     finally:
         hybrid_gpu._cupy = original
+
+
+@pytest.mark.skipif(d2l.num_gpus() == 0, reason='needs a GPU and CuPy')
+def test_on_a_real_gpu_fused_kernels_and_cuda_graphs_agree_with_imperative():
+    device = d2l.gpu(0)
+    for batch in (1, 256):
+        net = get_net()
+        net.initialize(device=device, force_reinit=True)
+        x = np.random.normal(size=(batch, 512), device=device)
+        expected = net(x).asnumpy()
+        net.hybridize()
+        for _ in range(3):
+            numpy.testing.assert_allclose(net(x).asnumpy(), expected, rtol=1e-4, atol=1e-5)
+        runner = net._compiled.last.runner
+        assert runner.name == ('CUDA graph' if batch == 1 else 'fused kernels'), runner.notes

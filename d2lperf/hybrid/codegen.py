@@ -65,6 +65,12 @@ class Writer:
         self.namespace[name] = dtype
         return name
 
+    def operation(self, name):
+        """A registered op's compute function, bound once as `<name>_op`."""
+        key = f'{name}_op' if name.isidentifier() else self.bind(None, 'op')
+        self.namespace[key] = REGISTRY[name].compute
+        return key
+
     def literal(self, x):
         return repr(x) if is_plain_attr(x) else self.bind(x, 'k')
 
@@ -86,7 +92,8 @@ def emit_into(w, node, out):
         return [f'{f("negative")}({a[0]}, out={out})', f'{f("exp")}({out}, out={out})',
                 f'{f("add")}({out}, 1, out={out})', f'{f("divide")}(1, {out}, out={out})']
     if op == 'fully_connected':
-        return [f'{f("matmul")}({a[0]}, {a[1]}.T, out={out})', f'{f("add")}({out}, {a[2]}, out={out})']
+        return [f'{f("matmul")}({a[0]}, {a[1]}.T, out={out})',
+                f'{f("add")}({out}, {a[2]}, out={out})']
     if op in ('matmul', 'dot'):
         return [f'{f(op)}({a[0]}, {a[1]}, out={out})']
     if op == 'concatenate':
@@ -97,12 +104,14 @@ def emit_into(w, node, out):
 
 def emit_call(w, node, name):
     """`name = op(...)` for an operation that allocates its own result."""
-    compute = REGISTRY[node.op].compute
-    function = w.bind(compute, f'{node.op}_op' if node.op.isidentifier() else 'op')
+    function = w.operation(node.op)
     args = [w.expr(x) for x in node.inputs]
     attrs = [f'{k}={w.literal(v)}' for k, v in node.attrs.items() if k.isidentifier()]
-    w.namespace['as_array'] = as_array         # NumPy returns 0-d results as scalars
-    w.emit(f'{name} = as_array(xp, {function}(xp, {", ".join(args + attrs)}))')
+    call = f'{function}(xp, {", ".join(args + attrs)})'
+    if not node.shape:                          # NumPy returns 0-d results as scalars
+        w.namespace['as_array'] = as_array
+        call = f'as_array(xp, {call})'
+    w.emit(f'{name} = {call}')
 
 
 def emit_node(w, index, node, slot, fused_kernel):
@@ -177,12 +186,13 @@ def generate(graph, plan, xp, fused_kernel=None, copy_outputs=True):
 def describe(graph, arguments, plan):
     """Comment lines for the reader: which argument is which (not part of the compiled code)."""
     pairs = [f'{a} = {n!r}' for a, n in zip(arguments, graph.arguments)]
-    lines, line = [], '#'
+    lines, line = [], '# arguments:'
     for pair in pairs:
-        if len(line) + len(pair) > 88:
-            lines.append(line)
-            line = '#'
-        line += f' {pair}'
+        if len(line) + len(pair) > 86:
+            lines.append(line + ',')
+            line = '#  '
+        line += f' {pair}' if line.endswith((':', '  ')) else f', {pair}'
     lines.append(line)
-    lines.append(f'# workspace: {", ".join(f"{b.name} {b.dtype}{list(b.shape)}" for b in plan.buffers) or "none"}')
+    buffers = ', '.join(f'{b.name} {b.dtype}{list(b.shape)}' for b in plan.buffers)
+    lines.append(f'# workspace: {buffers or "none"}')
     return '\n'.join(lines) + '\n'

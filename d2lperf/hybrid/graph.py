@@ -164,7 +164,7 @@ def evaluate(graph, xp, arguments, keep=False):
                          f'got {len(arguments)}')
     for node in graph.nodes:
         if node.kind == 'constant':
-            values[node] = xp.asarray(node.value)
+            values[node] = xp.array(node.value)         # a copy: callers may write to it
         elif node.kind not in ARGUMENT_KINDS:
             values[node] = run_node(xp, node, values)
     outputs = [values[n] for n in graph.outputs]

@@ -54,8 +54,9 @@ class MemoryPlan:
     def __str__(self):
         values = [n for n in self.graph.nodes if n in self.slots]
         size = sum(b.nbytes for b in self.buffers)
-        lines = [f'memory plan: {len(values)} values in {len(self.buffers)} workspace buffers '
-                 f'({size / 1024:.1f} KiB), {len(self.in_place)} written in place']
+        lines = [f'memory plan: {plural(len(values), "value")} in '
+                 f'{plural(len(self.buffers), "workspace buffer")} ({size / 1024:.1f} KiB), '
+                 f'{len(self.in_place)} written in place']
         for node in values:
             slot, note = self.slots[node], ''
             if node in self.in_place:
@@ -68,6 +69,10 @@ class MemoryPlan:
         return '\n'.join(lines)
 
     __repr__ = __str__
+
+
+def plural(count, noun):
+    return f'{count} {noun}' + ('' if count == 1 else 's')
 
 
 def last_uses(graph):

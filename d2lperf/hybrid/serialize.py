@@ -20,7 +20,7 @@ import zipfile
 import numpy
 
 from ..ops import REGISTRY
-from .graph import ARGUMENT_KINDS, Graph, Node
+from .graph import Graph, Node
 
 FORMAT, FORMAT_VERSION = 'd2lperf-symbol', 1
 MAX_SYMBOL_BYTES = 64 << 20
@@ -140,6 +140,11 @@ def read_document(path):
     return document
 
 
+def is_slice(parts):
+    return type(parts) is list and len(parts) == 3 and all(p is None or type(p) is int
+                                                           for p in parts)
+
+
 def decode_attr(value, key):
     if value is None or type(value) in (bool, int, float):
         return value
@@ -150,8 +155,7 @@ def decode_attr(value, key):
         return value
     if type(value) is list:
         return tuple(decode_attr(v, key) for v in value)
-    if type(value) is dict and list(value) == ['slice'] and type(value['slice']) is list \
-            and len(value['slice']) == 3 and all(v is None or type(v) is int for v in value['slice']):
+    if type(value) is dict and list(value) == ['slice'] and is_slice(value['slice']):
         return slice(*value['slice'])
     if value == {'ellipsis': True}:
         return Ellipsis

@@ -13,7 +13,6 @@ import numpy
 
 from ..device import cpu
 from ..ndarray import NDArray, check_basic_key
-from ..ops import REGISTRY
 from .graph import Graph, Node
 
 
@@ -103,7 +102,8 @@ class Symbol:
 
     def copyto(self, device):
         raise TraceError(f'copyto({device}) of the traced value {self!r}: a hybridized block '
-                         f'runs on one device; move its inputs before the call, {LEAVE_IMPERATIVE}.')
+                         'runs on one device; move its inputs before the call, '
+                         f'{LEAVE_IMPERATIVE}.')
 
     def attach_grad(self):
         raise TraceError('attach_grad() inside a hybridized forward: attach gradients to the '

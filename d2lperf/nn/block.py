@@ -99,8 +99,8 @@ class HybridBlock(Block):
 
     def __call__(self, *args):
         compiled = self._compiled
-        if compiled is not None and (type(args[0]) is NDArray if len(args) == 1 else
-                                     all(type(x) is NDArray for x in args)):
+        if compiled is not None and args and (type(args[0]) is NDArray if len(args) == 1 else
+                                              all(type(x) is NDArray for x in args)):
             return compiled(args)
         return self.forward(*args)          # imperative, or inside a parent's trace
 

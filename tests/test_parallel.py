@@ -1,0 +1,328 @@
+"""Several devices side by side: copy lanes, dependencies across devices, BLAS thread division.
+
+Random programs spread over `cpu(0)`, `cpu(1)` (and `gpu(0)` where there is one), with
+copies between them, must give what sequential NumPy gives, and the engine's trace of such a
+program must respect every dependency: no operation starts before the operations it depends
+on have ended. Overlap is checked with gates, not timings: an operation held on one worker
+must not stop an independent one on another worker.
+"""
+import threading
+
+import numpy
+import pytest
+from hypothesis import given, strategies as st
+
+import d2lperf as d2l
+from d2lperf import engine, np
+from d2lperf.workers import COMPUTE, COPY_IN, COPY_OUT, SharedCores, copy_lane
+from conftest import run_with_timeout
+from strategies import checks
+
+pytestmark = pytest.mark.usefixtures('fresh_engine')
+
+CPU0, CPU1 = d2l.cpu(0), d2l.cpu(1)
+DEVICES = [CPU0, CPU1] + ([d2l.gpu(0)] if d2l.num_gpus() else [])
+needs_gpu = pytest.mark.skipif(not d2l.num_gpus(), reason='needs a GPU and CuPy')
+SHAPE = (4, 4)
+POOL = 4
+
+
+# -- random multi-device programs --------------------------------------------------------------
+
+_slot = st.integers(0, POOL - 1)
+_device = st.integers(0, len(DEVICES) - 1)
+instructions = st.one_of(
+    st.tuples(st.just('matmul'), _slot, _slot, _slot),
+    st.tuples(st.just('add'), _slot, _slot, _slot),
+    st.tuples(st.just('scale_'), _slot, st.sampled_from([0.5, -1.0, 2.0])),
+    st.tuples(st.just('copy'), _slot, _slot, _device),
+    st.tuples(st.just('tanh'), _slot, _slot),
+)
+programs = st.tuples(st.lists(_device, min_size=POOL, max_size=POOL),
+                     st.lists(instructions, min_size=1, max_size=25))
+
+
+def start_values(i):
+    return numpy.linspace(-1, 1, 16).reshape(SHAPE) * (i + 1) / POOL
+
+
+def run_program(program, asarray, move):
+    """Run `program` with arrays made by `asarray(values, device)`; `move(x, device)` copies.
+
+    An operation whose inputs live on different devices first copies its second input to
+    the first one's device, as a program must (the engine never moves data by itself).
+    """
+    devices, body = program
+    arrays = [asarray(start_values(i), DEVICES[d]) for i, d in enumerate(devices)]
+    where = [DEVICES[d] for d in devices]
+
+    def local(src, dst):
+        return arrays[src] if where[src] == where[dst] else move(arrays[src], where[dst])
+    for op, dst, *args in body:
+        if op == 'matmul':
+            arrays[dst], where[dst] = 0.5 * (arrays[args[0]] @ local(args[1], args[0])), where[args[0]]
+        elif op == 'add':
+            arrays[dst], where[dst] = arrays[args[0]] + local(args[1], args[0]), where[args[0]]
+        elif op == 'scale_':
+            arrays[dst] *= args[0]
+        elif op == 'copy':
+            arrays[dst], where[dst] = move(arrays[args[0]], DEVICES[args[1]]), DEVICES[args[1]]
+        else:
+            arrays[dst], where[dst] = tanh(arrays[args[0]]), where[args[0]]
+    return arrays, where
+
+
+def tanh(x):
+    return numpy.tanh(x) if isinstance(x, numpy.ndarray) else np.tanh(x)
+
+
+def run_numpy(program):
+    arrays, _ = run_program(program, lambda v, d: v.copy(), lambda x, d: x.copy())
+    return arrays
+
+
+def run_d2l(program):
+    arrays, where = run_program(program, lambda v, d: np.array(v, device=d),
+                                lambda x, d: x.copyto(d))
+    assert all(a.device == d for a, d in zip(arrays, where))
+    return [a.asnumpy() for a in arrays]
+
+
+@checks(40)
+@given(program=programs)
+def test_multi_device_programs_match_sequential_numpy(program):
+    expected = run_numpy(program)
+    for got, want in zip(run_with_timeout(lambda: run_d2l(program), 60), expected):
+        numpy.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-9)
+
+
+def conflicts(earlier, later):
+    """True if `later` must wait for `earlier`: they share a variable and one of them writes it."""
+    return bool(set(earlier.writes) & set(later.reads + later.writes)
+                or set(earlier.reads) & set(later.writes))
+
+
+def assert_trace_respects_dependencies(records):
+    for i, later in enumerate(records):
+        for earlier in records[:i]:
+            if conflicts(earlier, later):
+                assert earlier.end <= later.start, (
+                    f'{later.name} on {later.worker} started {later.start - earlier.end:.2e} s '
+                    f'before {earlier.name} on {earlier.worker} ended')
+
+
+@checks(25)
+@given(program=programs)
+def test_the_trace_of_a_program_respects_every_dependency(program):
+    with d2l.profiler.profile() as records:
+        run_d2l(program)
+    assert records and all(r.start <= r.end for r in records)
+    assert_trace_respects_dependencies(records)
+
+
+def test_a_dependency_check_would_catch_a_violation():
+    with engine.trace() as records:
+        x = np.ones(SHAPE)
+        (x + 1).wait_to_read()
+    first, second = records
+    first.end = second.start + 1e-3
+    with pytest.raises(AssertionError, match='started'):
+        assert_trace_respects_dependencies(records)
+
+
+# -- where copies run, and what overlaps --------------------------------------------------------
+
+def test_copies_run_on_a_copy_lane_of_the_target_cpu_device():
+    assert copy_lane(CPU1, CPU0) == (CPU0, COPY_IN)
+    assert copy_lane(d2l.gpu(0), CPU0) == (d2l.gpu(0), COPY_OUT)
+    assert copy_lane(CPU0, d2l.gpu(1)) == (d2l.gpu(1), COPY_IN)
+    assert copy_lane(d2l.gpu(0), d2l.gpu(1)) == (d2l.gpu(0), COPY_OUT)
+    x = np.ones(SHAPE, device=CPU1)
+    with engine.trace() as records:
+        y = x.copyto(CPU0)
+        z = y + 1
+    assert [(r.name, r.worker) for r in records] == [('copyto', 'cpu(0) copy in'),
+                                                     ('add', 'cpu(0) compute')]
+    assert z.asnumpy().tolist() == [[2.0] * 4] * 4
+
+
+def held(gate):
+    """An operation that runs until `gate` opens (or fails after 10 s)."""
+    def run():
+        if not gate.wait(10):
+            raise TimeoutError('the gate was never opened')
+    return run
+
+
+@pytest.mark.parametrize('device, lane', [(CPU1, COMPUTE), (CPU0, COPY_IN), (CPU1, COPY_IN)])
+def test_work_on_another_lane_goes_on_while_cpu0_compute_is_held(device, lane):
+    gate, done = threading.Event(), threading.Event()
+    engine.push(held(gate), [], [engine.Var()], CPU0, 'held')
+    engine.push(done.set, [], [engine.Var()], device, 'independent', lane)
+    try:
+        assert done.wait(5), f'{device} {lane} waited for the held cpu(0) compute lane'
+    finally:
+        gate.set()
+    engine.wait_all()
+
+
+def test_one_lane_runs_in_order():
+    gate, log = threading.Event(), []
+    engine.push(held(gate), [], [engine.Var()], CPU0, 'held')
+    engine.push(lambda: log.append('after'), [], [engine.Var()], CPU0, 'queued')
+    assert not log
+    gate.set()
+    engine.wait_all()
+    assert log == ['after']
+
+
+def test_a_copy_overlaps_computation_that_does_not_read_it():
+    gate = threading.Event()
+    source = np.ones(SHAPE, device=CPU1)
+    source.wait_to_read()
+    engine.push(held(gate), [], [engine.Var()], CPU0, 'held')   # cpu(0) is computing
+    copied = source.copyto(CPU0)
+    try:
+        assert run_with_timeout(copied.asnumpy, 5).sum() == 16
+    finally:
+        gate.set()
+    engine.wait_all()
+
+
+def test_computation_that_reads_a_copy_waits_for_it():
+    gate = threading.Event()
+    source = np.ones(SHAPE, device=CPU1)
+    engine.push(held(gate), [], [source.var], CPU1, 'slow write')
+    with engine.trace() as records:
+        result = source.copyto(CPU0) * 3
+        threading.Timer(0.05, gate.set).start()
+    assert result.asnumpy().tolist() == [[3.0] * 4] * 4
+    copy, multiply = records
+    assert copy.end <= multiply.start
+
+
+# -- mixing devices -------------------------------------------------------------------------------
+
+def test_mixing_devices_says_which_inputs_and_how_to_move_them():
+    with pytest.raises(ValueError) as error:
+        np.ones(SHAPE) @ np.ones(SHAPE, device=CPU1)
+    message = str(error.value)
+    assert "'matmul'" in message and 'input 0 on cpu(0)' in message
+    assert 'input 1 on cpu(1)' in message and 'copyto(d2l.cpu(0))' in message
+
+
+def test_copyto_refuses_what_is_not_a_device():
+    with pytest.raises(TypeError, match='Device'):
+        np.ones(SHAPE).copyto('cpu1')
+
+
+# -- BLAS threads shared by busy CPU devices ------------------------------------------------------
+
+class FakeBlas:
+    def __init__(self, threads):
+        self.threads, self.history = threads, []
+
+    def get_num_threads(self):
+        return self.threads
+
+    def set_num_threads(self, threads):
+        self.threads = threads
+        self.history.append(threads)
+
+
+def shared(cores, threads):
+    blas = FakeBlas(threads)
+    cores = SharedCores(cores)
+    cores._controllers = lambda: [blas]
+    return cores, blas
+
+
+@pytest.mark.parametrize('cores, threads, busy, expected', [
+    (2, 2, 2, 1), (4, 4, 2, 2), (4, 4, 3, 1), (8, 8, 4, 2), (8, 3, 2, 3), (1, 1, 2, 1)])
+def test_busy_devices_divide_the_threads_and_give_them_back(cores, threads, busy, expected):
+    shared_cores, blas = shared(cores, threads)
+    shared_cores.enter()
+    assert blas.threads == threads               # one busy device keeps every thread
+    for _ in range(busy - 1):
+        shared_cores.enter()
+    assert blas.threads == expected
+    for _ in range(busy):
+        shared_cores.leave()
+    assert blas.threads == threads and shared_cores.busy == 0
+
+
+def test_an_unchanged_count_is_not_set_again():
+    shared_cores, blas = shared(2, 2)
+    for _ in range(3):
+        shared_cores.enter()
+        shared_cores.enter()
+        shared_cores.leave()
+        shared_cores.leave()
+    assert blas.history == [1, 2] * 3
+
+
+def blas_threads():
+    import threadpoolctl
+    return max(info['num_threads'] for info in threadpoolctl.threadpool_info()
+               if info['user_api'] == 'blas')
+
+
+def threads_seen_by_cpu1_while_cpu0_is_busy():
+    """The BLAS thread count an operation on cpu(1) sees while cpu(0) holds a long one."""
+    np.ones(2, device=CPU0).wait_to_read()
+    np.ones(2, device=CPU1).wait_to_read()
+    gate, seen, threads = threading.Event(), threading.Event(), []
+    engine.push(held(gate), [], [engine.Var()], CPU0, 'busy')
+    engine.push(lambda: (threads.append(blas_threads()), seen.set()), [], [engine.Var()],
+                CPU1, 'look')
+    try:
+        assert seen.wait(5)
+    finally:
+        gate.set()
+    engine.wait_all()
+    return threads[0]
+
+
+def test_switched_on_two_busy_cpu_devices_run_with_divided_blas_threads():
+    before, cores = blas_threads(), engine.current().cores.cores
+    old = engine.set_blas_division(True)
+    try:
+        assert threads_seen_by_cpu1_while_cpu0_is_busy() == max(1, min(before, cores // 2))
+    finally:
+        engine.set_blas_division(old)
+    assert blas_threads() == before
+
+
+def test_by_default_busy_devices_keep_every_blas_thread():
+    before = blas_threads()
+    assert engine.set_blas_division(False) is False       # the default
+    assert threads_seen_by_cpu1_while_cpu0_is_busy() == before
+
+
+# -- GPUs: streams per lane ------------------------------------------------------------------------
+
+@needs_gpu
+def test_gpu_copies_run_on_the_gpu_copy_streams():
+    gpu = d2l.gpu(0)
+    with engine.trace() as records:
+        x = np.ones(SHAPE)
+        on_gpu = x.copyto(gpu)
+        back = (on_gpu * 2).copyto(CPU0)
+    assert back.asnumpy().tolist() == [[2.0] * 4] * 4
+    workers = [r.worker for r in records]
+    assert workers == ['cpu(0) compute', 'gpu(0) copy in', 'gpu(0) compute', 'gpu(0) copy out']
+
+
+@needs_gpu
+def test_a_gpu_copy_overlaps_a_held_cpu_and_gpu_compute_lane():
+    gate, gpu = threading.Event(), d2l.gpu(0)
+    source = np.ones(SHAPE, device=gpu)
+    source.wait_to_read()
+    engine.push(held(gate), [], [engine.Var()], gpu, 'held')
+    copied = source.copyto(CPU0)
+    try:
+        assert run_with_timeout(copied.asnumpy, 10).sum() == 16
+    finally:
+        gate.set()
+    engine.wait_all()
+
