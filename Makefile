@@ -32,6 +32,7 @@ sync: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/engine.py
 	$(BIN)/python benchmarks/hybridize.py
+	$(BIN)/python benchmarks/parallel.py
 
 clean:
 	rm -rf _build

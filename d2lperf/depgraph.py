@@ -80,7 +80,8 @@ def plot_device_lanes(records, names=None, ax=None, label=None):
     """One column per device, depth downwards: what each device ran, and what it waited for.
 
     Operations at the same depth in one column sit side by side; an arrow is a dependency
-    (it crosses columns where a copy moved data between devices).
+    (it crosses columns where a copy moved data between devices). `names` ({var id: name})
+    labels what copies read and what any operation writes.
     """
     names = names or {}
     edges = dependency_edges(records)
@@ -110,6 +111,8 @@ def plot_device_lanes(records, names=None, ax=None, label=None):
     for i, record in enumerate(records):
         copy = record.lane != 'compute'
         text = label(record) if label else record.name
+        if copy and set(record.reads) & set(names):
+            text += ' ' + ', '.join(names[v] for v in record.reads if v in names)
         if set(record.writes) & set(names):
             text += ' → ' + ', '.join(names[v] for v in record.writes if v in names)
         ax.annotate(text, position[i], ha='center', va='center', fontsize=7, zorder=2,

@@ -17,7 +17,8 @@ import os
 import threading
 import time
 
-from .workers import COMPUTE, COPY_IN, COPY_OUT, SharedCores, Worker, copy_lane  # noqa: F401
+from .workers import (COMPUTE, COPY_IN, COPY_OUT, PoliteLock, SharedCores, Worker,  # noqa: F401
+                      copy_lane)
 
 _var_ids = itertools.count()
 
@@ -122,37 +123,6 @@ class OpRecord:
         return f'OpRecord({self.name!r}, reads={self.reads}, writes={self.writes})'
 
 
-class PoliteLock:
-    """A lock that never sleeps while holding itself hostage to the GIL.
-
-    A thread blocked in `Lock.acquire` has released the GIL; when the lock is handed to it,
-    it holds the lock while it waits to get the GIL back, and the other thread, wanting the
-    lock, must give the GIL up: from then on the two threads take turns at every operation
-    (a lock convoy). Trying without blocking, and yielding the GIL between tries, avoids it.
-    """
-
-    __slots__ = ('_lock',)
-
-    def __init__(self):
-        self._lock = threading.Lock()
-
-    def acquire(self, blocking=True):
-        while not self._lock.acquire(False):
-            if not blocking:
-                return False
-            time.sleep(0)
-        return True
-
-    def release(self):
-        self._lock.release()
-
-    def __enter__(self):
-        self.acquire()
-
-    def __exit__(self, *exc_info):
-        self._lock.release()
-
-
 class ThreadedEngine:
     """Track dependencies under one lock; run ready operations on per-device workers."""
 
@@ -200,9 +170,9 @@ class ThreadedEngine:
     def _start_worker(self, key):
         with self.lock:
             if key not in self.workers:
-                self.workers[key] = Worker(self, *key, self.cores)
-                cpu_devices = {d for d, lane in self.workers if d.kind == 'cpu' and lane == COMPUTE}
-                self.cores.active = self.cores.enabled and len(cpu_devices) > 1
+                worker = self.workers[key] = Worker(self, *key, self.cores)
+                if worker.cores is not None:
+                    self.cores.add_device()
             return self.workers[key]
 
     def _run(self, op, worker):
@@ -383,7 +353,7 @@ def in_flight():
 
 
 def set_max_in_flight(limit):
-    """Make `push` block while `limit` operations are unfinished (None: no bound); returns the old."""
+    """Block `push` while `limit` operations are unfinished (None: no bound); returns the old."""
     if limit is not None and limit < 1:
         raise ValueError(f'max_in_flight must be a positive count or None, not {limit!r}')
     old = getattr(_engine, 'max_in_flight', None)
@@ -399,10 +369,10 @@ def set_blas_division(enabled):
     the old setting. See `workers.SharedCores` for what was measured."""
     if not isinstance(_engine, ThreadedEngine):
         return False
-    cores, old = _engine.cores, _engine.cores.enabled
-    cores.enabled = bool(enabled)
-    cpu_devices = {d for d, lane in list(_engine.workers) if d.kind == 'cpu' and lane == COMPUTE}
-    cores.active = cores.enabled and len(cpu_devices) > 1
+    old = _engine.cores.enable(enabled)
+    for device, lane in list(_engine.workers):
+        if old != bool(enabled) and device.kind == 'cpu' and lane == COMPUTE:
+            push(lambda: None, [], [], device, 'set_blas_division')   # an idle worker looks again
     return old
 
 

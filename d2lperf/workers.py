@@ -5,7 +5,8 @@ The dependency tracker (`engine.py`) decides *when* an operation may run; this m
 compute lane, and lanes that move data, so that a copy overlaps with computation that does
 not depend on it. On a GPU each lane owns a CUDA stream (compute; host to device; device to
 host), so the copy engines of the GPU work while its cores compute. Virtual CPU devices share
-the machine's cores; `SharedCores` can divide the BLAS threads among the busy ones. Taught in
+the machine's cores; `SharedCores` can divide the BLAS threads among the busy ones.
+`PoliteLock`, the engine's lock, keeps all these threads from convoying on the GIL. Taught in
 "Automatic Parallelism".
 """
 import collections
@@ -13,6 +14,7 @@ import itertools
 import os
 import queue
 import threading
+import time
 
 COMPUTE, COPY_IN, COPY_OUT = 'compute', 'copy in', 'copy out'
 
@@ -50,11 +52,12 @@ class Worker:
         started.set()
         get, run, cores = self.ready.get, engine._run, self.cores
         while True:
-            op = get()
-            if cores is None or not cores.active:
-                run(op, self)
+            # Decide while idle, and keep no reference to the last operation: freeing it
+            # when the next one arrives would put that work on the critical path.
+            if cores is not None and cores.active:
+                self._run_while_busy(get(), run, cores)
             else:
-                self._run_while_busy(op, run, cores)
+                run(get(), self)
 
     def _run_while_busy(self, op, run, cores):
         """Count this device as busy from its first ready operation until its queue is empty."""
@@ -114,6 +117,37 @@ def _use_gpu_stream(device):
     return stream
 
 
+class PoliteLock:
+    """A lock that never sleeps while holding itself hostage to the GIL.
+
+    A thread blocked in `Lock.acquire` has released the GIL; when the lock is handed to it,
+    it holds the lock while it waits to get the GIL back, and the other thread, wanting the
+    lock, must give the GIL up: from then on the two threads take turns at every operation
+    (a lock convoy). Trying without blocking, and yielding the GIL between tries, avoids it.
+    """
+
+    __slots__ = ('_lock',)
+
+    def __init__(self):
+        self._lock = threading.Lock()
+
+    def acquire(self, blocking=True):
+        while not self._lock.acquire(False):
+            if not blocking:
+                return False
+            time.sleep(0)
+        return True
+
+    def release(self):
+        self._lock.release()
+
+    def __enter__(self):
+        self.acquire()
+
+    def __exit__(self, *exc_info):
+        self._lock.release()
+
+
 class SharedCores:
     """Optionally divide the BLAS threads of the process among the CPU devices busy at once.
 
@@ -127,14 +161,25 @@ class SharedCores:
     """
 
     def __init__(self, cores=None):
-        self.cores = cores or len(os.sched_getaffinity(0))
+        self.cores = cores or available_cores()
         self.enabled = False
-        self.active = False          # switched on once two CPU devices have workers
+        self.devices = 0             # CPU devices with a compute worker
+        self.active = False          # enabled, and at least two such devices
         self.busy = 0
         self.saved = None            # the thread count in force before dividing
         self.current = None          # the count this object last set
         self.lock = threading.Lock()
         self._blas = None
+
+    def add_device(self):
+        self.devices += 1
+        self.active = self.enabled and self.devices > 1
+
+    def enable(self, enabled):
+        """Divide (True) or not (False), from each device's next idle moment; returns the old."""
+        old, self.enabled = self.enabled, bool(enabled)
+        self.active = self.enabled and self.devices > 1
+        return old
 
     def enter(self):
         with self.lock:
@@ -168,6 +213,13 @@ class SharedCores:
             for lib in self._controllers():
                 lib.set_num_threads(threads)
             self.current = threads
+
+
+def available_cores():
+    """The cores this process may run on (all of the machine's where the OS cannot tell)."""
+    if hasattr(os, 'sched_getaffinity'):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 class OpenBLASThreads:

@@ -6,6 +6,7 @@ program must respect every dependency: no operation starts before the operations
 on have ended. Overlap is checked with gates, not timings: an operation held on one worker
 must not stop an independent one on another worker.
 """
+import sys
 import threading
 
 import numpy
@@ -13,8 +14,10 @@ import pytest
 from hypothesis import given, strategies as st
 
 import d2lperf as d2l
-from d2lperf import engine, np
+from d2lperf import device as device_module, engine, np
+from d2lperf.np import random as random_module
 from d2lperf.workers import COMPUTE, COPY_IN, COPY_OUT, SharedCores, copy_lane
+import fake_cupy
 from conftest import run_with_timeout
 from strategies import checks
 
@@ -29,16 +32,17 @@ POOL = 4
 
 # -- random multi-device programs --------------------------------------------------------------
 
-_slot = st.integers(0, POOL - 1)
-_device = st.integers(0, len(DEVICES) - 1)
-instructions = st.one_of(
-    st.tuples(st.just('matmul'), _slot, _slot, _slot),
-    st.tuples(st.just('add'), _slot, _slot, _slot),
-    st.tuples(st.just('scale_'), _slot, st.sampled_from([0.5, -1.0, 2.0])),
-    st.tuples(st.just('copy'), _slot, _slot, _device),
-    st.tuples(st.just('tanh'), _slot, _slot),
-)
-programs = st.tuples(st.lists(_device, min_size=POOL, max_size=POOL),
+def programs(device_count):
+    """(a device index per array, instructions): matmul, add, in-place scale, copy, tanh."""
+    slot, device = st.integers(0, POOL - 1), st.integers(0, device_count - 1)
+    instructions = st.one_of(
+        st.tuples(st.just('matmul'), slot, slot, slot),
+        st.tuples(st.just('add'), slot, slot, slot),
+        st.tuples(st.just('scale_'), slot, st.sampled_from([0.5, -1.0, 2.0])),
+        st.tuples(st.just('copy'), slot, slot, device),
+        st.tuples(st.just('tanh'), slot, slot),
+    )
+    return st.tuples(st.lists(device, min_size=POOL, max_size=POOL),
                      st.lists(instructions, min_size=1, max_size=25))
 
 
@@ -46,29 +50,32 @@ def start_values(i):
     return numpy.linspace(-1, 1, 16).reshape(SHAPE) * (i + 1) / POOL
 
 
-def run_program(program, asarray, move):
+def run_program(program, devices, asarray, move):
     """Run `program` with arrays made by `asarray(values, device)`; `move(x, device)` copies.
 
     An operation whose inputs live on different devices first copies its second input to
     the first one's device, as a program must (the engine never moves data by itself).
     """
-    devices, body = program
-    arrays = [asarray(start_values(i), DEVICES[d]) for i, d in enumerate(devices)]
-    where = [DEVICES[d] for d in devices]
+    placement, body = program
+    arrays = [asarray(start_values(i), devices[d]) for i, d in enumerate(placement)]
+    where = [devices[d] for d in placement]
 
     def local(src, dst):
         return arrays[src] if where[src] == where[dst] else move(arrays[src], where[dst])
     for op, dst, *args in body:
-        if op == 'matmul':
-            arrays[dst], where[dst] = 0.5 * (arrays[args[0]] @ local(args[1], args[0])), where[args[0]]
-        elif op == 'add':
-            arrays[dst], where[dst] = arrays[args[0]] + local(args[1], args[0]), where[args[0]]
-        elif op == 'scale_':
+        if op == 'scale_':
             arrays[dst] *= args[0]
         elif op == 'copy':
-            arrays[dst], where[dst] = move(arrays[args[0]], DEVICES[args[1]]), DEVICES[args[1]]
+            arrays[dst], where[dst] = move(arrays[args[0]], devices[args[1]]), devices[args[1]]
         else:
-            arrays[dst], where[dst] = tanh(arrays[args[0]]), where[args[0]]
+            x = arrays[args[0]]
+            if op == 'matmul':
+                result = 0.5 * (x @ local(args[1], args[0]))
+            elif op == 'add':
+                result = x + local(args[1], args[0])
+            else:
+                result = tanh(x)
+            arrays[dst], where[dst] = result, where[args[0]]
     return arrays, where
 
 
@@ -76,24 +83,28 @@ def tanh(x):
     return numpy.tanh(x) if isinstance(x, numpy.ndarray) else np.tanh(x)
 
 
-def run_numpy(program):
-    arrays, _ = run_program(program, lambda v, d: v.copy(), lambda x, d: x.copy())
+def run_numpy(program, devices=DEVICES):
+    arrays, _ = run_program(program, devices, lambda v, d: v.copy(), lambda x, d: x.copy())
     return arrays
 
 
-def run_d2l(program):
-    arrays, where = run_program(program, lambda v, d: np.array(v, device=d),
+def run_d2l(program, devices=DEVICES):
+    arrays, where = run_program(program, devices, lambda v, d: np.array(v, device=d),
                                 lambda x, d: x.copyto(d))
     assert all(a.device == d for a, d in zip(arrays, where))
     return [a.asnumpy() for a in arrays]
 
 
-@checks(40)
-@given(program=programs)
-def test_multi_device_programs_match_sequential_numpy(program):
-    expected = run_numpy(program)
-    for got, want in zip(run_with_timeout(lambda: run_d2l(program), 60), expected):
+def assert_same_as_numpy(program, devices=DEVICES):
+    expected = run_numpy(program, devices)
+    for got, want in zip(run_with_timeout(lambda: run_d2l(program, devices), 60), expected):
         numpy.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-9)
+
+
+@checks(40)
+@given(program=programs(len(DEVICES)))
+def test_multi_device_programs_match_sequential_numpy(program):
+    assert_same_as_numpy(program)
 
 
 def conflicts(earlier, later):
@@ -112,7 +123,7 @@ def assert_trace_respects_dependencies(records):
 
 
 @checks(25)
-@given(program=programs)
+@given(program=programs(len(DEVICES)))
 def test_the_trace_of_a_program_respects_every_dependency(program):
     with d2l.profiler.profile() as records:
         run_d2l(program)
@@ -267,36 +278,40 @@ def blas_threads():
                if info['user_api'] == 'blas')
 
 
-def threads_seen_by_cpu1_while_cpu0_is_busy():
-    """The BLAS thread count an operation on cpu(1) sees while cpu(0) holds a long one."""
+def threads_seen_by_cpu1_while_cpu0_is_busy(division):
+    """The BLAS thread count an operation on cpu(1) sees while cpu(0) holds a long one.
+
+    Division is switched while both workers are idle, waiting for work: it must apply to
+    the very next operations.
+    """
     np.ones(2, device=CPU0).wait_to_read()
     np.ones(2, device=CPU1).wait_to_read()
-    gate, seen, threads = threading.Event(), threading.Event(), []
-    engine.push(held(gate), [], [engine.Var()], CPU0, 'busy')
-    engine.push(lambda: (threads.append(blas_threads()), seen.set()), [], [engine.Var()],
-                CPU1, 'look')
+    engine.wait_all()
+    old = engine.set_blas_division(division)
+    gate, started, seen, threads = threading.Event(), threading.Event(), threading.Event(), []
     try:
+        engine.push(lambda: (started.set(), held(gate)()), [], [engine.Var()], CPU0, 'busy')
+        assert started.wait(5)
+        engine.push(lambda: (threads.append(blas_threads()), seen.set()), [], [engine.Var()],
+                    CPU1, 'look')
         assert seen.wait(5)
     finally:
         gate.set()
-    engine.wait_all()
+        engine.wait_all()
+        engine.set_blas_division(old)
     return threads[0]
 
 
 def test_switched_on_two_busy_cpu_devices_run_with_divided_blas_threads():
     before, cores = blas_threads(), engine.current().cores.cores
-    old = engine.set_blas_division(True)
-    try:
-        assert threads_seen_by_cpu1_while_cpu0_is_busy() == max(1, min(before, cores // 2))
-    finally:
-        engine.set_blas_division(old)
+    assert threads_seen_by_cpu1_while_cpu0_is_busy(True) == max(1, min(before, cores // 2))
     assert blas_threads() == before
 
 
 def test_by_default_busy_devices_keep_every_blas_thread():
-    before = blas_threads()
     assert engine.set_blas_division(False) is False       # the default
-    assert threads_seen_by_cpu1_while_cpu0_is_busy() == before
+    before = blas_threads()
+    assert threads_seen_by_cpu1_while_cpu0_is_busy(False) == before
 
 
 # -- GPUs: streams per lane ------------------------------------------------------------------------
@@ -326,3 +341,63 @@ def test_a_gpu_copy_overlaps_a_held_cpu_and_gpu_compute_lane():
         gate.set()
     engine.wait_all()
 
+
+
+# -- the GPU paths, on a stand-in for CuPy where there is no GPU --------------------------------
+
+FAKE_DEVICES = [CPU0, CPU1, d2l.gpu(0), d2l.gpu(1)]
+
+
+@pytest.fixture
+def fake_gpus(monkeypatch):
+    """Two 'GPUs' backed by NumPy (tests/fake_cupy.py), on a fresh engine, for one test."""
+    if d2l.num_gpus():
+        pytest.skip('a real GPU is here: the tests marked needs_gpu run instead')
+    monkeypatch.setitem(sys.modules, 'cupy', fake_cupy.make_module(gpus=2))
+    monkeypatch.setattr(random_module, '_generators', {})
+    device_module._cupy.cache_clear()
+    device_module.num_gpus.cache_clear()
+    engine.use('threaded')            # workers made here (with fake streams) end with the test
+    yield
+    engine.use('threaded')
+    device_module._cupy.cache_clear()
+    device_module.num_gpus.cache_clear()
+
+
+@checks(20)
+@given(program=programs(len(FAKE_DEVICES)))
+def test_programs_over_cpus_and_fake_gpus_match_numpy(fake_gpus, program):
+    assert_same_as_numpy(program, FAKE_DEVICES)
+
+
+@pytest.mark.parametrize('kind', ['threaded', 'naive'])
+def test_copies_in_out_and_between_fake_gpus_use_the_right_lanes(fake_gpus, kind):
+    engine.use(kind)
+    host = numpy.arange(16.0).reshape(4, 4)
+    gpu0, gpu1 = d2l.gpu(0), d2l.gpu(1)
+    with engine.trace() as records:
+        on_gpu0 = np.array(host).copyto(gpu0) * 2
+        on_gpu1 = on_gpu0.copyto(gpu1) + 1
+        back = (on_gpu1 @ on_gpu1).copyto(CPU0)
+    expected = (host * 2 + 1) @ (host * 2 + 1)
+    numpy.testing.assert_allclose(back.asnumpy(), expected)
+    assert type(on_gpu1._data) is fake_cupy.FakeArray and type(back._data) is numpy.ndarray
+    if kind == 'threaded':
+        assert [r.worker for r in records] == [
+            'cpu(0) compute', 'gpu(0) copy in', 'gpu(0) compute', 'gpu(0) copy out',
+            'gpu(1) compute', 'gpu(1) compute', 'gpu(1) copy out']
+        product, copy_back = records[-2], records[-1]
+        assert product.events[1].waited_for_by      # the copy stream waited for the kernel
+        assert copy_back.events is not None
+
+
+def test_fake_gpu_profiles_use_event_times_and_respect_dependencies(fake_gpus):
+    x = np.ones((8, 8), device=d2l.gpu(0))
+    x.wait_to_read()
+    with d2l.profiler.profile() as records:
+        ys = [x @ x for _ in range(3)]
+        host = [y.copyto(CPU0) for y in ys]
+    assert [h.asnumpy()[0, 0] for h in host] == [8.0] * 3
+    assert all(r.events is None and r.start <= r.end for r in records)
+    assert {r.worker for r in records} == {'gpu(0) compute', 'gpu(0) copy out'}
+    assert_trace_respects_dependencies(records)
