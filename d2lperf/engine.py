@@ -41,7 +41,7 @@ class Var:
         self.pending = collections.deque()   # (operation, is_write) not yet granted
         self.num_reading = 0                 # granted reads still running
         self.writing = False                 # a granted write still running
-        self.error = None                    # OperationError of the last write, if it failed
+        self.error = None                    # the OperationError that failed it, for good
         self.event = None                    # on a GPU: CUDA event of the last write
 
     def __repr__(self):
@@ -123,6 +123,18 @@ class OpRecord:
         return f'OpRecord({self.name!r}, reads={self.reads}, writes={self.writes})'
 
 
+def inherited_error(op):
+    """The failure `op` inherits: from what it reads, or from what it updates, since a write
+    into a failed array (`x += 1`, `x[0] = 5`, a view of it) builds on values nobody has."""
+    for var in op.reads:
+        if var.error is not None:
+            return var.error
+    for var in op.writes:
+        if var.error is not None:
+            return var.error
+    return None
+
+
 class ThreadedEngine:
     """Track dependencies under one lock; run ready operations on per-device workers."""
 
@@ -180,12 +192,8 @@ class ThreadedEngine:
         record = op.record
         if record is not None:
             record.worker, record.start = worker.name, time.perf_counter()
-        error = own_error = None
-        for var in op.reads:
-            if var.error is not None:
-                error = var.error
-                break
-        else:
+        error, own_error = inherited_error(op), None
+        if error is None:
             try:
                 if worker.stream is None:
                     op.fn()
@@ -265,7 +273,7 @@ class NaiveEngine:
             record = OpRecord(op)
             record.worker, record.start = 'caller', time.perf_counter()
             self.recording.append(record)
-        error = next((v.error for v in op.reads if v.error is not None), None)
+        error = inherited_error(op)
         if error is None:
             try:
                 _run_now(op)
@@ -325,6 +333,8 @@ def use(kind):
     if kind not in ENGINES:
         raise ValueError(f'{kind!r} is not an engine; use one of {sorted(ENGINES)}')
     _engine.wait_all()
+    for worker in getattr(_engine, 'workers', {}).values():
+        worker.stop()
     recording = _engine.recording
     _engine = ENGINES[kind]()
     _engine.recording = recording

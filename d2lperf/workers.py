@@ -31,6 +31,16 @@ def copy_lane(source, target):
     return target, COPY_IN
 
 
+STOP = None                     # what a worker's queue holds to end its thread
+
+
+def run_unless_stop(op, run, worker):
+    if op is STOP:
+        return False
+    run(op, worker)
+    return True
+
+
 class Worker:
     """One thread for one lane of one device, running its ready operations in arrival order."""
 
@@ -55,19 +65,28 @@ class Worker:
             # Decide while idle, and keep no reference to the last operation: freeing it
             # when the next one arrives would put that work on the critical path.
             if cores is not None and cores.active:
-                self._run_while_busy(get(), run, cores)
-            else:
-                run(get(), self)
+                if not self._run_while_busy(get(), run, cores):
+                    return
+            elif not run_unless_stop(get(), run, self):
+                return
 
     def _run_while_busy(self, op, run, cores):
         """Count this device as busy from its first ready operation until its queue is empty."""
         cores.enter()
         try:
-            run(op, self)
+            if not run_unless_stop(op, run, self):
+                return False
             while not self.ready.empty():
-                run(self.ready.get(), self)
+                if not run_unless_stop(self.ready.get(), run, self):
+                    return False
+            return True
         finally:
             cores.leave()
+
+    def stop(self):
+        """End the thread once the operations queued before this call have run."""
+        self.ready.put(STOP)
+        self.thread.join()
 
     def run_on_stream(self, op):
         """Launch `op` on this lane's stream: after the kernels that wrote what it reads.

@@ -194,17 +194,23 @@ def test_wait_all_raises_once_then_the_engine_keeps_working():
     assert box == [42]
 
 
-def test_a_later_successful_write_clears_the_error():
+def test_a_write_into_a_failed_variable_fails_with_the_same_error():
     var = engine.Var()
     engine.push(boom, [], [var], CPU0, 'explode')
     with pytest.raises(engine.OperationError):
         engine.wait_for(var)
-    engine.push(lambda: None, [], [var], CPU1, 'rewrite')
-    engine.wait_for(var)
-    out, ran = engine.Var(), []
-    engine.push(lambda: ran.append(1), [var], [out], CPU0, 'reader')
-    engine.wait_for(out)
-    assert ran == [1]
+    ran = []
+    engine.push(lambda: ran.append('rewrite'), [], [var], CPU1, 'rewrite')
+    out = engine.Var()
+    engine.push(lambda: ran.append('reader'), [var], [out], CPU0, 'reader')
+    with pytest.raises(engine.OperationError, match="'explode'"):
+        engine.wait_for(out)
+    with pytest.raises(engine.OperationError, match="'explode'"):
+        engine.wait_for(var)
+    assert ran == []
+    with pytest.raises(engine.OperationError, match="'explode'"):
+        engine.wait_all()                                 # the one failure, reported once:
+    engine.wait_all()                                     # inherited ones are not new
 
 
 def test_errors_travel_along_a_chain_of_dependencies():
@@ -230,8 +236,9 @@ def test_naive_engine_raises_at_push():
     with pytest.raises(engine.OperationError, match="'explode'"):
         engine.wait_for(failed)
     engine.wait_all()
-    engine.push(lambda: None, [], [failed], CPU0, 'rewrite')
-    engine.wait_for(failed)
+    with pytest.raises(engine.OperationError, match="'explode'"):
+        engine.push(lambda: ran.append(2), [], [failed], CPU0, 'rewrite')
+    assert ran == []
 
 
 def test_naive_engine_runs_each_operation_at_once():
@@ -373,6 +380,21 @@ def test_use_switches_engines_and_rejects_unknown_ones():
     assert isinstance(engine.use('threaded'), engine.ThreadedEngine)
     with pytest.raises(ValueError, match="'fast'.*naive"):
         engine.use('fast')
+
+
+def test_switching_engines_ends_the_old_workers():
+    def engine_threads():
+        return sum(t.name.startswith('d2lperf-') for t in threading.enumerate())
+    engine.use('threaded')
+    before = engine_threads()
+    for _ in range(3):
+        engine.use('threaded')
+        out, box = engine.Var(), []
+        engine.push(lambda: box.append(1), [], [out], CPU0, 'work')
+        engine.push(lambda: box.append(2), [], [engine.Var()], CPU1, 'work')
+        engine.wait_all()
+        assert sorted(box) == [1, 2]
+    assert engine_threads() <= max(before, 2)
 
 
 @pytest.mark.parametrize('env, expected', [
