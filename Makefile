@@ -27,7 +27,7 @@ notebooks: $(STAMP)
 
 ## Re-pair every chapter: the Markdown is the source, the notebook is rewritten from it.
 sync: $(STAMP)
-	$(BIN)/jupytext --to ipynb chapters/*.md
+	$(BIN)/jupytext --update --to ipynb chapters/*.md
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/engine.py
