@@ -12,25 +12,32 @@ import numpy
 
 
 class Device:
-    """A place to compute: `Device('cpu', 0)` or `Device('gpu', 1)`."""
+    """A place to compute: `Device('cpu', 0)` or `Device('gpu', 1)`.
+
+    There is one object per device, so comparing and hashing devices (which the engine does
+    on every operation) is the built-in identity test, not a Python-level method.
+    """
 
     __slots__ = ('kind', 'index')
+    _made = {}
 
-    def __init__(self, kind, index=0):
-        if kind not in ('cpu', 'gpu'):
-            raise ValueError(f"device kind must be 'cpu' or 'gpu', not {kind!r}")
-        self.kind, self.index = kind, int(index)
+    def __new__(cls, kind, index=0):
+        key = (kind, int(index))
+        device = cls._made.get(key)
+        if device is None:
+            if kind not in ('cpu', 'gpu'):
+                raise ValueError(f"device kind must be 'cpu' or 'gpu', not {kind!r}")
+            device = cls._made[key] = super().__new__(cls)
+            device.kind, device.index = key
+        return device
+
+    def __reduce__(self):
+        return Device, (self.kind, self.index)
 
     @property
     def xp(self):
         """The array module that computes on this device: numpy, or cupy for a GPU."""
         return numpy if self.kind == 'cpu' else _cupy()
-
-    def __eq__(self, other):
-        return isinstance(other, Device) and (self.kind, self.index) == (other.kind, other.index)
-
-    def __hash__(self):
-        return hash((self.kind, self.index))
 
     def __repr__(self):
         return f'{self.kind}({self.index})'
