@@ -34,13 +34,6 @@ def copy_lane(source, target):
 STOP = None                     # what a worker's queue holds to end its thread
 
 
-def run_unless_stop(op, run, worker):
-    if op is STOP:
-        return False
-    run(op, worker)
-    return True
-
-
 class Worker:
     """One thread for one lane of one device, running its ready operations in arrival order."""
 
@@ -62,23 +55,29 @@ class Worker:
         started.set()
         get, run, cores = self.ready.get, engine._run, self.cores
         while True:
-            # Decide while idle, and keep no reference to the last operation: freeing it
-            # when the next one arrives would put that work on the critical path.
-            if cores is not None and cores.active:
-                if not self._run_while_busy(get(), run, cores):
-                    return
-            elif not run_unless_stop(get(), run, self):
+            op = get()
+            if op is STOP:
                 return
+            if cores is not None and cores.active:       # decided while idle
+                if not self._run_while_busy(op, run, cores):
+                    return
+            else:
+                run(op, self)
+            # Keep no reference to the last operation: freeing it when the next one
+            # arrives would put that work on the critical path.
+            del op
 
     def _run_while_busy(self, op, run, cores):
-        """Count this device as busy from its first ready operation until its queue is empty."""
+        """Count this device as busy from its first ready operation until its queue is empty;
+        False once told to stop."""
         cores.enter()
         try:
-            if not run_unless_stop(op, run, self):
-                return False
+            run(op, self)
             while not self.ready.empty():
-                if not run_unless_stop(self.ready.get(), run, self):
+                op = self.ready.get()
+                if op is STOP:
                     return False
+                run(op, self)
             return True
         finally:
             cores.leave()
@@ -161,7 +160,9 @@ class PoliteLock:
         self._lock.release()
 
     def __enter__(self):
-        self.acquire()
+        lock = self._lock
+        while not lock.acquire(False):
+            time.sleep(0)
 
     def __exit__(self, *exc_info):
         self._lock.release()
