@@ -73,11 +73,13 @@ class Worker:
         cores.enter()
         try:
             run(op, self)
+            del op
             while not self.ready.empty():
                 op = self.ready.get()
                 if op is STOP:
                     return False
                 run(op, self)
+                del op
             return True
         finally:
             cores.leave()
