@@ -211,9 +211,7 @@ class ThreadedEngine:
             for var in op.reads:
                 _complete_read(var, granted)
             for var in op.writes:
-                var.error = error
-                if op.device is None or op.device.kind == 'cpu':
-                    var.event = None
+                var.error = error             # (a GPU lane has set var.event already)
                 _complete_write(var, granted)
             for other in granted:
                 other.waiting -= 1

@@ -146,9 +146,12 @@ class NDArray:
         assign(self, key, value)
 
 
+PYTHON_SCALARS = (float, int, bool)     # the common case, told apart without ABC machinery
+
+
 def as_device_input(x):
     """Check one operation input: an NDArray, a Python/NumPy scalar, or a tracer (returned)."""
-    if isinstance(x, (numbers.Number, numpy.generic)):
+    if type(x) in PYTHON_SCALARS or isinstance(x, (numbers.Number, numpy.generic)):
         return None
     if isinstance(x, numpy.ndarray):
         raise TypeError('a NumPy array cannot enter a d2lperf operation directly; wrap it '
@@ -202,6 +205,8 @@ def apply(name, *inputs, **attrs):
     for x in inputs:
         if type(x) is NDArray:
             arrays.append(x)
+        elif type(x) in PYTHON_SCALARS:
+            pass
         elif hasattr(x, 'apply_op'):            # a tracer from the compiler: it builds a graph
             return x.apply_op(name, inputs, attrs)
         else:
