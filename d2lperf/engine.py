@@ -327,7 +327,7 @@ def current():
 
 def use(kind):
     """Switch to the 'threaded' or 'naive' engine, after finishing all pushed work."""
-    global _engine, push, wait_for
+    global _engine
     if kind not in ENGINES:
         raise ValueError(f'{kind!r} is not an engine; use one of {sorted(ENGINES)}')
     _engine.wait_all()
@@ -336,16 +336,19 @@ def use(kind):
     recording = _engine.recording
     _engine = ENGINES[kind]()
     _engine.recording = recording
-    push, wait_for = _engine.push, _engine.wait_for
     return _engine
 
 
-# The engine's own methods, bound, so each call costs no extra Python frame (`use` rebinds
-# them). push(fn, reads, writes, device, name, lane=COMPUTE) runs `fn` on `device` once the
-# variables it reads and writes are ready, and returns at once; `lane` picks the device's
-# worker: COMPUTE, or COPY_IN / COPY_OUT for moving data. wait_for(var) blocks until the
-# last write of `var` is done.
-push, wait_for = _engine.push, _engine.wait_for
+def push(fn, reads, writes, device, name, lane=COMPUTE):
+    """Run `fn` on `device` once the variables it reads and writes are ready; returns at once.
+
+    `lane` picks the device's worker: COMPUTE, or COPY_IN / COPY_OUT for moving data.
+    """
+    _engine.push(fn, reads, writes, device, name, lane)
+
+
+def wait_for(var):
+    _engine.wait_for(var)
 
 
 def wait_all():
