@@ -58,7 +58,7 @@ class Worker:
             op = get()
             if op is STOP:
                 return
-            if cores is not None and cores.active:       # decided while idle
+            if cores is not None and cores.active:
                 if not self._run_while_busy(op, run, cores):
                     return
             else:
@@ -162,9 +162,7 @@ class PoliteLock:
         self._lock.release()
 
     def __enter__(self):
-        lock = self._lock
-        while not lock.acquire(False):
-            time.sleep(0)
+        self.acquire()
 
     def __exit__(self, *exc_info):
         self._lock.release()
