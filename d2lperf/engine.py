@@ -17,6 +17,7 @@ import os
 import threading
 import time
 
+from .device import set_running_device
 from .workers import (COMPUTE, COPY_IN, COPY_OUT, PoliteLock, SharedCores, Worker,  # noqa: F401
                       copy_lane)
 
@@ -292,6 +293,7 @@ class NaiveEngine:
 
 
 def _run_now(op):
+    set_running_device(op.device)
     if op.device is None or op.device.kind == 'cpu':
         op.fn()
         return

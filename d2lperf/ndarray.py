@@ -11,7 +11,7 @@ import numpy
 
 from . import engine
 from .device import Device, cpu, transfer
-from .ops import REGISTRY, index_shape
+from .ops import REGISTRY, as_array, index_shape
 
 
 class TapeState:
@@ -177,11 +177,6 @@ def common_device(name, arrays):
 
 
 _inferred = {}
-
-
-def as_array(xp, value):
-    """NumPy returns scalars from 0-d operations; an array is needed to update in place."""
-    return value if type(value) is xp.ndarray else xp.asarray(value)
 
 
 def infer(op, inputs, attrs):

@@ -16,6 +16,8 @@ import queue
 import threading
 import time
 
+from .device import set_running_device
+
 COMPUTE, COPY_IN, COPY_OUT = 'compute', 'copy in', 'copy out'
 
 
@@ -50,6 +52,7 @@ class Worker:
         started.wait()
 
     def _loop(self, engine, started):
+        set_running_device(self.device)
         if self.device.kind == 'gpu':
             self.stream = _use_gpu_stream(self.device)
         started.set()

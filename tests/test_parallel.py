@@ -15,7 +15,7 @@ from hypothesis import given, strategies as st
 
 import d2lperf as d2l
 from d2lperf import device as device_module, engine, np
-from d2lperf.np import random as random_module
+from d2lperf.ops import random as random_module
 from d2lperf.workers import COMPUTE, COPY_IN, COPY_OUT, SharedCores, copy_lane
 import fake_cupy
 from conftest import run_with_timeout
@@ -354,7 +354,7 @@ def fake_gpus(monkeypatch):
     if d2l.num_gpus():
         pytest.skip('a real GPU is here: the tests marked needs_gpu run instead')
     monkeypatch.setitem(sys.modules, 'cupy', fake_cupy.make_module(gpus=2))
-    monkeypatch.setattr(random_module, '_generators', {})
+    monkeypatch.setattr(random_module, 'generators', {})
     device_module._cupy.cache_clear()
     device_module.num_gpus.cache_clear()
     engine.use('threaded')            # workers made here (with fake streams) end with the test

@@ -12,13 +12,10 @@ import itertools
 import linecache
 import math
 
-from ..ndarray import as_array
-from ..ops import REGISTRY
+from ..ops import REGISTRY, as_array
 from .graph import ARGUMENT_KINDS
-from .memory import COMPARISONS, VIEW_OPS, writes_into
-from .passes import ELEMENTWISE
+from .memory import writes_into
 
-UFUNCS = (ELEMENTWISE - {'relu', 'sigmoid'}) | COMPARISONS
 _programs = itertools.count()
 
 
@@ -84,13 +81,15 @@ class Writer:
 def emit_into(w, node, out):
     """The lines that compute one call node into the existing array named `out`."""
     a, op, f = [w.expr(x) for x in node.inputs], node.op, w.function
-    if op in UFUNCS:
-        return [f'{f(op)}({", ".join(a)}, out={out})']
+    if REGISTRY[op].ufunc:
+        return [f'{f(REGISTRY[op].ufunc)}({", ".join(a)}, out={out})']
     if op == 'relu':
         return [f'{f("maximum")}({a[0]}, 0, out={out})']
     if op == 'sigmoid':                 # 1 / (1 + exp(-a)), one step at a time, in place
         return [f'{f("negative")}({a[0]}, out={out})', f'{f("exp")}({out}, out={out})',
                 f'{f("add")}({out}, 1, out={out})', f'{f("divide")}(1, {out}, out={out})']
+    if node.op_kind in ('elementwise', 'compare'):      # no ufunc: compute, then store
+        return [f'{out}[...] = {w.operation(op)}(xp, {", ".join(a)})']
     if op == 'fully_connected':
         return [f'{f("matmul")}({a[0]}, {a[1]}.T, out={out})',
                 f'{f("add")}({out}, {a[2]}, out={out})']
@@ -115,7 +114,7 @@ def emit_call(w, node, name):
 
 
 def emit_node(w, index, node, slot, fused_kernel):
-    if node.kind == 'call' and node.op in VIEW_OPS or not writes_into(node):
+    if node.op_kind == 'view' or not writes_into(node):
         w.names[node] = f'v{index}'
         emit_call(w, node, w.names[node])
         return

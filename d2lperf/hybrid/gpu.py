@@ -11,19 +11,12 @@ Interpreters"; this module imports CuPy only when a GPU is used.
 """
 import numpy
 
+from ..ops import REGISTRY
 from .codegen import generate, is_plain_number
 from .graph import Node
 from .memory import plan_memory, writes_into
-from .passes import ELEMENTWISE
 
 C_TYPES = {numpy.dtype('float32'): 'float', numpy.dtype('float64'): 'double'}
-C_EXPRESSIONS = {
-    'add': '{a} + {b}', 'subtract': '{a} - {b}', 'multiply': '{a} * {b}', 'divide': '{a} / {b}',
-    'power': 'pow({a}, {b})', 'maximum': 'max({a}, {b})', 'minimum': 'min({a}, {b})',
-    'negative': '-{a}', 'exp': 'exp({a})', 'log': 'log({a})', 'sqrt': 'sqrt({a})',
-    'abs': 'fabs({a})', 'tanh': 'tanh({a})', 'relu': 'max({a}, ({t})0)',
-    'sigmoid': '({t})1 / (({t})1 + exp(-{a}))',
-}
 DENSE_ROWS = 64         # up to this batch, a dense layer is our own kernel (no cuBLAS)
 WARP = 32
 
@@ -45,7 +38,10 @@ def c_statements(steps, operand, ctype):
                 args.append(f'({ctype}){float(x)!r}')
             else:
                 return None                 # NaN or infinity: leave it to CuPy
-        expression = C_EXPRESSIONS[step.op].format(t=ctype, a=args[0], b=args[-1])
+        c_expr = REGISTRY[step.op].c_expr
+        if c_expr is None:
+            return None                     # an op without a C form: leave it to CuPy
+        expression = c_expr.format(t=ctype, a=args[0], b=args[-1])
         lines.append(f'{ctype} t{i} = {expression};')
         names[step] = f't{i}'
     return lines, f't{len(steps) - 1}'
@@ -151,7 +147,7 @@ def fused_kernel(w, node, out):
     """Lines that run a fused node as one kernel, or None to fall back to one call per step."""
     w.namespace.setdefault('numpy', numpy)
     first = node.body[0]
-    if first.op in ELEMENTWISE:
+    if first.op_kind == 'elementwise':
         return elementwise_kernel(w, node, out, node.body)
     if first.op == 'fully_connected':
         return dense_kernel(w, node, out) or matmul_then_kernel(w, node, out)

@@ -9,8 +9,7 @@ every pass and the code generator are tested against.
 """
 import numpy
 
-from ..ndarray import as_array
-from ..ops import REGISTRY
+from ..ops import REGISTRY, as_array
 
 ARGUMENT_KINDS = ('input', 'param')
 
@@ -30,6 +29,11 @@ class Node:
     @property
     def ndim(self):
         return len(self.shape)
+
+    @property
+    def op_kind(self):
+        """What the compiler may do with this node's op (`ops.KINDS`); None if not a call."""
+        return REGISTRY[self.op].kind if self.kind == 'call' else None
 
     @property
     def type(self):

@@ -10,11 +10,7 @@ views that keep their source's buffer alive. Taught in "Compilers and Interprete
 import math
 
 from .graph import ARGUMENT_KINDS
-from .passes import ANCHORS, ELEMENTWISE
 
-COMPARISONS = frozenset({'greater', 'less', 'equal', 'greater_equal', 'less_equal',
-                         'not_equal'})
-VIEW_OPS = frozenset({'reshape', 'transpose'})      # their result shares the input's memory
 NEVER = math.inf
 
 
@@ -24,8 +20,7 @@ def writes_into(node):
         return True
     if node.op == 'dot':
         return all(1 <= x.ndim <= 2 for x in node.inputs)
-    return node.op in ELEMENTWISE or node.op in ANCHORS or node.op in COMPARISONS or \
-        node.op == 'concatenate'
+    return node.op_kind in ('elementwise', 'compare', 'contraction') or node.op == 'concatenate'
 
 
 def first_step(node):
@@ -61,7 +56,7 @@ class MemoryPlan:
             slot, note = self.slots[node], ''
             if node in self.in_place:
                 note = f'  (in place of {self.in_place[node]!r})'
-            elif node.kind == 'call' and node.op in VIEW_OPS:
+            elif node.op_kind == 'view':
                 note = '  (a view)'
             where = {'buffer': slot.name, 'fresh': 'new array per call',
                      'owned': 'allocated by the op'}[slot.kind]
@@ -90,14 +85,14 @@ def last_uses(graph):
 def _in_place_source(node, index, plan):
     """An input of `node` that dies at `node` and has its shape and dtype, or None."""
     step = first_step(node)
-    if step.op not in ELEMENTWISE:
+    if step.op_kind != 'elementwise':
         return None
     later = [x for m in (node.body[1:] if node.kind == 'fused' else ()) for x in m.inputs]
     for x in step.input_nodes():
         slot = plan.slots.get(x)
         if (slot is not None and slot.kind != 'fresh' and slot.free_at <= index
                 and x.shape == node.shape and x.dtype == node.dtype and x not in later
-                and not (x.kind == 'call' and x.op in VIEW_OPS)):
+                and x.op_kind != 'view'):
             return x
     return None
 
@@ -120,7 +115,7 @@ def plan_memory(graph, static_outputs=False):
         if node.kind in ARGUMENT_KINDS or node.kind == 'constant':
             continue
         name = f'v{index}'
-        if node.kind == 'call' and node.op in VIEW_OPS:
+        if node.op_kind == 'view':
             source = plan.slots.get(node.inputs[0])
             if source is not None:                  # a view keeps its source's slot alive
                 source.free_at = max(source.free_at, last[node])

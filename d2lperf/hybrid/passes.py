@@ -7,12 +7,10 @@ the last pass, lives in `memory.py`. Taught in "Compilers and Interpreters".
 """
 import numpy
 
-from ..ops import RANDOM_OPS, REGISTRY
+from ..ops import REGISTRY
 from .graph import ARGUMENT_KINDS, Node
 
-ELEMENTWISE = frozenset({'add', 'subtract', 'multiply', 'divide', 'power', 'maximum', 'minimum',
-                         'negative', 'exp', 'log', 'sqrt', 'abs', 'tanh', 'sigmoid', 'relu'})
-ANCHORS = frozenset({'fully_connected', 'matmul', 'dot'})   # may start a fused chain
+CHAIN_HEADS = ('elementwise', 'contraction')     # the op kinds a fused chain may start with
 
 
 def eliminate_dead_code(graph):
@@ -36,7 +34,7 @@ def _expression_key(node):
     """What makes two nodes compute the same value; None for nodes never to be merged."""
     if node.kind == 'constant':
         return ('constant', node.dtype.str, node.shape, numpy.asarray(node.value).tobytes())
-    if node.kind != 'call' or node.op in RANDOM_OPS:
+    if node.kind != 'call' or node.op_kind == 'random':
         return None
     key = (node.op, tuple(map(_scalar_key, node.inputs)), tuple(sorted(node.attrs.items())))
     try:
@@ -69,7 +67,7 @@ def fold_constants(graph):
     graph = graph.copy()
     for node in graph.nodes:
         inputs = node.input_nodes()
-        if (node.kind != 'call' or node.op in RANDOM_OPS or not inputs
+        if (node.kind != 'call' or node.op_kind == 'random' or not inputs
                 or any(x.kind != 'constant' for x in inputs)):
             continue
         values = [x.value if isinstance(x, Node) else x for x in node.inputs]
@@ -98,7 +96,7 @@ def _chain_from(node, users, outputs, taken):
     chain = [node]
     while chain[-1] not in outputs and len(users[chain[-1]]) == 1:
         successor = users[chain[-1]][0]
-        if (successor.kind != 'call' or successor.op not in ELEMENTWISE or successor in taken
+        if (successor.op_kind != 'elementwise' or successor in taken
                 or successor.shape != node.shape or successor.dtype != node.dtype):
             break
         chain.append(successor)
@@ -111,8 +109,7 @@ def fuse_elementwise(graph):
     users, outputs = graph.users(), set(graph.outputs)
     tails, taken = {}, set()
     for node in graph.nodes:
-        if node not in taken and node.kind == 'call' and (node.op in ELEMENTWISE
-                                                          or node.op in ANCHORS):
+        if node not in taken and node.op_kind in CHAIN_HEADS:
             chain = _chain_from(node, users, outputs, taken)
             if len(chain) > 1:
                 tails[chain[-1]] = chain

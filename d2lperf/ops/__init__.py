@@ -1,0 +1,28 @@
+"""`d2lperf.ops`: every array operation, as the engine, autograd and the compiler all see it.
+
+An `Op` is a name, three small functions (compute, infer, vjp) and the facts the compiler
+needs (its `kind` and, for elementwise ops, a C expression); `registry.py` says what each
+means. Ops are registered with `defop` by family, one module each:
+
+    registry.py     Op, REGISTRY, defop, the kinds; as_array
+    rules.py        shape, dtype and gradient rules many ops share
+    elementwise.py  arithmetic, comparisons, math functions
+    linalg.py       dot, matmul
+    reduction.py    sum, mean, max, argmax
+    shape.py        reshape, transpose, broadcast_to, astype, copy, getitem, concatenate, where
+    nn.py           relu, sigmoid, softmax, log_softmax, pick, fully_connected
+    random.py       one generator per device; dropout_mask
+
+Adding an op is one `defop` call in its family's module: every frontend (`np`, `npx`),
+autograd and the compiler find it in REGISTRY.
+"""
+from .registry import KINDS, REGISTRY, Op, as_array, defop
+from .rules import (compare, dot_shape, dtype_of, expand_reduced, floating, index_shape,
+                    input_grads, matmul_shape, normalize_axes, promote, reduced_shape,
+                    reshape_shape, same, shape_of, sum_dtype, unbroadcast)
+from . import elementwise, linalg, reduction, shape, nn, random  # noqa: F401  (they register)
+
+__all__ = ['KINDS', 'REGISTRY', 'Op', 'as_array', 'defop', 'compare', 'dot_shape', 'dtype_of',
+           'expand_reduced', 'floating', 'index_shape', 'input_grads', 'matmul_shape',
+           'normalize_axes', 'promote', 'reduced_shape', 'reshape_shape', 'same', 'shape_of',
+           'sum_dtype', 'unbroadcast']

@@ -1,0 +1,71 @@
+"""The operations neural networks are made of: activations, softmax, picking labels, and a
+dense layer as one operation (as MXNet's FullyConnected).
+
+Softmax and its log work along the last axis, as classifiers use them. `fully_connected` is
+a contraction: the compiler runs it as a product followed by a fused bias and activation.
+"""
+import numpy
+
+from .registry import defop
+from .rules import floating, same
+
+defop('relu', lambda xp, a: xp.maximum(a, 0), same, lambda xp, g, out, a: (g * (out > 0),),
+      kind='elementwise', c_expr='max({a}, ({t})0)')
+defop('sigmoid', lambda xp, a: 1 / (1 + xp.exp(-a)), floating,
+      lambda xp, g, out, a: (g * out * (1 - out),),
+      kind='elementwise', c_expr='({t})1 / (({t})1 + exp(-{a}))')
+
+
+def log_softmax(xp, a):
+    shifted = a - a.max(axis=-1, keepdims=True)
+    return shifted - xp.log(xp.exp(shifted).sum(axis=-1, keepdims=True))
+
+
+def softmax(xp, a):
+    e = xp.exp(a - a.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+defop('log_softmax', log_softmax, floating,
+      lambda xp, g, out, a: (g - xp.exp(out) * g.sum(axis=-1, keepdims=True),))
+defop('softmax', softmax, floating,
+      lambda xp, g, out, a: (out * (g - (g * out).sum(axis=-1, keepdims=True)),))
+
+
+def pick_infer(a, index):
+    if tuple(index.shape) != tuple(a.shape[:-1]):
+        raise ValueError(f'pick needs one index per row: index shape {index.shape} '
+                         f'!= {a.shape[:-1]}')
+    return a.shape[:-1], numpy.dtype(a.dtype)
+
+
+def pick(xp, a, index):
+    return xp.take_along_axis(a, index.astype(numpy.int64)[..., None], axis=-1)[..., 0]
+
+
+def pick_vjp(xp, g, out, a, index):
+    onehot = xp.arange(a.shape[-1]) == index.astype(numpy.int64)[..., None]
+    return (onehot * g[..., None], None)
+
+
+defop('pick', pick, pick_infer, pick_vjp)
+
+
+def fully_connected_infer(x, weight, bias):
+    if x.shape[-1:] != weight.shape[1:]:
+        raise ValueError(f'a Dense layer with weight {weight.shape} expects inputs of '
+                         f'{weight.shape[1]} features, got shape {x.shape}')
+    if tuple(bias.shape) != tuple(weight.shape[:1]):
+        raise ValueError(f'a Dense layer with weight {weight.shape} needs a bias of shape '
+                         f'{weight.shape[:1]}, got {bias.shape}')
+    # The bias is added last, so its dtype promotes the result too.
+    return x.shape[:-1] + weight.shape[:1], numpy.result_type(x.dtype, weight.dtype, bias.dtype)
+
+
+def fully_connected_vjp(xp, g, out, x, weight, bias):
+    g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
+    return xp.matmul(g, weight), xp.matmul(g2.T, x2), g2.sum(axis=0)
+
+
+defop('fully_connected', lambda xp, x, weight, bias: xp.matmul(x, weight.T) + bias,
+      fully_connected_infer, fully_connected_vjp, kind='contraction')

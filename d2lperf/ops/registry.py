@@ -1,0 +1,64 @@
+"""What an operation is: a name, three small functions, and the facts the compiler needs.
+
+`compute(xp, *inputs, **attrs)` runs it with the device's array module (NumPy or CuPy);
+`infer(*inputs, **attrs)` gives the result's shape and dtype from the inputs' shapes and
+dtypes alone (so pushing never waits); `vjp(xp, g, out, *inputs, **attrs)` turns the
+gradient of the output into one gradient (or None) per input, micrograd-style. Inputs are
+arrays or Python scalars; `attrs` are plain, JSON-friendly values, so a graph of ops can be
+exported and read back.
+
+`kind` is what the compiler ("Compilers and Interpreters") may do with an op, and this is
+the one place the kinds are defined:
+
+    elementwise  one output value per (broadcast) input value, same dtype rules as NumPy's
+                 arithmetic: may be fused into a chain and computed in place
+    compare      elementwise, but the result is boolean: written into a buffer, never fused
+    contraction  a product (matmul, dot, a dense layer): written into a buffer, and may head
+                 a fused chain of elementwise ops, never sit inside one
+    view         the result shares the input's memory (reshape, transpose)
+    reduction    fewer values out than in (sum, max, ...): allocates its own result
+    random       the result is not a function of the inputs: never merged, never folded
+    opaque       anything else: the compiler calls `compute` as it is and never fuses it
+
+`c_expr`, for elementwise ops, is the op as a C expression over `{a}` (and `{b}`) of C type
+`{t}`: the GPU back end fuses a chain of them into one kernel.
+"""
+import numpy
+
+KINDS = ('elementwise', 'compare', 'contraction', 'view', 'reduction', 'random', 'opaque')
+
+
+class Op:
+    """One registered operation; `ufunc` names the NumPy/CuPy ufunc that computes it into an
+    existing array (`out=`), for the elementwise and comparison ops that have one."""
+
+    __slots__ = ('name', 'compute', 'infer', 'vjp', 'kind', 'c_expr', 'ufunc')
+
+    def __init__(self, name, compute, infer, vjp=None, kind='opaque', c_expr=None):
+        if kind not in KINDS:
+            raise ValueError(f'op {name!r}: kind must be one of {KINDS}, not {kind!r}')
+        if c_expr is not None and kind != 'elementwise':
+            raise ValueError(f'op {name!r}: only elementwise ops have a C expression')
+        self.name, self.compute, self.infer, self.vjp = name, compute, infer, vjp
+        self.kind, self.c_expr = kind, c_expr
+        is_ufunc = isinstance(getattr(numpy, name, None), numpy.ufunc)
+        self.ufunc = name if kind in ('elementwise', 'compare') and is_ufunc else None
+
+    def __repr__(self):
+        return f'Op({self.name}, {self.kind})'
+
+
+REGISTRY = {}
+
+
+def defop(name, compute, infer, vjp=None, kind='opaque', c_expr=None):
+    """Register an operation under `name` (every frontend and the compiler find it there)."""
+    if name in REGISTRY:
+        raise ValueError(f'an op named {name!r} is already registered')
+    REGISTRY[name] = Op(name, compute, infer, vjp, kind, c_expr)
+    return REGISTRY[name]
+
+
+def as_array(xp, value):
+    """NumPy returns scalars from 0-d operations; an array is needed to update in place."""
+    return value if type(value) is xp.ndarray else xp.asarray(value)
