@@ -1,58 +1,84 @@
 """Reverse-mode automatic differentiation on asynchronous arrays.
 
-Inside `record()`, every operation on an array that needs a gradient remembers its op and
-inputs on its output. `backward()` walks that graph from the head in reverse topological
-order and pushes, for each node, one engine operation that runs the op's `vjp` rule: the
-backward pass is as asynchronous as the forward one.
+Inside `record()`, every operation on an array that needs a gradient leaves a
+`tape.TapeNode` (its op, inputs and attributes) on its output. `backward()` walks those
+nodes from the head in reverse topological order and pushes, for each, one engine operation
+that runs the op's `vjp` rule: the backward pass is as asynchronous as the forward one.
+
+`record(train_mode=True)` also says that layers train (dropout drops, batch norm uses the
+batch's statistics); `predict_mode()` and `train_mode()` change only that, `pause()` only
+the recording, as in Gluon. A hybridized block records ONE node whose rule walks its own
+graph (`hybrid.graph.gradients`); that walk differs from the one here because it runs
+inside a single engine operation, on raw arrays, over nodes already in order.
 """
 import contextlib
 
 from . import engine
-from .ndarray import TAPE, NDArray, create
+from .ndarray import NDArray, create
+from .tape import TAPE, needs_grad
 
 
 @contextlib.contextmanager
-def record():
-    """Record operations for `backward()` inside this block."""
-    previous, TAPE.recording = TAPE.recording, True
+def _flags(recording, training):
+    """Set the tape's flags (None: leave one as it is) inside the block, then restore them."""
+    previous = TAPE.recording, TAPE.training
+    if recording is not None:
+        TAPE.recording = recording
+    if training is not None:
+        TAPE.training = training
     try:
         yield
     finally:
-        TAPE.recording = previous
+        TAPE.recording, TAPE.training = previous
 
 
-@contextlib.contextmanager
-def pause():
+def record(train_mode=True):
+    """Record operations for `backward()` inside this block; layers train unless told not to."""
+    return _flags(True, train_mode)
+
+
+def pause(train_mode=False):
     """Stop recording inside a `record()` block (for metrics, say)."""
-    previous, TAPE.recording = TAPE.recording, False
-    try:
-        yield
-    finally:
-        TAPE.recording = previous
+    return _flags(False, train_mode)
+
+
+def train_mode():
+    """Layers behave as in training inside this block (recording is left as it is)."""
+    return _flags(None, True)
+
+
+def predict_mode():
+    """Layers behave as in prediction inside this block (recording is left as it is)."""
+    return _flags(None, False)
 
 
 def is_recording():
     return TAPE.recording
 
 
-def attach_grad(self):
-    """Give this array a gradient buffer, `.grad`, that `backward()` writes into.
+def is_training():
+    """True inside `record()` (unless train_mode=False) or `train_mode()`; False outside."""
+    return TAPE.training
 
-    The buffer starts as zeros made fresh (not `self * 0`, which is NaN where self is
-    infinite), and is a real array even for a 0-d self, so that backward can write into it.
+
+def attach_grad(array):
+    """Give `array` a gradient buffer, `.grad`, that `backward()` writes into.
+
+    The buffer starts as zeros made fresh (not `array * 0`, which is NaN where the array is
+    infinite), and is a real array even for a 0-d one, so that backward can write into it.
     """
-    if self.dtype.kind != 'f':
-        raise TypeError(f'only floating arrays can have gradients, not {self.dtype}')
-    self.grad = _filled(self, 0)
-    return self
+    if array.dtype.kind != 'f':
+        raise TypeError(f'only floating arrays can have gradients, not {array.dtype}')
+    array.grad = filled_like(array, 0)
+    return array
 
 
-def _filled(like, value):
+def filled_like(like, value):
     return create(like.shape, like.dtype, like.device,
                   lambda xp, shape, dtype: xp.full(shape, value, dtype), 'full')
 
 
-def _topological_order(head):
+def topological_order(head):
     """Every recorded array the head depends on, inputs before the arrays they produce."""
     order, seen, stack = [], set(), [(head, False)]
     while stack:
@@ -64,31 +90,28 @@ def _topological_order(head):
             continue
         seen.add(id(array))
         stack.append((array, True))
-        if array._node is not None:
-            stack.extend((x, False) for x in array._node[1]
+        if array.node is not None:
+            stack.extend((x, False) for x in array.node.inputs
                          if type(x) is NDArray and id(x) not in seen)
     return order
 
 
-def _needs_grad(x):
-    return type(x) is NDArray and (x._node is not None or x.grad is not None)
-
-
-def _push_vjp(out, g, grads):
+def push_vjp(out, g, grads):
     """One engine operation: the gradients of `out`'s inputs from the gradient `g` of `out`."""
-    op, inputs, attrs = out._node
-    targets = [NDArray(x.shape, x.dtype, x.device) if _needs_grad(x) and x.dtype.kind == 'f'
-               else None for x in inputs]
-    xp, vjp = out.device.xp, op.vjp
-    if vjp is None:
+    op, inputs, attrs = out.node.op, out.node.inputs, out.node.attrs
+    if op.vjp is None:
         raise RuntimeError(f"operation '{op.name}' has no gradient; call it outside record()")
+    targets = [NDArray(x.shape, x.dtype, x.device)
+               if type(x) is NDArray and needs_grad(x) and x.dtype.kind == 'f' else None
+               for x in inputs]
+    xp, vjp = out.device.xp, op.vjp
 
     def run():
-        values = vjp(xp, g._data, out._data,
-                     *[x._data if type(x) is NDArray else x for x in inputs], **attrs)
+        values = vjp(xp, g.data, out.data,
+                     *[x.data if type(x) is NDArray else x for x in inputs], **attrs)
         for target, value in zip(targets, values):
             if target is not None:
-                target._data = xp.asarray(value, dtype=target.dtype).reshape(target.shape)
+                target.data = xp.asarray(value, dtype=target.dtype).reshape(target.shape)
     arrays = [x for x in inputs if type(x) is NDArray]
     written = [t for t in targets if t is not None]
     engine.push(run, [g.var, out.var] + [x.var for x in arrays], [t.var for t in written],
@@ -100,22 +123,18 @@ def _push_vjp(out, g, grads):
 
 def backward(head, head_grad=None, retain_graph=False):
     """Gradients of `head` (summed, if it is not a scalar) into every attached `.grad`."""
-    if head._node is None:
+    if head.node is None:
         raise RuntimeError('nothing to differentiate: compute the head inside autograd.record() '
                            'from arrays that called attach_grad()')
     with pause():
-        grads = {id(head): head_grad if head_grad is not None else _filled(head, 1)}
-        for array in reversed(_topological_order(head)):
+        grads = {id(head): head_grad if head_grad is not None else filled_like(head, 1)}
+        for array in reversed(topological_order(head)):
             g = grads.pop(id(array), None)
             if g is None:
                 continue
-            if array._node is not None:
-                _push_vjp(array, g, grads)
+            if array.node is not None:
+                push_vjp(array, g, grads)
                 if not retain_graph:
-                    array._node = None
+                    array.node = None
             elif array.grad is not None:
                 array.grad[...] = g          # `...`, not `:`, so that a 0-d leaf works too
-
-
-NDArray.attach_grad = attach_grad
-NDArray.backward = backward

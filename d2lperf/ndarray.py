@@ -12,28 +12,26 @@ import numpy
 from . import engine
 from .device import Device, cpu, transfer
 from .ops import REGISTRY, as_array, index_shape
-
-
-class TapeState:
-    """Whether operations are being recorded for autograd (set by `autograd.record`)."""
-    recording = False
-
-
-TAPE = TapeState()
+from .tape import TAPE, TapeNode, needs_grad
 
 
 class NDArray:
-    """An asynchronous array on one device; `_data` is filled in by the engine."""
+    """An asynchronous array on one device.
 
-    __slots__ = ('_data', 'var', 'shape', 'dtype', 'device', '_node', 'grad', '__weakref__')
+    `data` is the device's array (NumPy or CuPy) holding the values: the engine fills it in,
+    so only code running as an engine operation may read it. `node` is how autograd recorded
+    this array (a `tape.TapeNode`, or None); `grad` its gradient buffer, after `attach_grad`.
+    """
+
+    __slots__ = ('data', 'var', 'shape', 'dtype', 'device', 'node', 'grad', '__weakref__')
     __array_ufunc__ = None          # make NumPy defer to our operators: `2.0 * x` stays async
 
     def __init__(self, shape, dtype, device, var=None):
         """`shape` a tuple and `dtype` a numpy.dtype: pushes are hot, so nothing is converted."""
         self.shape, self.dtype, self.device = shape, dtype, device
         self.var = var if var is not None else engine.Var()
-        self._data = None
-        self._node = None           # (op, inputs, attrs) when recorded for autograd
+        self.data = None
+        self.node = None
         self.grad = None
 
     # -- blockers: everything that needs the values waits for them -----------------------
@@ -45,7 +43,7 @@ class NDArray:
     def asnumpy(self):
         """A NumPy copy of the values (waits for them)."""
         self.wait_to_read()
-        return self._data.get() if self.device.kind == 'gpu' else numpy.array(self._data)
+        return self.data.get() if self.device.kind == 'gpu' else numpy.array(self.data)
 
     def item(self):
         return self.asnumpy().item()
@@ -142,6 +140,17 @@ class NDArray:
     def __getitem__(self, key):
         return view(self, key)
 
+    # -- autograd (which sits above this module: imported when first used) ---------------
+    def attach_grad(self):
+        """Give this array a gradient buffer, `.grad`, that `backward()` writes into."""
+        from .autograd import attach_grad
+        return attach_grad(self)
+
+    def backward(self, head_grad=None, retain_graph=False):
+        """Gradients of this array (summed, if it is not a scalar) into every `.grad`."""
+        from .autograd import backward
+        backward(self, head_grad, retain_graph)
+
     def __setitem__(self, key, value):
         assign(self, key, value)
 
@@ -214,19 +223,19 @@ def apply(name, *inputs, **attrs):
     compute, xp = op.compute, device.xp
     if len(arrays) == len(inputs):
         def run():
-            out._data = as_array(xp, compute(xp, *[x._data for x in inputs], **attrs))
+            out.data = as_array(xp, compute(xp, *[x.data for x in inputs], **attrs))
     else:
         def run():
-            out._data = as_array(xp, compute(
-                xp, *[x._data if type(x) is NDArray else x for x in inputs], **attrs))
+            out.data = as_array(xp, compute(
+                xp, *[x.data if type(x) is NDArray else x for x in inputs], **attrs))
     engine.push(run, [x.var for x in arrays], [out.var], device, name)
-    if TAPE.recording and any(x._node is not None or x.grad is not None for x in arrays):
-        out._node = (op, inputs, attrs)
+    if TAPE.recording and any(map(needs_grad, arrays)):
+        out.node = TapeNode(op, inputs, attrs)
     return out
 
 
 def refuse_while_recording(target, what):
-    if TAPE.recording and (target._node is not None or target.grad is not None):
+    if TAPE.recording and needs_grad(target):
         raise RuntimeError(f'{what} would overwrite an array that autograd is recording; '
                            'compute a new array instead (y = x + 1), or do it outside record()')
 
@@ -243,12 +252,12 @@ def update_in_place(target, name, other):
         common_device(name, [target, other])
 
         def run():
-            ufunc(target._data, other._data, out=target._data)
+            ufunc(target.data, other.data, out=target.data)
     else:
         as_device_input(other)
 
         def run():
-            ufunc(target._data, other, out=target._data)
+            ufunc(target.data, other, out=target.data)
     engine.push(run, reads_besides(target, other), [target.var], target.device, f'{name}_')
     return target
 
@@ -282,11 +291,11 @@ def view(base, key):
         element_key += (Ellipsis,)      # x[1, 2, ...] is a 0-d view; x[1, 2] a copied scalar
 
     def run():
-        out._data = base._data[element_key]
+        out.data = base.data[element_key]
     # Filling in the view counts as a write of the shared variable: it orders with both.
     engine.push(run, [], [base.var], base.device, 'view')
-    if TAPE.recording and (base._node is not None or base.grad is not None):
-        out._node = (REGISTRY['getitem'], (base,), {'key': key})
+    if TAPE.recording and needs_grad(base):
+        out.node = TapeNode(REGISTRY['getitem'], (base,), {'key': key})
     return out
 
 
@@ -299,13 +308,13 @@ def assign(target, key, value):
         common_device('setitem', [target, value])
 
         def run():
-            target._data[key] = value._data
+            target.data[key] = value.data
         engine.push(run, reads_besides(target, value), [target.var], target.device, 'setitem')
     else:
         as_device_input(value)
 
         def run():
-            target._data[key] = value
+            target.data[key] = value
         engine.push(run, [], [target.var], target.device, 'setitem')
 
 
@@ -321,7 +330,7 @@ def copy_to_device(x, device):
     move = transfer(x.device, device)
 
     def run():
-        out._data = move(x._data)
+        out.data = move(x.data)
     where, lane = engine.copy_lane(x.device, device)
     engine.push(run, [x.var], [out.var], where, 'copyto', lane)
     return out
@@ -332,7 +341,7 @@ def from_host(host, device, name='array'):
     out = NDArray(host.shape, host.dtype, device)
 
     def run():
-        out._data = host if device.kind == 'cpu' else device.xp.asarray(host)
+        out.data = host if device.kind == 'cpu' else device.xp.asarray(host)
     engine.push(run, [], [out.var], device, name)
     return out
 
@@ -347,6 +356,6 @@ def create(shape, dtype, device, make, name):
     xp = device.xp
 
     def run():
-        out._data = make(xp, out.shape, out.dtype)
+        out.data = make(xp, out.shape, out.dtype)
     engine.push(run, [], [out.var], device, name)
     return out

@@ -263,7 +263,50 @@ def test_pause_stops_recording():
             assert not autograd.is_recording()
             unrecorded = x * 2
         recorded = x * 2
-    assert unrecorded._node is None and recorded._node is not None
+    assert unrecorded.node is None and recorded.node is not None
+
+
+def test_the_tape_names_each_recorded_operation_and_its_inputs():
+    x = np.array([1.0, 2.0])
+    x.attach_grad()
+    with autograd.record():
+        y = (x * 3).sum(axis=0)
+    assert (y.node.op.name, y.node.attrs) == ('sum', {'axis': 0, 'keepdims': False})
+    product = y.node.inputs[0]
+    assert product.node.op.name == 'multiply' and product.node.inputs == (x, 3)
+    assert [a.node.op.name if a.node else 'leaf' for a in autograd.topological_order(y)] == [
+        'leaf', 'multiply', 'sum']
+
+
+def flags():
+    return autograd.is_recording(), autograd.is_training()
+
+
+def test_training_and_recording_flags_nest_as_in_gluon():
+    assert flags() == (False, False)
+    with autograd.record():
+        assert flags() == (True, True)
+        with autograd.predict_mode():
+            assert flags() == (True, False)
+            with autograd.train_mode():
+                assert flags() == (True, True)
+        with autograd.pause():
+            assert flags() == (False, False)
+        with autograd.pause(train_mode=True):
+            assert flags() == (False, True)
+        assert flags() == (True, True)
+    with autograd.record(train_mode=False):
+        assert flags() == (True, False)
+    with autograd.train_mode():
+        assert flags() == (False, True)
+    assert flags() == (False, False)
+
+
+def test_flags_are_restored_when_the_block_raises():
+    with pytest.raises(KeyError):
+        with autograd.record():
+            raise KeyError('inside')
+    assert flags() == (False, False)
 
 
 # -- errors -------------------------------------------------------------------------------

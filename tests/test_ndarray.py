@@ -316,7 +316,7 @@ def hold(x, value):
 
     def write():
         gate.wait(10)
-        x._data[...] = value
+        x.data[...] = value
     engine.push(write, [], [x.var], x.device, 'slow_write')
     return gate
 
@@ -340,7 +340,7 @@ BLOCKERS = {
     'asnumpy': (lambda x: x.asnumpy().item(), 5.0), 'item': (lambda x: x.item(), 5.0),
     'float': (float, 5.0), 'int': (int, 5), 'bool': (bool, True),
     'numpy': (lambda x: numpy.asarray(x).item(), 5.0),
-    'wait_to_read': (lambda x: x.wait_to_read()._data.item(), 5.0),
+    'wait_to_read': (lambda x: x.wait_to_read().data.item(), 5.0),
 }
 
 

@@ -225,3 +225,55 @@ def test_initialize_needs_devices():
 def test_a_block_must_define_forward():
     with pytest.raises(NotImplementedError, match='forward'):
         nn.Block()(np.ones((1,)))
+
+
+# -- dropout: training against prediction, and repeatable draws ---------------------------
+
+def dropout_output(device, hybridize=False, seed=3):
+    net = nn.HybridSequential()
+    net.add(nn.Dropout(0.5))
+    net.hybridize(hybridize)
+    np.random.seed(seed)
+    with autograd.record():
+        return net(np.ones((8, 16), device=device)).asnumpy()
+
+
+@pytest.mark.parametrize('hybridize', [False, True])
+@pytest.mark.parametrize('device', [d2l.cpu(0), d2l.cpu(1)])
+def test_seeding_makes_dropout_repeatable_on_every_device(device, hybridize):
+    first = dropout_output(device, hybridize)
+    assert set(numpy.unique(first).tolist()) == {0.0, 2.0}
+    numpy.testing.assert_array_equal(dropout_output(device, hybridize), first)
+    assert not numpy.array_equal(dropout_output(device, hybridize, seed=4), first)
+
+
+def test_each_device_draws_its_own_dropout_stream():
+    assert not numpy.array_equal(dropout_output(d2l.cpu(0)), dropout_output(d2l.cpu(1)))
+
+
+def test_dropout_follows_the_training_flag_not_the_recording_one():
+    layer, x = nn.Dropout(0.5), np.ones((4, 32))
+    assert layer(x) is x                                    # outside record: prediction
+    with autograd.record(train_mode=False):
+        assert layer(x) is x
+    with autograd.record():
+        with autograd.predict_mode():
+            assert layer(x) is x
+    with autograd.train_mode():
+        assert set(numpy.unique(layer(x).asnumpy()).tolist()) == {0.0, 2.0}
+
+
+def test_a_hybridized_block_compiles_training_and_prediction_apart():
+    net = nn.HybridSequential()
+    net.add(nn.Dropout(0.5))
+    net.hybridize()
+    x = np.ones((4, 32))
+    with autograd.record(train_mode=False):
+        assert numpy.array_equal(net(x).asnumpy(), x.asnumpy())
+    with autograd.record():
+        assert set(numpy.unique(net(x).asnumpy()).tolist()) == {0.0, 2.0}
+    assert [n.op for n in net.traced_graph().nodes if n.kind == 'call'] == [
+        'dropout_mask', 'multiply']
+    with autograd.record(train_mode=False):
+        net(x)
+    assert [n.kind for n in net.traced_graph().nodes] == ['input']

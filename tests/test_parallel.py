@@ -381,7 +381,7 @@ def test_copies_in_out_and_between_fake_gpus_use_the_right_lanes(fake_gpus, kind
         back = (on_gpu1 @ on_gpu1).copyto(CPU0)
     expected = (host * 2 + 1) @ (host * 2 + 1)
     numpy.testing.assert_allclose(back.asnumpy(), expected)
-    assert type(on_gpu1._data) is fake_cupy.FakeArray and type(back._data) is numpy.ndarray
+    assert type(on_gpu1.data) is fake_cupy.FakeArray and type(back.data) is numpy.ndarray
     if kind == 'threaded':
         assert [r.worker for r in records] == [
             'cpu(0) compute', 'gpu(0) copy in', 'gpu(0) compute', 'gpu(0) copy out',

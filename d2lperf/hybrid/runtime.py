@@ -5,11 +5,14 @@ looks up the program compiled for these input shapes, dtypes and device (tracing
 compiling on a miss), and pushes the whole program to the engine as ONE operation that reads
 the inputs and parameters and writes the outputs. Python's per-op cost is paid once per call,
 not once per layer. Under `autograd.record()` the program records one tape node whose
-backward runs the graph's own gradient rules. Taught in "Compilers and Interpreters".
+backward runs the graph's own gradient rules. Whether it records, and whether layers train,
+are part of the signature: dropout traces to a different graph in training. Taught in
+"Compilers and Interpreters".
 """
 from .. import engine
-from ..ndarray import TAPE, NDArray
+from ..ndarray import NDArray
 from ..ops import Op
+from ..tape import TAPE, TapeNode
 from .codegen import generate
 from .graph import Node, evaluate, gradients
 from .memory import plan_memory
@@ -66,7 +69,7 @@ class Executable:
         out = NDArray(self.output_types[0][0], self.output_types[0][1], self.device)
 
         def run():
-            out._data = run_program(*[a._data for a in arrays])[0]
+            out.data = run_program(*[a.data for a in arrays])[0]
         engine.push(run, [a.var for a in args] + self._param_vars, [out.var, self.workspace],
                     self.device, self.name)
         return out
@@ -76,8 +79,8 @@ class Executable:
         outs = [NDArray(s, d, self.device) for s, d in self.output_types]
 
         def run():
-            for out, value in zip(outs, run_program(*[a._data for a in arrays])):
-                out._data = value
+            for out, value in zip(outs, run_program(*[a.data for a in arrays])):
+                out.data = value
         engine.push(run, [a.var for a in arrays], [o.var for o in outs] + [self.workspace],
                     self.device, self.name)
         return self.pack(outs)
@@ -89,23 +92,27 @@ class Executable:
         outs = [NDArray(s, d, self.device) for s, d in self.output_types]
 
         def run():
-            results, saved['values'] = evaluate(graph, xp, [a._data for a in arrays], keep=True)
+            results, saved['values'] = evaluate(graph, xp, [a.data for a in arrays], keep=True)
             for out, value in zip(outs, results):
-                out._data = value
+                out.data = value
         engine.push(run, [a.var for a in arrays], [o.var for o in outs], self.device,
                     f'{self.name}_recorded')
         for index, out in enumerate(outs):
-            op = Op(self.name, None, None, self._backward(saved, index))
-            out._node = (op, tuple(arrays), {})
+            out.node = TapeNode(self.graph_op(saved, index), arrays, {})
         return self.pack(outs)
 
-    def _backward(self, saved, index):
-        graph = self.simplified
+    def graph_op(self, saved, index):
+        """The whole graph as one operation giving output `index`, for the tape: its vjp runs
+        the graph's gradient rules on the values that the recorded call kept in `saved`."""
+        graph, output_type = self.simplified, self.output_types[index]
+
+        def compute(xp, *inputs):
+            return evaluate(graph, xp, inputs)[index]
 
         def vjp(xp, g, out, *inputs):
             grads = gradients(graph, xp, saved['values'], graph.outputs[index], g)
             return [xp.zeros_like(x) if grad is None else grad for grad, x in zip(grads, inputs)]
-        return vjp
+        return Op(self.name, compute, lambda *inputs: output_type, vjp)
 
 
 def apply_graph(graph, values, apply):
@@ -119,10 +126,9 @@ def apply_graph(graph, values, apply):
 
 
 def _signature(args):
-    if len(args) == 1:
-        x = args[0]
-        return x.shape, x.dtype, x.device, TAPE.recording
-    return tuple((a.shape, a.dtype) for a in args), args[0].device, TAPE.recording
+    """The cache key of a call with several inputs (a one-input call's is built inline)."""
+    return (tuple((a.shape, a.dtype) for a in args), args[0].device, TAPE.recording,
+            TAPE.training)
 
 
 class CompiledFunction:
@@ -139,7 +145,7 @@ class CompiledFunction:
     def __call__(self, args):
         if len(args) == 1:
             x = args[0]
-            key = (x.shape, x.dtype, x.device, TAPE.recording)
+            key = (x.shape, x.dtype, x.device, TAPE.recording, TAPE.training)
         else:
             key = _signature(args)
         executable = self.cache.get(key)

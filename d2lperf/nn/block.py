@@ -72,14 +72,14 @@ class CurrentArrays:
         self.params, self.device, self.stores, self.arrays = params, device, None, ()
 
     def __call__(self):
-        if self.stores is None or not all(map(operator.is_, map(_data_of, self.params),
+        if self.stores is None or not all(map(operator.is_, map(_copies_of, self.params),
                                               self.stores)):
             self.arrays = tuple(p.data(self.device) for p in self.params)
-            self.stores = list(map(_data_of, self.params))
+            self.stores = list(map(_copies_of, self.params))
         return self.arrays
 
 
-_data_of = operator.attrgetter('_data')
+_copies_of = operator.attrgetter('copies')
 
 
 class HybridBlock(Block):
@@ -210,7 +210,8 @@ class Activation(HybridBlock):
 
 
 class Dropout(HybridBlock):
-    """Zero each value with probability `rate` while training (inside autograd.record())."""
+    """Zero each value with probability `rate` while training (inside autograd.record(), by
+    default), drawing from the device's own generator: `np.random.seed` makes it repeatable."""
 
     def __init__(self, rate):
         super().__init__()
@@ -219,7 +220,7 @@ class Dropout(HybridBlock):
         self.rate = rate
 
     def forward(self, x):
-        if not autograd.is_recording() or self.rate == 0:
+        if not autograd.is_training() or self.rate == 0:
             return x
         return x * apply('dropout_mask', x, rate=self.rate)
 

@@ -1,5 +1,4 @@
 """Parameters: named arrays a model learns, with a copy (and a gradient) on each device."""
-from .. import autograd  # noqa: F401  (gives NDArray its attach_grad)
 from ..device import Device, cpu
 from . import init as initializers
 
@@ -40,6 +39,12 @@ class Parameter:
                       for d in self._devices}
         for array in self._data.values():
             array.attach_grad()
+
+    @property
+    def copies(self):
+        """{device: NDArray}: one copy per device; None until initialized, a new dict after
+        each initialization (compiled code watches it to know when to read arrays again)."""
+        return self._data
 
     def data(self, device=None):
         if self._data is None:

@@ -1,0 +1,39 @@
+"""The tape: what autograd records while operations run, and the two flags that steer it.
+
+Inside `autograd.record()`, every operation whose inputs need a gradient leaves a `TapeNode`
+on its output array (`array.node`): the op, the inputs and the attributes it ran with. The
+nodes, linked through their inputs, are the graph that `autograd.backward` walks in
+reverse. `TAPE.recording` says whether to leave nodes; `TAPE.training` whether layers such
+as dropout behave as in training or as in prediction. Both are set only by autograd's
+context managers. The tape lives apart from autograd.py so that ndarray, which records, need
+not import autograd, which sits above it; the two modules together are all of reverse mode.
+"""
+
+
+class TapeNode:
+    """How one recorded array was computed: `op(*inputs, **attrs)`."""
+
+    __slots__ = ('op', 'inputs', 'attrs')
+
+    def __init__(self, op, inputs, attrs):
+        self.op, self.inputs, self.attrs = op, tuple(inputs), attrs
+
+    def __repr__(self):
+        return f'TapeNode({self.op.name}, {len(self.inputs)} inputs)'
+
+
+class TapeState:
+    """Whether operations are recorded for autograd, and whether layers are training."""
+
+    __slots__ = ('recording', 'training')
+
+    def __init__(self):
+        self.recording, self.training = False, False
+
+
+TAPE = TapeState()
+
+
+def needs_grad(array):
+    """True for an array that backward must reach: recorded, or holding a gradient buffer."""
+    return array.node is not None or array.grad is not None
