@@ -1,6 +1,6 @@
 """Draw the dependency graph the engine recorded: operations and the data they pass on.
 
-`engine.trace()` keeps, for every operation, the variables it read and wrote. Each write
+`profiler.profile()` keeps, for every operation, the variables it read and wrote. Each write
 makes a new *version* of a variable, so the graph is acyclic even with in-place updates:
 an edge runs from the operation that wrote a version to every operation that read it.
 `plot_dependencies` lays the operations out by depth; `plot_device_lanes` gives each device a

@@ -1,7 +1,8 @@
 """The profiler: what every engine operation did, on which worker, from when to when.
 
-It is the engine's own trace (`engine.start_recording`), so switching it off costs one branch
-per operation. Each record has the operation's name, device, worker (a device's compute,
+It is the engine's own record of what ran (`engine.start_recording`), so switching it off
+costs one branch per operation, and `profile()` is the package's one way to take it: the
+dependency graphs of "Asynchronous Computation" are drawn from the same records. Each record has the operation's name, device, worker (a device's compute,
 copy-in or copy-out lane) and its start and end; on a GPU the times come from CUDA events
 around the kernels, not from the host clock. `dump` writes the Chrome trace event format
 (open it in https://ui.perfetto.dev or chrome://tracing); `plot` draws one lane per worker,

@@ -4,18 +4,19 @@ The dependency tracker (`engine.py`) decides *when* an operation may run; this m
 *where*. Every device has one worker thread per *lane*, as in MXNet's per-device engine: a
 compute lane, and lanes that move data, so that a copy overlaps with computation that does
 not depend on it. On a GPU each lane owns a CUDA stream (compute; host to device; device to
-host), so the copy engines of the GPU work while its cores compute. Virtual CPU devices share
-the machine's cores; `SharedCores` can divide the BLAS threads among the busy ones.
-`PoliteLock`, the engine's lock, keeps all these threads from convoying on the GIL. Taught in
-"Automatic Parallelism".
+host), so the copy engines of the GPU work while its cores compute; the CUDA events that
+order the streams, and the waits for them, are all here. Virtual CPU devices share the
+machine's cores (`blas.SharedCores`). `PoliteLock`, the engine's lock, keeps all these
+threads from convoying on the GIL. `run_now` is the naive engine's policy: the caller's
+thread, at once. Taught in "Automatic Parallelism".
 """
 import collections
-import itertools
-import os
 import queue
 import threading
 import time
+import weakref
 
+from .blas import SharedCores
 from .device import set_running_device
 
 COMPUTE, COPY_IN, COPY_OUT = 'compute', 'copy in', 'copy out'
@@ -33,30 +34,62 @@ def copy_lane(source, target):
     return target, COPY_IN
 
 
+# A GPU compute lane only launches its kernels: the engine counts the write done at once.
+# The CUDA event recorded after them, per variable, is what later readers wait for.
+write_events = weakref.WeakKeyDictionary()      # engine Var -> CUDA event of its last write
+
+
+def synchronize(var):
+    """Block until the kernels that last wrote `var` have finished (CPU work: nothing to do)."""
+    if write_events:
+        event = write_events.get(var)
+        if event is not None:
+            event.synchronize()
+
+
+def run_now(op):
+    """Run `op` on the caller's thread and wait for it, on a GPU too: the naive engine's way."""
+    device = op.device
+    set_running_device(device)
+    if device is None or device.kind == 'cpu':
+        op.fn()
+        return
+    cupy = device.xp
+    with cupy.cuda.Device(device.index):
+        op.fn()
+        cupy.cuda.get_current_stream().synchronize()
+    for var in op.writes:
+        write_events.pop(var, None)
+
+
 STOP = None                     # what a worker's queue holds to end its thread
 
 
 class Worker:
-    """One thread for one lane of one device, running its ready operations in arrival order."""
+    """One thread for one lane of one device, running its ready operations in arrival order.
 
-    def __init__(self, engine, device, lane, cores):
+    `run(op, worker)` is the engine's: it executes the operation, with `worker.launch`, and
+    releases what it held. `cores` (CPU compute lanes only) is told when the device is busy.
+    """
+
+    def __init__(self, device, lane, run, cores=None):
         self.device, self.lane, self.name = device, lane, f'{device} {lane}'
         self.ready = queue.SimpleQueue()
-        self.stream = None
+        self.stream, self.launch = None, None     # on a GPU: its stream, and run_on_stream
         self.launched = collections.deque()   # GPU: (event, op), kept alive until the event
-        self.cores = cores if device.kind == 'cpu' and lane == COMPUTE else None
+        self.cores = cores
         started = threading.Event()
-        self.thread = threading.Thread(target=self._loop, args=(engine, started),
+        self.thread = threading.Thread(target=self._loop, args=(run, started),
                                        name=f'd2lperf-{self.name}', daemon=True)
         self.thread.start()
         started.wait()
 
-    def _loop(self, engine, started):
+    def _loop(self, run, started):
         set_running_device(self.device)
         if self.device.kind == 'gpu':
-            self.stream = _use_gpu_stream(self.device)
+            self.stream, self.launch = use_gpu_stream(self.device), self.run_on_stream
         started.set()
-        get, run, cores = self.ready.get, engine._run, self.cores
+        get, cores = self.ready.get, self.cores
         while True:
             op = get()
             if op is STOP:
@@ -102,8 +135,9 @@ class Worker:
         """
         stream = self.stream
         for var in op.reads:
-            if var.event is not None:
-                stream.wait_event(var.event)
+            event = write_events.get(var)
+            if event is not None:
+                stream.wait_event(event)
         record = op.record
         begin = stream.record() if record is not None else None
         op.fn()
@@ -112,11 +146,12 @@ class Worker:
             record.events = (begin, end)
         if self.lane != COMPUTE:
             end.synchronize()
-            end = None
-        else:
-            self._keep_until_done(end, op)
+            for var in op.writes:
+                write_events.pop(var, None)
+            return
+        self._keep_until_done(end, op)
         for var in op.writes:
-            var.event = end
+            write_events[var] = end
 
     def _keep_until_done(self, event, op):
         launched = self.launched
@@ -131,7 +166,50 @@ class Worker:
             self.launched.clear()
 
 
-def _use_gpu_stream(device):
+class Workers:
+    """The workers of one engine, one per (device, lane), each started by its first operation.
+
+    CPU compute lanes share the machine's cores: `cores` counts them, and divides the BLAS
+    threads among the busy ones when asked to."""
+
+    def __init__(self, run):
+        self.run, self.lanes = run, {}             # (device, lane) -> Worker
+        self.cores = SharedCores()
+        self.lock = threading.Lock()
+
+    def submit(self, op):
+        """Queue a ready operation on its device's lane."""
+        worker = self.lanes.get((op.device, op.lane)) or self.start(op.device, op.lane)
+        worker.ready.put(op)
+
+    def start(self, device, lane):
+        with self.lock:
+            if (device, lane) not in self.lanes:
+                shares_cores = device.kind == 'cpu' and lane == COMPUTE
+                if shares_cores:
+                    self.cores.add_device()
+                cores = self.cores if shares_cores else None
+                self.lanes[device, lane] = Worker(device, lane, self.run, cores)
+            return self.lanes[device, lane]
+
+    def cpu_compute_devices(self):
+        return [device for device, lane in list(self.lanes)
+                if device.kind == 'cpu' and lane == COMPUTE]
+
+    def synchronize(self):
+        """Once the engine has nothing in flight: wait for the GPU streams and for the BLAS
+        threads to be given back."""
+        for worker in list(self.lanes.values()):
+            worker.synchronize()
+        self.cores.wait_until_idle()
+
+    def stop(self):
+        for worker in list(self.lanes.values()):
+            worker.stop()
+        self.lanes.clear()
+
+
+def use_gpu_stream(device):
     """Make `device` current on this thread and give the thread a stream of its own."""
     cupy = device.xp
     cupy.cuda.Device(device.index).use()
@@ -169,103 +247,3 @@ class PoliteLock:
 
     def __exit__(self, *exc_info):
         self._lock.release()
-
-
-class SharedCores:
-    """Optionally divide the BLAS threads of the process among the CPU devices busy at once.
-
-    Virtual CPU devices are threads on the same cores, and OpenBLAS's thread count is one
-    setting for the whole process. While switched on (`engine.set_blas_division(True)`) and
-    k > 1 CPU devices compute, the count drops to cores // k, so k devices run k products
-    with fewer threads each instead of k × cores threads sharing the cores; when at most one
-    is busy again, the count in force before comes back. It is off by default because on the
-    2-core machine this course is tested on, dividing made two concurrent 1000 × 1000
-    products about 1.2× slower than letting them share every thread (benchmarks/parallel.py).
-    """
-
-    def __init__(self, cores=None):
-        self.cores = cores or available_cores()
-        self.enabled = False
-        self.devices = 0             # CPU devices with a compute worker
-        self.active = False          # enabled, and at least two such devices
-        self.busy = 0
-        self.saved = None            # the thread count in force before dividing
-        self.current = None          # the count this object last set
-        self.lock = threading.Lock()
-        self._blas = None
-
-    def add_device(self):
-        self.devices += 1
-        self.active = self.enabled and self.devices > 1
-
-    def enable(self, enabled):
-        """Divide (True) or not (False), from each device's next idle moment; returns the old."""
-        old, self.enabled = self.enabled, bool(enabled)
-        self.active = self.enabled and self.devices > 1
-        return old
-
-    def enter(self):
-        with self.lock:
-            self.busy += 1
-            self._apply()
-
-    def leave(self):
-        with self.lock:
-            self.busy -= 1
-            self._apply()
-
-    def _apply(self):
-        if self.busy > 1:
-            if self.saved is None:
-                self.saved = self._get()
-            self._set(max(1, min(self.saved, self.cores // self.busy)))
-        elif self.saved is not None:
-            self._set(self.saved)
-            self.saved = self.current = None
-
-    def _controllers(self):
-        if self._blas is None:
-            self._blas = openblas_thread_controls()
-        return self._blas
-
-    def _get(self):
-        return max([lib.get_num_threads() or 1 for lib in self._controllers()], default=1)
-
-    def _set(self, threads):
-        if threads != self.current:
-            for lib in self._controllers():
-                lib.set_num_threads(threads)
-            self.current = threads
-
-
-def available_cores():
-    """The cores this process may run on (all of the machine's where the OS cannot tell)."""
-    if hasattr(os, 'sched_getaffinity'):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
-class OpenBLASThreads:
-    """Get and set one OpenBLAS library's thread count from any thread.
-
-    threadpoolctl finds the library; its own setter is not used because it lets only one
-    thread (the first to call it) change the count, and here every device's worker may.
-    """
-
-    def __init__(self, path):
-        import ctypes
-        library = ctypes.CDLL(path)
-        for prefix, suffix in itertools.product(('', 'scipy_'), ('', '64_', '_64')):
-            name = f'{prefix}openblas_%s_num_threads{suffix}'
-            if hasattr(library, name % 'get'):
-                self.get_num_threads = getattr(library, name % 'get')
-                self.set_num_threads = getattr(library, name % 'set')
-                return
-        raise LookupError(f'no openblas_get_num_threads in {path}')
-
-
-def openblas_thread_controls():
-    """One `OpenBLASThreads` per OpenBLAS the process has loaded (none: nothing to divide)."""
-    import threadpoolctl
-    return [OpenBLASThreads(info['filepath']) for info in threadpoolctl.threadpool_info()
-            if info['internal_api'] == 'openblas' and info.get('threading_layer') != 'openmp']

@@ -345,7 +345,7 @@ def test_no_bound_lets_every_operation_in():
 # -- tracing --------------------------------------------------------------------------------
 
 def test_trace_records_the_graph_of_an_expression(engine_kind):
-    with engine.trace() as records:
+    with d2l.profiler.profile() as records:
         x = np.ones((2, 3))
         y = np.ones((2, 3))
         z = x * y + 2
@@ -363,7 +363,7 @@ def test_trace_records_the_graph_of_an_expression(engine_kind):
 
 
 def test_trace_records_devices_and_only_inside_the_block():
-    with engine.trace() as records:
+    with d2l.profiler.profile() as records:
         x = np.ones((2,), device=CPU1)
         x.copyto(CPU0)
     np.ones((2,))

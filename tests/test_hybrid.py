@@ -265,7 +265,7 @@ def test_a_hybridized_call_is_one_engine_operation():
     net, x = mlp_and_input()
     net.hybridize()
     net(x).wait_to_read()
-    with engine.trace() as records:
+    with d2l.profiler.profile() as records:
         net(x)
     assert [r.name for r in records] == ['HybridSequential']
 

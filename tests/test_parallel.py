@@ -16,7 +16,8 @@ from hypothesis import given, strategies as st
 import d2lperf as d2l
 from d2lperf import device as device_module, engine, np
 from d2lperf.ops import random as random_module
-from d2lperf.workers import COMPUTE, COPY_IN, COPY_OUT, SharedCores, copy_lane
+from d2lperf.blas import SharedCores
+from d2lperf.workers import COMPUTE, COPY_IN, COPY_OUT, copy_lane
 import fake_cupy
 from conftest import run_with_timeout
 from strategies import checks
@@ -132,7 +133,7 @@ def test_the_trace_of_a_program_respects_every_dependency(program):
 
 
 def test_a_dependency_check_would_catch_a_violation():
-    with engine.trace() as records:
+    with d2l.profiler.profile() as records:
         x = np.ones(SHAPE)
         (x + 1).wait_to_read()
     first, second = records
@@ -149,7 +150,7 @@ def test_copies_run_on_a_copy_lane_of_the_target_cpu_device():
     assert copy_lane(CPU0, d2l.gpu(1)) == (d2l.gpu(1), COPY_IN)
     assert copy_lane(d2l.gpu(0), d2l.gpu(1)) == (d2l.gpu(0), COPY_OUT)
     x = np.ones(SHAPE, device=CPU1)
-    with engine.trace() as records:
+    with d2l.profiler.profile() as records:
         y = x.copyto(CPU0)
         z = y + 1
     assert [(r.name, r.worker) for r in records] == [('copyto', 'cpu(0) copy in'),
@@ -204,7 +205,7 @@ def test_computation_that_reads_a_copy_waits_for_it():
     gate = threading.Event()
     source = np.ones(SHAPE, device=CPU1)
     engine.push(held(gate), [], [source.var], CPU1, 'slow write')
-    with engine.trace() as records:
+    with d2l.profiler.profile() as records:
         result = source.copyto(CPU0) * 3
         threading.Timer(0.05, gate.set).start()
     assert result.asnumpy().tolist() == [[3.0] * 4] * 4
@@ -243,9 +244,7 @@ class FakeBlas:
 
 def shared(cores, threads):
     blas = FakeBlas(threads)
-    cores = SharedCores(cores)
-    cores._controllers = lambda: [blas]
-    return cores, blas
+    return SharedCores(cores, controllers=[blas]), blas
 
 
 @pytest.mark.parametrize('cores, threads, busy, expected', [
@@ -303,7 +302,7 @@ def threads_seen_by_cpu1_while_cpu0_is_busy(division):
 
 
 def test_switched_on_two_busy_cpu_devices_run_with_divided_blas_threads():
-    before, cores = blas_threads(), engine.current().cores.cores
+    before, cores = blas_threads(), engine.current().workers.cores.cores
     assert threads_seen_by_cpu1_while_cpu0_is_busy(True) == max(1, min(before, cores // 2))
     assert blas_threads() == before
 
@@ -319,7 +318,7 @@ def test_by_default_busy_devices_keep_every_blas_thread():
 @needs_gpu
 def test_gpu_copies_run_on_the_gpu_copy_streams():
     gpu = d2l.gpu(0)
-    with engine.trace() as records:
+    with d2l.profiler.profile() as records:
         x = np.ones(SHAPE)
         on_gpu = x.copyto(gpu)
         back = (on_gpu * 2).copyto(CPU0)
@@ -375,10 +374,11 @@ def test_copies_in_out_and_between_fake_gpus_use_the_right_lanes(fake_gpus, kind
     engine.use(kind)
     host = numpy.arange(16.0).reshape(4, 4)
     gpu0, gpu1 = d2l.gpu(0), d2l.gpu(1)
-    with engine.trace() as records:
-        on_gpu0 = np.array(host).copyto(gpu0) * 2
-        on_gpu1 = on_gpu0.copyto(gpu1) + 1
-        back = (on_gpu1 @ on_gpu1).copyto(CPU0)
+    records = engine.start_recording()              # raw records: CUDA events kept
+    on_gpu0 = np.array(host).copyto(gpu0) * 2
+    on_gpu1 = on_gpu0.copyto(gpu1) + 1
+    back = (on_gpu1 @ on_gpu1).copyto(CPU0)
+    engine.stop_recording()
     expected = (host * 2 + 1) @ (host * 2 + 1)
     numpy.testing.assert_allclose(back.asnumpy(), expected)
     assert type(on_gpu1.data) is fake_cupy.FakeArray and type(back.data) is numpy.ndarray
