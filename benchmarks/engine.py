@@ -12,7 +12,6 @@ Each figure is the median of several repeats.
 """
 import platform
 import queue
-import statistics
 import threading
 import time
 
@@ -20,6 +19,7 @@ import numpy
 
 import d2lperf as d2l
 from d2lperf import engine, np, npx
+from d2lperf.utils import median_seconds
 
 OPS = d2l.workload(10_000, 2_000)
 REPEATS = 5
@@ -27,13 +27,7 @@ REPEATS = 5
 
 def per_op_us(run):
     """Median over repeats of the wall time of `run()` (which does OPS operations), per op."""
-    run()
-    times = []
-    for _ in range(REPEATS):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) / OPS * 1e6
+    return median_seconds(run, REPEATS, min_seconds=0) / OPS * 1e6
 
 
 def numpy_floor():

@@ -14,13 +14,12 @@ import argparse
 import gc
 import os
 import platform
-import statistics
-import time
 
 import numpy
 
 import d2lperf as d2l
 from d2lperf import np, npx, nn
+from d2lperf.utils import median_seconds
 
 WIDTHS, FEATURES = (256, 128, 2), 512
 
@@ -116,26 +115,24 @@ def cupy_by_hand(ws, batch):
     return call, cupy.cuda.get_current_stream().synchronize
 
 
+def calls_then_sync(fn, sync, calls):
+    def run():
+        for _ in range(calls):
+            fn()
+        sync()
+    return run
+
+
 def time_modes(modes, calls, repeats):
     """Median seconds per call of each mode, timed round-robin so that drift hits all alike.
 
     The heap is frozen first: PyTorch's import leaves a million objects that every full
     garbage collection would walk again, a cost that belongs to neither side."""
-    for fn, sync in modes.values():                       # warm up
-        for _ in range(max(10, calls // 10)):
-            fn()
-        sync()
     gc.collect()
     gc.freeze()
-    times = {name: [] for name in modes}
-    for _ in range(repeats):
-        for name, (fn, sync) in modes.items():
-            start = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            sync()
-            times[name].append((time.perf_counter() - start) / calls)
-    return {name: statistics.median(t) for name, t in times.items()}
+    runs = {name: calls_then_sync(fn, sync, calls) for name, (fn, sync) in modes.items()}
+    return {name: seconds / calls
+            for name, seconds in median_seconds(runs, repeats, min_seconds=0).items()}
 
 
 def table(rows):

@@ -7,7 +7,7 @@ Two independent workloads on two devices, each alone and both together (no barri
 them): `together / slower alone` is 1.0 when the devices really run side by side, 2.0 when
 they take turns. Then computation on one device whose results are copied to another:
 compute alone, copy alone, both; `both / max` is 1.0 when the copies hide behind the
-computation. Every figure is the best of several interleaved repeats, so that a burst of
+computation. Every figure is the median of several interleaved repeats, so that a burst of
 load from another process hurts all rows alike rather than one.
 
 Rows (pairs `cpu(0)` + `cpu(1)` always; `cpu(0)` + `gpu(0)` and `gpu(0)` → `cpu(0)` with a GPU):
@@ -24,6 +24,7 @@ import time
 
 import d2lperf as d2l
 from d2lperf import engine, np, npx
+from d2lperf.utils import median_seconds
 
 REPEATS = d2l.workload(7, 5)
 N = d2l.workload(1000, 500)
@@ -43,37 +44,31 @@ def copy_all(ys, device):
     return [y.copyto(device) for y in ys]
 
 
-def best_times(cases, repeats=REPEATS):
-    """{name: best wall time} of each `fn()` (run until done), interleaved over repeats."""
-    for fn in cases.values():               # warm up: workers, BLAS buffers, allocator
-        fn()
-        npx.waitall()
-    best = dict.fromkeys(cases, float('inf'))
-    for _ in range(repeats):
-        for name, fn in cases.items():
-            npx.waitall()
-            start = time.perf_counter()
-            fn()
-            npx.waitall()
-            best[name] = min(best[name], time.perf_counter() - start)
-    return best
+def until_done(fn):
+    return lambda: (fn(), npx.waitall())
+
+
+def median_times(cases, repeats=REPEATS):
+    """{name: median wall time} of each `fn()`, run until done, interleaved over repeats."""
+    return median_seconds({name: until_done(fn) for name, fn in cases.items()}, repeats,
+                          min_seconds=0)
 
 
 def side_by_side(work, x, y):
     """Alone on x's device, alone on y's, and both pushed without a barrier between."""
-    best = best_times({'a': lambda: work(x), 'b': lambda: work(y),
-                       'both': lambda: (work(x), work(y))})
-    return best['a'], best['b'], best['both'], best['both'] / max(best['a'], best['b'])
+    times = median_times({'a': lambda: work(x), 'b': lambda: work(y),
+                          'both': lambda: (work(x), work(y))})
+    return times['a'], times['b'], times['both'], times['both'] / max(times['a'], times['b'])
 
 
 def compute_and_copy(x, target):
     """Compute on x's device, copy the results to `target`: apart and together."""
     ys = matmuls(x)
     npx.waitall()
-    best = best_times({'compute': lambda: matmuls(x), 'copy': lambda: copy_all(ys, target),
-                       'both': lambda: copy_all(matmuls(x), target)})
-    return best['compute'], best['copy'], best['both'], best['both'] / max(best['compute'],
-                                                                           best['copy'])
+    times = median_times({'compute': lambda: matmuls(x), 'copy': lambda: copy_all(ys, target),
+                          'both': lambda: copy_all(matmuls(x), target)})
+    return times['compute'], times['copy'], times['both'], times['both'] / max(
+        times['compute'], times['copy'])
 
 
 def rows():
@@ -112,7 +107,7 @@ def cpu_seconds():
 
 def main():
     print(f'# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, '
-          f'{d2l.num_gpus()} GPUs; best of {REPEATS} interleaved repeats, seconds')
+          f'{d2l.num_gpus()} GPUs; median of {REPEATS} interleaved repeats, seconds')
     print('| experiment | workload | first alone | second alone | together | ratio |')
     print('|---|---|--:|--:|--:|--:|')
     before, start = cpu_seconds(), time.perf_counter()

@@ -9,11 +9,12 @@ import gzip
 import hashlib
 import os
 import pathlib
-import tempfile
 import urllib.error
 import urllib.request
 
 import numpy
+
+from .utils import atomic_write
 
 FASHION_MNIST_URL = 'http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/'
 FASHION_MNIST_FILES = {
@@ -36,19 +37,6 @@ def md5(data):
     return hashlib.md5(data).hexdigest()
 
 
-def write_atomically(path, data):
-    """Write to a temporary file beside `path`, then rename: readers see all or nothing."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=path.name + '.')
-    try:
-        with os.fdopen(handle, 'wb') as file:
-            file.write(data)
-        os.replace(temporary, path)
-    except BaseException:
-        os.unlink(temporary)
-        raise
-
-
 def fetch(name, checksum, base_url=FASHION_MNIST_URL, root=None):
     """The cached file `name`, downloaded first if it is missing or fails its checksum."""
     path = (root or cache_dir()) / name
@@ -60,7 +48,7 @@ def fetch(name, checksum, base_url=FASHION_MNIST_URL, root=None):
         raise ValueError(f'{name} from {base_url} has MD5 {md5(data)}, expected {checksum}: '
                          'the download is corrupt or the mirror changed; nothing was cached, '
                          'try again later')
-    write_atomically(path, data)
+    atomic_write(path, lambda file: file.write(data))
     return path
 
 

@@ -13,38 +13,16 @@ import itertools
 import operator
 import os
 import platform
-import statistics
 import subprocess
-import time
 
 import numpy as np
 import psutil
 import threadpoolctl
 
 from . import hardware_gpu
-from .utils import workload
+from .utils import median_seconds, workload
 
 CACHE_LINE_BYTES = 64
-
-
-def median_seconds(run, repeats=5, min_seconds=2e-3):
-    """Median seconds of one `run()` after a warm-up call (page faults, lazy set-up).
-
-    Short calls are timed in batches lasting at least `min_seconds`, so that neither the
-    clock's resolution nor the timing loop shows in the result."""
-    run()
-    calls = 1
-    while (elapsed := _time_calls(run, calls)) < min_seconds:
-        calls = max(2 * calls, int(calls * min_seconds / max(elapsed, 1e-9)))
-    samples = [elapsed] + [_time_calls(run, calls) for _ in range(repeats - 1)]
-    return statistics.median(samples) / calls
-
-
-def _time_calls(run, calls):
-    start = time.perf_counter()
-    for _ in range(calls):
-        run()
-    return time.perf_counter() - start
 
 
 def print_table(rows, digits=3):

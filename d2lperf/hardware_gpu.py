@@ -6,12 +6,11 @@ CuPy is imported only here and only when asked; without a GPU every measurement 
 none was found and returns an empty table. Timings use CUDA events on the current stream.
 """
 import functools
-import statistics
 import time
 
 import numpy as np
 
-from .utils import workload
+from .utils import median_seconds, workload
 
 # Enumerations from CUDA's library_types.h and cublas_api.h, spelled out so that the
 # matrix multiply below does not depend on how a CuPy version names them.
@@ -63,34 +62,38 @@ def gpu_summary():
     return gpus
 
 
-def gpu_median_seconds(cp, run, repeats=5, min_seconds=1e-3):
-    """Median seconds of one `run()` on the GPU, from CUDA events, after a warm-up.
+GPU_MIN_SECONDS = 1e-3        # each timed batch of GPU calls lasts at least this long
 
-    Short calls are queued in batches lasting at least `min_seconds` between two events, so
-    that the host's time to issue one call does not show as GPU idle time in the result."""
-    run()
-    cp.cuda.Device().synchronize()
+
+def gpu_seconds(cp, run, repeats):
+    """`utils.median_seconds` of GPU work, on the CUDA-event clock."""
+    return median_seconds(run, repeats, GPU_MIN_SECONDS, cuda_clock(cp))
+
+
+def cuda_clock(cp):
+    """A clock for `utils.median_seconds` that times GPU work with CUDA events: calls are
+    queued back to back between two events, so the host's time to issue one call does not
+    show as GPU idle time."""
     start, stop = cp.cuda.Event(), cp.cuda.Event()
 
-    def timed(calls):
+    def time_calls(run, calls):
         start.record()
         for _ in range(calls):
             run()
         stop.record()
         stop.synchronize()
-        return cp.cuda.get_elapsed_time(start, stop) / 1e3 / calls
-    calls = max(1, int(min_seconds / max(timed(1), 1e-9)) + 1)
-    return statistics.median(timed(calls) for _ in range(repeats))
+        return cp.cuda.get_elapsed_time(start, stop) / 1e3
+    return time_calls
 
 
 def _device_stream_seconds(cp, kernel, n, repeats):
     """Seconds of one copy or triad over float64 device arrays of n elements."""
     a, b, c = cp.zeros(n), cp.ones(n), cp.full(n, 2.0)
     if kernel == 'copy':
-        return gpu_median_seconds(cp, lambda: cp.copyto(a, b), repeats)
+        return gpu_seconds(cp, lambda: cp.copyto(a, b), repeats)
     triad = cp.ElementwiseKernel('float64 b, float64 c, float64 s', 'float64 a',
                                  'a = b + s * c', 'd2lperf_triad')
-    return gpu_median_seconds(cp, lambda: triad(b, c, 3.0, a), repeats)
+    return gpu_seconds(cp, lambda: triad(b, c, 3.0, a), repeats)
 
 
 def gpu_memory_bandwidth(working_sets_bytes=None, repeats=5):
@@ -127,7 +130,7 @@ def host_device_copies(sizes_bytes=None, repeats=5):
         for memory, host in hosts.items():
             for direction, run in (('host to device', lambda: device.set(host)),
                                    ('device to host', lambda: device.get(out=host))):
-                seconds = gpu_median_seconds(cp, run, repeats)
+                seconds = gpu_seconds(cp, run, repeats)
                 rows.append({'direction': direction, 'host_memory': memory, 'bytes': size,
                              'seconds': seconds, 'gb_per_s': size / seconds / 1e9})
     return rows
@@ -225,8 +228,7 @@ def gpu_matmul_flops(n=None, modes=tuple(GEMM_MODES), repeats=5):
         del x
         try:
             error = gemm_error(cp, mode)
-            seconds = gpu_median_seconds(
-                cp, lambda: gemm(cp, a, b, c, data_type, compute_type), repeats)
+            seconds = gpu_seconds(cp, lambda: gemm(cp, a, b, c, data_type, compute_type), repeats)
         except cp.cuda.cublas.CUBLASError as failure:
             print(f'{mode}: not supported on this GPU ({failure})')
             continue

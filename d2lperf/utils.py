@@ -1,10 +1,15 @@
-"""Timing and bookkeeping helpers every chapter uses.
+"""Timing and bookkeeping helpers every chapter, benchmark and module uses.
 
 `Benchmark` and `Timer` measure wall-clock time; with an asynchronous engine, what they
 measure is only meaningful once the work has been waited for (see "Asynchronous
-Computation"). `workload` is the one place that picks a chapter's size from `D2LPERF_QUICK`.
+Computation"). `median_seconds` is the one repeated-timing loop of the package, its
+microbenchmarks and its benchmarks. `workload` is the one place that picks a chapter's size
+from `D2LPERF_QUICK`. `atomic_write` is how the package writes a file.
 """
+import contextlib
 import os
+import statistics
+import tempfile
 import time
 
 import numpy
@@ -59,6 +64,68 @@ class Benchmark:
     def __exit__(self, *exc_info):
         self.seconds = self.timer.stop()
         print(f'{self.description}: {self.seconds:.4f} sec')
+
+
+def time_calls(run, calls):
+    """Seconds that `calls` back-to-back calls of `run()` take, on the host's clock."""
+    start = time.perf_counter()
+    for _ in range(calls):
+        run()
+    return time.perf_counter() - start
+
+
+def calls_lasting(run, min_seconds, time_calls):
+    """After one warm-up call (page faults, lazy set-up, compilation): how many calls of
+    `run()` take at least `min_seconds`, so the clock's resolution cannot show."""
+    run()
+    calls = 1
+    while (elapsed := time_calls(run, calls)) < min_seconds:
+        calls = max(2 * calls, int(calls * min_seconds / max(elapsed, 1e-9)))
+    return calls
+
+
+def median_seconds(run, repeats=5, min_seconds=2e-3, time_calls=time_calls):
+    """Median seconds of one `run()`, over `repeats` timed batches after a warm-up call.
+
+    `run` may be a dict of such functions: they are then timed round-robin, so that a drift
+    of a busy machine hits all of them alike, and a dict of medians comes back.
+    `time_calls(run, calls)` is the clock: the host's by default; CUDA events for GPU work.
+    """
+    runs = run if isinstance(run, dict) else {None: run}
+    batch = {name: calls_lasting(fn, min_seconds, time_calls) for name, fn in runs.items()}
+    samples = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, fn in runs.items():
+            samples[name].append(time_calls(fn, batch[name]) / batch[name])
+    medians = {name: statistics.median(times) for name, times in samples.items()}
+    return medians if isinstance(run, dict) else medians[None]
+
+
+def atomic_write(path, write):
+    """Write a file through `write(binary_file)` so that readers see all of it or none.
+
+    The data goes to a temporary file in the same folder, reaches the disk, and is renamed
+    over `path`: a crash leaves the old file or the new one, never half of one."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=folder, prefix=f'.{os.path.basename(path)}.')
+    try:
+        with os.fdopen(handle, 'wb') as file:
+            write(file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.chmod(temporary, 0o644)
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(temporary)
+        raise
+    with contextlib.suppress(OSError, AttributeError):     # make the rename itself durable
+        directory = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
 
 
 class Accumulator:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-from d2lperf import hardware, hardware_gpu, hardware_io
+from d2lperf import hardware, hardware_gpu, hardware_io, utils
 
 UNIT_WORDS = {'bytes', 'seconds', 'ns', 'us', 'gb', 'mb', 'gflop', 'tflop', 'flop', 'mhz',
               'bits', 'error'}
@@ -51,6 +51,7 @@ def test_median_seconds_warms_up_then_times_batches():
     seconds = hardware.median_seconds(lambda: calls.append(1), repeats=3, min_seconds=1e-4)
     assert 0 < seconds < 1e-3
     assert len(calls) > 3   # a warm-up call, then batches of many calls
+    assert hardware.median_seconds is utils.median_seconds   # one timer for everything
 
 
 @pytest.mark.parametrize('n', [1, 100, hardware.TRIAD_BLOCK + 5])

@@ -8,18 +8,16 @@ every name, attribute, shape and dtype is checked, every node's type is inferred
 compared, and any problem is a `ValueError` that says what is wrong. Taught in "Compilers
 and Interpreters".
 """
-import contextlib
 import inspect
 import json
 import math
-import os
 import re
-import tempfile
 import zipfile
 
 import numpy
 
 from ..ops import REGISTRY
+from ..utils import atomic_write
 from .graph import Graph, Node
 
 FORMAT, FORMAT_VERSION = 'd2lperf-symbol', 1
@@ -67,30 +65,6 @@ def to_json(graph):
     return ('{\n  "format": "%s",\n  "format_version": %d,\n  "nodes": [\n%s\n  ],\n%s\n}\n'
             % (FORMAT, FORMAT_VERSION, nodes,
                ',\n'.join(f'  "{k}": {json.dumps(v)}' for k, v in tail.items())))
-
-
-def atomic_write(path, write):
-    """Write through a temporary file in the same folder, then rename it over `path`."""
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=folder, prefix=f'.{os.path.basename(path)}.')
-    try:
-        with os.fdopen(handle, 'wb') as file:
-            write(file)
-            file.flush()
-            os.fsync(file.fileno())
-        os.chmod(temporary, 0o644)
-        os.replace(temporary, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(temporary)
-        raise
-    with contextlib.suppress(OSError, AttributeError):     # make the rename itself durable
-        directory = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(directory)
-        finally:
-            os.close(directory)
 
 
 def write_npz(file, arrays):
