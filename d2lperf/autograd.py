@@ -110,7 +110,11 @@ def push_vjp(out, g, grads):
         values = vjp(xp, g.data, out.data,
                      *[x.data if type(x) is NDArray else x for x in inputs], **attrs)
         for target, value in zip(targets, values):
-            if target is not None:
+            if target is None:
+                continue
+            if value is None:                   # the rule says no gradient flows there
+                target.data = xp.zeros(target.shape, target.dtype)
+            else:
                 target.data = xp.asarray(value, dtype=target.dtype).reshape(target.shape)
     arrays = [x for x in inputs if type(x) is NDArray]
     written = [t for t in targets if t is not None]

@@ -2,13 +2,16 @@
 
 Two families: *operation cases* (inputs and attributes for every op in `ops.REGISTRY`,
 with NumPy arrays and Python scalars as inputs) and *programs* (lists of instructions over a
-few named arrays, run once by d2lperf and once by NumPy, to check the engine's ordering).
+few named arrays spread over devices, run once by d2lperf and once by NumPy, to check the
+engine's ordering on one device and across several).
 """
 import math
 
 import numpy
 from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.extra import numpy as hnp
+
+from d2lperf import np
 
 DTYPES = ('float32', 'float64', 'int32')
 
@@ -193,15 +196,11 @@ OP_CASES.update({
 })
 
 
-# -- programs: instructions over a pool of named arrays ---------------------------------------
+# -- programs: instructions over a pool of named arrays, spread over devices ------------------
 
 NAMES = ('a', 'b', 'c', 'd')
-SHAPE = (4, 3)
+SHAPE = (4, 4)
 VIEW_SLOTS = 3
-# The engine deadlocks when one operation reads and writes the same variable (x += x,
-# x[0:2] = x[2:4], v += x[0] for a view v of x; see test_ndarray). Until that is fixed the
-# program interpreter copies an aliased source first; set this to True to generate them raw.
-ALIASED_UPDATES = True
 
 _name = st.sampled_from(NAMES)
 _slot = st.integers(0, VIEW_SLOTS - 1)
@@ -209,30 +208,35 @@ _row = st.integers(0, SHAPE[0] - 1)
 _span = st.tuples(st.integers(0, SHAPE[0] - 1), st.integers(1, SHAPE[0])).map(
     lambda t: (min(t), max(t)) if t[0] != t[1] else (t[0] - 1, t[1]) if t[0] else (0, 1))
 _scalar = st.sampled_from([-1.0, 0.5, 2.0, 3.0])
-_device = st.integers(0, 1)
-_update = st.sampled_from(['+=', '-=', '*='])
+_update_op = st.sampled_from(['+=', '-=', '*='])
 
-instructions = st.one_of(
-    st.tuples(st.just('binary'), _name, _name, _name,
-              st.sampled_from(['add', 'subtract', 'multiply', 'maximum'])),
-    st.tuples(st.just('affine'), _name, _name, _scalar, _scalar),
-    st.tuples(st.just('update'), _name, _update, _name),
-    st.tuples(st.just('update_scalar'), _name, _update, _scalar),
-    st.tuples(st.just('set_slice'), _name, _span, _name),
-    st.tuples(st.just('set_row'), _name, _row, _scalar),
-    st.tuples(st.just('set_row_from'), _name, _row, _name, _row),
-    st.tuples(st.just('view'), _slot, _name, _span),
-    st.tuples(st.just('row_view'), _slot, _name, _row),
-    st.tuples(st.just('view_update'), _slot, _update, _scalar),
-    st.tuples(st.just('view_update_row'), _slot, _name, _row),
-    st.tuples(st.just('view_fill'), _slot, _scalar),
-    st.tuples(st.just('move'), _name, _name, _device),
-    st.tuples(st.just('snapshot'), _name, _device),
-    st.tuples(st.just('snapshot_sum'), _name, st.sampled_from([None, 0, 1])),
-    st.tuples(st.just('snapshot_view'), _slot),
-)
 
-programs = st.tuples(st.lists(_device, min_size=len(NAMES), max_size=len(NAMES)),
+def programs(device_count=2):
+    """(a device index per named array, instructions): arithmetic, in-place updates, slice
+    assignments, views and updates through them, products, and copies between devices."""
+    device = st.integers(0, device_count - 1)
+    instructions = st.one_of(
+        st.tuples(st.just('binary'), _name, _name, _name,
+                  st.sampled_from(['add', 'subtract', 'multiply', 'maximum'])),
+        st.tuples(st.just('affine'), _name, _name, _scalar, _scalar),
+        st.tuples(st.just('matmul'), _name, _name, _name),
+        st.tuples(st.just('tanh'), _name, _name),
+        st.tuples(st.just('update'), _name, _update_op, _name),
+        st.tuples(st.just('update_scalar'), _name, _update_op, _scalar),
+        st.tuples(st.just('set_slice'), _name, _span, _name),
+        st.tuples(st.just('set_row'), _name, _row, _scalar),
+        st.tuples(st.just('set_row_from'), _name, _row, _name, _row),
+        st.tuples(st.just('view'), _slot, _name, _span),
+        st.tuples(st.just('row_view'), _slot, _name, _row),
+        st.tuples(st.just('view_update'), _slot, _update_op, _scalar),
+        st.tuples(st.just('view_update_row'), _slot, _name, _row),
+        st.tuples(st.just('view_fill'), _slot, _scalar),
+        st.tuples(st.just('move'), _name, _name, device),
+        st.tuples(st.just('snapshot'), _name, device),
+        st.tuples(st.just('snapshot_sum'), _name, st.sampled_from([None, 0, 1])),
+        st.tuples(st.just('snapshot_view'), _slot),
+    )
+    return st.tuples(st.lists(device, min_size=len(NAMES), max_size=len(NAMES)),
                      st.lists(instructions, min_size=1, max_size=30))
 
 
@@ -241,9 +245,9 @@ def initial_values(i):
 
 
 class NumpyBackend:
-    """Run a program sequentially on NumPy: the reference."""
+    """Run a program sequentially on NumPy: the reference (devices are ignored)."""
 
-    maximum = staticmethod(numpy.maximum)
+    maximum, tanh = staticmethod(numpy.maximum), staticmethod(numpy.tanh)
 
     @staticmethod
     def make(values, device):
@@ -262,88 +266,109 @@ class NumpyBackend:
         return numpy.asarray(x)
 
 
+class D2LBackend:
+    """Run a program on d2lperf: asynchronous arrays, device index i meaning `devices[i]`.
+
+    An operation whose inputs live on different devices first copies the second one to the
+    first one's device, as a program must (the engine never moves data by itself)."""
+
+    maximum, tanh = staticmethod(np.maximum), staticmethod(np.tanh)
+
+    def __init__(self, devices):
+        self.devices = devices
+
+    def make(self, values, device):
+        return np.array(values, device=self.devices[device])
+
+    @staticmethod
+    def on(x, like):
+        return x if x.device == like.device else x.copyto(like.device)
+
+    def move(self, x, device):
+        return x.copyto(self.devices[device])
+
+    @staticmethod
+    def host(x):
+        return x.asnumpy()
+
+
 class Interpreter:
     """Run one program on a backend; returns every array, view and snapshot it made."""
 
     def __init__(self, backend):
         self.be = backend
-        self.arrays, self.owner, self.views, self.snapshots = {}, {}, {}, []
-        self.tokens = iter(range(10 ** 9))
+        self.arrays, self.views, self.snapshots = {}, {}, []
 
     def run(self, program):
         devices, body = program
         for i, (name, device) in enumerate(zip(NAMES, devices)):
-            self.bind(name, self.be.make(initial_values(i), device))
+            self.arrays[name] = self.be.make(initial_values(i), device)
         for instruction in body:
             getattr(self, 'do_' + instruction[0])(*instruction[1:])
         return self.results()
 
     def results(self):
         out = [self.be.host(self.arrays[n]) for n in NAMES]
-        out += [self.be.host(v) for v, _ in self.views.values()]
+        out += [self.be.host(v) for v in self.views.values()]
         return out + [self.be.host(s) for s in self.snapshots]
-
-    def bind(self, name, array):
-        self.arrays[name], self.owner[name] = array, next(self.tokens)
-
-    def source(self, value, token, target_token, like):
-        """`value` ready to flow into an array owned by `target_token` on `like`'s device."""
-        if token == target_token and not ALIASED_UPDATES:
-            value = value.copy()
-        return self.be.on(value, like)
 
     # -- instructions ---------------------------------------------------------------------
     def do_binary(self, dst, x, y, op):
         a, b = self.arrays[x], self.be.on(self.arrays[y], self.arrays[x])
         result = {'add': lambda: a + b, 'subtract': lambda: a - b,
                   'multiply': lambda: a * b, 'maximum': lambda: self.be.maximum(a, b)}[op]()
-        self.bind(dst, result)
+        self.arrays[dst] = result
 
     def do_affine(self, dst, src, scale, shift):
-        self.bind(dst, self.arrays[src] * scale + shift)
+        self.arrays[dst] = self.arrays[src] * scale + shift
+
+    def do_matmul(self, dst, x, y):
+        a = self.arrays[x]
+        self.arrays[dst] = self.be.tanh(a @ self.be.on(self.arrays[y], a))
+
+    def do_tanh(self, dst, src):
+        self.arrays[dst] = self.be.tanh(self.arrays[src])
 
     def do_update(self, dst, op, src):
         target = self.arrays[dst]
-        value = self.source(self.arrays[src], self.owner[src], self.owner[dst], target)
-        _update(target, op, value)
+        update_in_place(target, op, self.be.on(self.arrays[src], target))
 
     def do_update_scalar(self, dst, op, scalar):
-        _update(self.arrays[dst], op, scalar)
+        update_in_place(self.arrays[dst], op, scalar)
 
     def do_set_slice(self, dst, span, src):
         target = self.arrays[dst]
         start, stop = span
-        target[start:stop] = self.source(self.arrays[src][start:stop], self.owner[src],
-                                         self.owner[dst], target)
+        target[start:stop] = self.be.on(self.arrays[src][start:stop], target)
 
     def do_set_row(self, dst, i, scalar):
         self.arrays[dst][i] = scalar
 
     def do_set_row_from(self, dst, i, src, j):
         target = self.arrays[dst]
-        target[i] = self.source(self.arrays[src][j], self.owner[src], self.owner[dst], target)
+        target[i] = self.be.on(self.arrays[src][j], target)
 
     def do_view(self, slot, base, span):
-        self.views[slot] = (self.arrays[base][span[0]:span[1]], self.owner[base])
+        self.views[slot] = self.arrays[base][span[0]:span[1]]
 
     def do_row_view(self, slot, base, i):
-        self.views[slot] = (self.arrays[base][i], self.owner[base])
+        self.views[slot] = self.arrays[base][i]
 
     def do_view_update(self, slot, op, scalar):
         if slot in self.views:
-            _update(self.views[slot][0], op, scalar)
+            update_in_place(self.views[slot], op, scalar)
 
     def do_view_update_row(self, slot, src, j):
         if slot in self.views:
-            view, token = self.views[slot]
-            view += self.source(self.arrays[src][j], self.owner[src], token, view)
+            view = self.views[slot]
+            view += self.be.on(self.arrays[src][j], view)
 
     def do_view_fill(self, slot, scalar):
         if slot in self.views:
-            self.views[slot][0][:] = scalar
+            self.views[slot][:] = scalar
 
     def do_move(self, dst, src, device):
-        self.bind(dst, self.be.move(self.arrays[src], device))
+        self.arrays[dst] = self.be.move(self.arrays[src], device)
 
     def do_snapshot(self, src, device):
         self.snapshots.append(self.be.move(self.arrays[src], device))
@@ -353,10 +378,10 @@ class Interpreter:
 
     def do_snapshot_view(self, slot):
         if slot in self.views:
-            self.snapshots.append(self.views[slot][0].copy())
+            self.snapshots.append(self.views[slot].copy())
 
 
-def _update(target, op, value):
+def update_in_place(target, op, value):
     """`target op= value` in place (the augmented assignment on a local name rebinds only it)."""
     if op == '+=':
         target += value

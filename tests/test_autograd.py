@@ -8,7 +8,7 @@ import numpy
 import pytest
 
 import d2lperf as d2l
-from d2lperf import autograd, engine, np, npx
+from d2lperf import autograd, engine, np, npx, ops
 from d2lperf.ndarray import apply
 
 pytestmark = pytest.mark.usefixtures('fresh_engine')
@@ -64,6 +64,13 @@ def check_gradients(f, *values):
                          numeric_gradients(f, values, projection)):
         assert got.shape == want.shape and got.dtype == numpy.float64
         numpy.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
+
+
+def seeded_dropout_mask(a):
+    """A dropout mask drawn after the same seed each time: a constant, so it has a derivative
+    (and the finite differences see the same mask only if seeding really repeats it)."""
+    np.random.seed(7)
+    return apply('dropout_mask', a, rate=0.5)
 
 
 PICKED = numpy.array([2, 0, 3])
@@ -129,6 +136,7 @@ CASES = {
     'fully_connected_3d': (npx.fully_connected, signed(2, 4, 3), signed(2, 3), signed(2)),
     'fully_connected_vector': (npx.fully_connected, signed(3), signed(2, 3), signed(2)),
     'where': (lambda a, b: apply('where', np.array(CONDITION), a, b), signed(2, 3), signed(3)),
+    'dropout': (lambda a: a * seeded_dropout_mask(a), signed(4, 5)),
     # a value used more than once accumulates its gradients
     'used_twice': (lambda a: a * a, signed(2, 3)),
     'used_thrice': (lambda a: a * np.exp(a) + a, signed(2, 3)),
@@ -148,6 +156,22 @@ for _op in ('sum', 'mean', 'max'):
 def test_gradient_matches_finite_differences(case):
     f, *values = CASES[case]
     check_gradients(f, *values)
+
+
+def recorded_ops(f, values):
+    """The names of the operations the tape recorded for one case."""
+    xs = [np.array(v) for v in values]
+    for x in xs:
+        x.attach_grad()
+    with autograd.record():
+        head = f(*xs)
+    return {a.node.op.name for a in autograd.topological_order(head) if a.node is not None}
+
+
+def test_every_op_with_a_gradient_rule_has_a_finite_difference_case():
+    covered = set().union(*(recorded_ops(f, values) for f, *values in CASES.values()))
+    with_rule = {name for name, op in ops.REGISTRY.items() if op.vjp is not None}
+    assert with_rule <= covered, f'give {sorted(with_rule - covered)} a case in CASES'
 
 
 @pytest.mark.parametrize('case', ['multiply', 'matmul_batches', 'getitem_slice', 'cross_entropy',

@@ -4,17 +4,16 @@ They check values, never speed: every figure is positive, finite and carries its
 its column name; the pointer chase is one dependent cycle over every node; FLOP and byte
 counts agree with a hand computation.
 """
-import ctypes
 import math
 import os
 import sys
-import types
 
 import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
 from d2lperf import hardware, hardware_gpu, hardware_io, utils
+from fakes import cupy as fake_cupy
 
 UNIT_WORDS = {'bytes', 'seconds', 'ns', 'us', 'gb', 'mb', 'gflop', 'tflop', 'flop', 'mhz',
               'bits', 'error'}
@@ -212,45 +211,14 @@ def test_print_table(capsys):
     assert 'empty' in capsys.readouterr().out
 
 
-class HostArray(np.ndarray):
-    """A NumPy array that exposes `.data.ptr` like a CuPy array."""
-
-    @property
-    def data(self):
-        return types.SimpleNamespace(ptr=self.ctypes.data)
-
-
-def column_major(pointer, rows, columns, leading):
-    """A float32 matrix stored column by column at `pointer` (what cuBLAS reads)."""
-    flat = np.ctypeslib.as_array((ctypes.c_float * (leading * columns)).from_address(pointer))
-    return flat.reshape(columns, leading).T[:rows]
-
-
-def fake_cupy():
-    """Just enough of CuPy for `hardware_gpu.gemm`, with cuBLAS's column-major semantics."""
-    modes = {'pointer': 5}
-
-    def gemm_ex(handle, transa, transb, m, n, k, alpha, a, a_type, lda, b, b_type, ldb,
-                beta, c, c_type, ldc, compute_type, algo):
-        assert (transa, transb, modes['pointer']) == (0, 0, hardware_gpu.CUBLAS_POINTER_MODE_HOST)
-        scale, shift = ctypes.c_float.from_address(alpha).value, ctypes.c_float.from_address(beta).value
-        out = column_major(c, m, n, ldc)
-        out[...] = scale * column_major(a, m, k, lda) @ column_major(b, k, n, ldb) + shift * out
-
-    cublas = types.SimpleNamespace(gemmEx=gemm_ex, getPointerMode=lambda h: modes['pointer'],
-                                   setPointerMode=lambda h, m: modes.update(pointer=m))
-    device = types.SimpleNamespace(get_cublas_handle=lambda: 1)
-    return types.SimpleNamespace(cuda=types.SimpleNamespace(cublas=cublas, device=device)), modes
-
-
 def test_gemm_passes_row_major_operands_in_cublas_order():
-    cp, modes = fake_cupy()
+    cp = fake_cupy.make_module()
     rng = np.random.default_rng(0)
-    a, b = (rng.random((5, 5), dtype=np.float32).view(HostArray) for _ in range(2))
-    c = np.zeros((5, 5), np.float32).view(HostArray)
+    a, b = (cp.asarray(rng.random((5, 5), dtype=np.float32)) for _ in range(2))
+    c = cp.zeros((5, 5), np.float32)
     hardware_gpu.gemm(cp, a, b, c, hardware_gpu.CUDA_R_32F, hardware_gpu.CUBLAS_COMPUTE_32F)
     np.testing.assert_allclose(c, np.asarray(a) @ np.asarray(b), rtol=1e-5)
-    assert modes['pointer'] == 5   # the handle's pointer mode is restored
+    assert cp.cuda.cublas.pointer_mode == 5   # the handle's pointer mode is restored
 
 
 NO_GPU = hardware_gpu.cupy_or_none() is None

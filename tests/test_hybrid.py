@@ -3,7 +3,9 @@ export and the validating loader. Run: D2LPERF_QUICK=1 pytest -q tests/test_hybr
 import json
 import os
 import re
+import sys
 import zipfile
+from unittest import mock
 
 import numpy
 import pytest
@@ -15,8 +17,8 @@ from d2lperf import autograd, engine, hybrid, np, npx, nn
 from d2lperf.hybrid import Spec, TraceError
 from d2lperf.hybrid import gpu as hybrid_gpu
 
-from strategies_hybrid import (FakeCupy, build_net, net_specs, program_function, program_inputs,
-                               programs)
+from fakes import cupy as fake_cupy
+from strategies_hybrid import build_net, net_specs, program_function, program_inputs, programs
 
 SETTINGS = settings(max_examples=int(os.environ.get('HYBRID_EXAMPLES', 100)), deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])
@@ -611,9 +613,17 @@ def test_mutated_symbol_files_load_cleanly_or_raise_value_error(tmp_path, data):
 
 # -- the GPU code path, run by NumPy standing in for CuPy ---------------------------------
 
-def test_gpu_code_generation_with_a_stand_in_for_cupy(monkeypatch):
-    fake = FakeCupy()
-    monkeypatch.setattr(hybrid_gpu, '_cupy', lambda: fake)
+@pytest.fixture
+def stand_in_cupy(monkeypatch):
+    """`import cupy` finds tests/fakes/cupy.py; this thread computes on a stream of its own
+    (a CUDA graph cannot capture the legacy default stream)."""
+    fake = fake_cupy.make_module()
+    monkeypatch.setitem(sys.modules, 'cupy', fake)
+    fake.cuda.Stream(non_blocking=True).use()
+    return fake
+
+
+def test_gpu_code_generation_with_a_stand_in_for_cupy(stand_in_cupy):
 
     def forward(x, w1, b1, w2, b2, r):
         h = npx.relu(npx.fully_connected(x, w1, b1))
@@ -632,9 +642,7 @@ def test_gpu_code_generation_with_a_stand_in_for_cupy(monkeypatch):
     close(program.fn(*args), expected)                   # the fused kernels, without the graph
 
 
-def test_gpu_large_batches_use_cublas_and_no_graph(monkeypatch):
-    fake = FakeCupy()
-    monkeypatch.setattr(hybrid_gpu, '_cupy', lambda: fake)
+def test_gpu_large_batches_use_cublas_and_no_graph(stand_in_cupy):
     args = [numpy.ones((100, 3), numpy.float32), numpy.ones((4, 3), numpy.float32),
             numpy.zeros(4, numpy.float32)]
     graph = hybrid.optimize(hybrid.trace(lambda x, w, b: npx.relu(npx.fully_connected(x, w, b)),
@@ -648,9 +656,9 @@ def test_gpu_large_batches_use_cublas_and_no_graph(monkeypatch):
 @SETTINGS
 @given(programs)
 def test_gpu_kernels_preserve_results_on_random_programs(spec):
-    fake = FakeCupy()
-    original, hybrid_gpu._cupy = hybrid_gpu._cupy, lambda: fake
-    try:
+    fake = fake_cupy.make_module()
+    with mock.patch.dict(sys.modules, {'cupy': fake}):
+        fake.cuda.Stream(non_blocking=True).use()
         fn, args = program_function(spec), program_inputs(spec)
         graph = hybrid.optimize(hybrid.trace(fn, [np.array(a) for a in args]))
         expected = hybrid.evaluate(graph, numpy, args)
@@ -660,8 +668,6 @@ def test_gpu_kernels_preserve_results_on_random_programs(spec):
         close(program.runner(*args), expected)
         assert all('cuBLAS' in note or 'allocate' in note for note in program.runner.notes), \
             program.runner.notes
-    finally:
-        hybrid_gpu._cupy = original
 
 
 @pytest.mark.skipif(d2l.num_gpus() == 0, reason='needs a GPU and CuPy')

@@ -16,7 +16,7 @@ import d2lperf as d2l
 from d2lperf import engine, np, npx, ops
 from d2lperf.ndarray import NDArray, apply
 from conftest import run_in_subprocess, run_with_timeout
-from strategies import OP_CASES, Interpreter, NumpyBackend, checks, programs
+from strategies import OP_CASES, D2LBackend, Interpreter, NumpyBackend, checks, programs
 
 pytestmark = pytest.mark.usefixtures('fresh_engine')
 
@@ -24,26 +24,7 @@ CPU0, CPU1 = d2l.cpu(0), d2l.cpu(1)
 EARLY = 0.05
 
 
-class D2LBackend:
-    """Run a program on d2lperf: the same interpreter, asynchronous arrays on two devices."""
-
-    maximum = staticmethod(np.maximum)
-
-    @staticmethod
-    def make(values, device):
-        return np.array(values, device=d2l.cpu(device))
-
-    @staticmethod
-    def on(x, like):
-        return x if x.device == like.device else x.copyto(like.device)
-
-    @staticmethod
-    def move(x, device):
-        return x.copyto(d2l.cpu(device))
-
-    @staticmethod
-    def host(x):
-        return x.asnumpy()
+TWO_CPUS = D2LBackend([CPU0, CPU1])
 
 
 def assert_same_results(actual, expected):
@@ -56,20 +37,20 @@ def assert_same_results(actual, expected):
 
 @pytest.mark.filterwarnings('ignore::RuntimeWarning')     # overflow in long product chains
 @checks(50)
-@given(program=programs)
+@given(program=programs())
 def test_programs_match_sequential_numpy(engine_kind, program):
-    expected = Interpreter(NumpyBackend).run(program)
-    assert_same_results(Interpreter(D2LBackend).run(program), expected)
+    expected = Interpreter(NumpyBackend()).run(program)
+    assert_same_results(Interpreter(TWO_CPUS).run(program), expected)
 
 
 @pytest.mark.filterwarnings('ignore::RuntimeWarning')
 @checks(15)
-@given(program=programs)
+@given(program=programs())
 def test_both_engines_agree(fresh_engine, program):
     results = {}
     for kind in ('naive', 'threaded'):
         engine.use(kind)
-        results[kind] = Interpreter(D2LBackend).run(program)
+        results[kind] = Interpreter(TWO_CPUS).run(program)
     assert_same_results(results['threaded'], results['naive'])
 
 

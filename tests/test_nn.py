@@ -263,6 +263,15 @@ def test_dropout_follows_the_training_flag_not_the_recording_one():
         assert set(numpy.unique(layer(x).asnumpy()).tolist()) == {0.0, 2.0}
 
 
+def test_imperative_dropout_passes_gradients_through_its_mask():
+    x = np.ones((4, 32))
+    x.attach_grad()
+    with autograd.record():
+        y = nn.Dropout(0.5)(x)
+    y.backward()                    # the mask reads x, but no gradient flows through it
+    assert numpy.array_equal(x.grad.asnumpy(), y.asnumpy())
+
+
 def test_a_hybridized_block_compiles_training_and_prediction_apart():
     net = nn.HybridSequential()
     net.add(nn.Dropout(0.5))

@@ -11,16 +11,16 @@ import threading
 
 import numpy
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
 
 import d2lperf as d2l
 from d2lperf import device as device_module, engine, np
 from d2lperf.ops import random as random_module
 from d2lperf.blas import SharedCores
 from d2lperf.workers import COMPUTE, COPY_IN, COPY_OUT, copy_lane
-import fake_cupy
+from fakes import cupy as fake_cupy
 from conftest import run_with_timeout
-from strategies import checks
+from strategies import D2LBackend, Interpreter, NumpyBackend, checks, programs
 
 pytestmark = pytest.mark.usefixtures('fresh_engine')
 
@@ -28,80 +28,21 @@ CPU0, CPU1 = d2l.cpu(0), d2l.cpu(1)
 DEVICES = [CPU0, CPU1] + ([d2l.gpu(0)] if d2l.num_gpus() else [])
 needs_gpu = pytest.mark.skipif(not d2l.num_gpus(), reason='needs a GPU and CuPy')
 SHAPE = (4, 4)
-POOL = 4
 
 
-# -- random multi-device programs --------------------------------------------------------------
-
-def programs(device_count):
-    """(a device index per array, instructions): matmul, add, in-place scale, copy, tanh."""
-    slot, device = st.integers(0, POOL - 1), st.integers(0, device_count - 1)
-    instructions = st.one_of(
-        st.tuples(st.just('matmul'), slot, slot, slot),
-        st.tuples(st.just('add'), slot, slot, slot),
-        st.tuples(st.just('scale_'), slot, st.sampled_from([0.5, -1.0, 2.0])),
-        st.tuples(st.just('copy'), slot, slot, device),
-        st.tuples(st.just('tanh'), slot, slot),
-    )
-    return st.tuples(st.lists(device, min_size=POOL, max_size=POOL),
-                     st.lists(instructions, min_size=1, max_size=25))
-
-
-def start_values(i):
-    return numpy.linspace(-1, 1, 16).reshape(SHAPE) * (i + 1) / POOL
-
-
-def run_program(program, devices, asarray, move):
-    """Run `program` with arrays made by `asarray(values, device)`; `move(x, device)` copies.
-
-    An operation whose inputs live on different devices first copies its second input to
-    the first one's device, as a program must (the engine never moves data by itself).
-    """
-    placement, body = program
-    arrays = [asarray(start_values(i), devices[d]) for i, d in enumerate(placement)]
-    where = [devices[d] for d in placement]
-
-    def local(src, dst):
-        return arrays[src] if where[src] == where[dst] else move(arrays[src], where[dst])
-    for op, dst, *args in body:
-        if op == 'scale_':
-            arrays[dst] *= args[0]
-        elif op == 'copy':
-            arrays[dst], where[dst] = move(arrays[args[0]], devices[args[1]]), devices[args[1]]
-        else:
-            x = arrays[args[0]]
-            if op == 'matmul':
-                result = 0.5 * (x @ local(args[1], args[0]))
-            elif op == 'add':
-                result = x + local(args[1], args[0])
-            else:
-                result = tanh(x)
-            arrays[dst], where[dst] = result, where[args[0]]
-    return arrays, where
-
-
-def tanh(x):
-    return numpy.tanh(x) if isinstance(x, numpy.ndarray) else np.tanh(x)
-
-
-def run_numpy(program, devices=DEVICES):
-    arrays, _ = run_program(program, devices, lambda v, d: v.copy(), lambda x, d: x.copy())
-    return arrays
-
-
-def run_d2l(program, devices=DEVICES):
-    arrays, where = run_program(program, devices, lambda v, d: np.array(v, device=d),
-                                lambda x, d: x.copyto(d))
-    assert all(a.device == d for a, d in zip(arrays, where))
-    return [a.asnumpy() for a in arrays]
-
+# -- random multi-device programs (tests/strategies.py) ----------------------------------------
 
 def assert_same_as_numpy(program, devices=DEVICES):
-    expected = run_numpy(program, devices)
-    for got, want in zip(run_with_timeout(lambda: run_d2l(program, devices), 60), expected):
-        numpy.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-9)
+    """The program on d2lperf's devices gives what sequential NumPy gives (GPU products may
+    differ from NumPy's in the last bits)."""
+    expected = Interpreter(NumpyBackend()).run(program)
+    got = run_with_timeout(lambda: Interpreter(D2LBackend(devices)).run(program), 60)
+    assert len(got) == len(expected)
+    for value, want in zip(got, expected):
+        numpy.testing.assert_allclose(value, want, rtol=1e-6, atol=1e-9)
 
 
+@pytest.mark.filterwarnings('ignore::RuntimeWarning')     # overflow in long product chains
 @checks(40)
 @given(program=programs(len(DEVICES)))
 def test_multi_device_programs_match_sequential_numpy(program):
@@ -123,11 +64,12 @@ def assert_trace_respects_dependencies(records):
                     f'before {earlier.name} on {earlier.worker} ended')
 
 
+@pytest.mark.filterwarnings('ignore::RuntimeWarning')
 @checks(25)
 @given(program=programs(len(DEVICES)))
 def test_the_trace_of_a_program_respects_every_dependency(program):
     with d2l.profiler.profile() as records:
-        run_d2l(program)
+        Interpreter(D2LBackend(DEVICES)).run(program)
     assert records and all(r.start <= r.end for r in records)
     assert_trace_respects_dependencies(records)
 
@@ -349,7 +291,7 @@ FAKE_DEVICES = [CPU0, CPU1, d2l.gpu(0), d2l.gpu(1)]
 
 @pytest.fixture
 def fake_gpus(monkeypatch):
-    """Two 'GPUs' backed by NumPy (tests/fake_cupy.py), on a fresh engine, for one test."""
+    """Two 'GPUs' backed by NumPy (tests/fakes/cupy.py), on a fresh engine, for one test."""
     if d2l.num_gpus():
         pytest.skip('a real GPU is here: the tests marked needs_gpu run instead')
     monkeypatch.setitem(sys.modules, 'cupy', fake_cupy.make_module(gpus=2))
@@ -363,6 +305,7 @@ def fake_gpus(monkeypatch):
     device_module.num_gpus.cache_clear()
 
 
+@pytest.mark.filterwarnings('ignore::RuntimeWarning')
 @checks(20)
 @given(program=programs(len(FAKE_DEVICES)))
 def test_programs_over_cpus_and_fake_gpus_match_numpy(fake_gpus, program):

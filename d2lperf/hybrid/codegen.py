@@ -133,20 +133,24 @@ def emit_node(w, index, node, slot, fused_kernel):
 
 
 class Program:
-    """Generated source, its namespace (buffers, constants, functions) and the compiled function."""
+    """Generated source, its namespace (buffers, constants, functions) and the compiled function.
 
-    def __init__(self, source, namespace, header, kernels=()):
+    `runner` is what a call runs: `fn` itself, unless a back end chooses among variants of
+    it (on a GPU, `gpu.VerifiedRunner`, whose `name` and `notes` say which runs and why)."""
+
+    def __init__(self, source, namespace, header, kernels=(), runner=None):
         self.source, self.namespace, self.header = source, namespace, header
         self.kernels = list(kernels)
         filename = f'<d2lperf-hybrid-{next(_programs)}>'
         linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
         exec(compile(source, filename, 'exec'), namespace)
         self.fn = namespace['forward']
+        self.runner = runner or self.fn
 
     def __str__(self):
-        runner = getattr(self, 'runner', None)       # on a GPU: which variant runs, and why
-        status = '' if runner is None else (
-            f'# running: {getattr(runner, "name", "not yet chosen (first call pending)")}\n'
+        runner = self.runner
+        status = '' if runner is self.fn else (
+            f'# running: {runner.name or "not yet chosen (first call pending)"}\n'
             + ''.join(f'# note: {note}\n' for note in runner.notes))
         kernels = ''.join(f'\n# {name}:\n' + ''.join(f'#   {line}\n' for line in
                                                        source.strip().splitlines())

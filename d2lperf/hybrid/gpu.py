@@ -190,6 +190,7 @@ class VerifiedRunner:
 
     def __init__(self, plain, candidates):
         self.plain, self.candidates, self.chosen, self.notes = plain, candidates, None, []
+        self.name = None
 
     def __call__(self, *arrays):
         if self.chosen is not None:

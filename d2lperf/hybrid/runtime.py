@@ -46,7 +46,7 @@ class Executable:
         if not recording:
             self.plan = plan_memory(self.graph)
             self.program = build_program(self.graph, self.plan, device)
-            self.runner = getattr(self.program, 'runner', self.program.fn)
+            self.runner = self.program.runner
         self.workspace = engine.Var()           # orders the calls that share its buffers
         self.output_types = [(n.shape, n.dtype) for n in self.simplified.outputs]
         self._params, self._param_vars = None, []
