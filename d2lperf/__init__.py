@@ -1,10 +1,41 @@
 """d2lperf: the package behind "Computational Performance, a runnable course".
 
-Layers, each importing only those before it: device → engine → ops → ndarray (np, npx) →
-autograd → hybrid (the tracing compiler) → nn → trainer. Beside them: utils (timers, workload
-sizes), data (Fashion-MNIST with an offline fallback), hardware (microbenchmarks, imported on
-demand as ``d2lperf.hardware``), profiler (engine events as a Chrome trace and a timeline)
-and depgraph (the engine's recorded dependencies, drawn).
+The layers import downward only: device → engine → ops → ndarray → autograd → hybrid → nn
+→ trainer, and each module below imports only modules listed above it. comm, kvstore and
+launch (multi-device training, to come) will sit beside nn, above the engine. Only
+NDArray's attach_grad and backward reach up: they import autograd when called.
+
+    utils         timers (one median-of-repeats loop for everything), workload sizes, and
+                  atomic file writes; it imports nothing of the package.
+    device        where an array lives (cpu(i), gpu(i)), which array module computes there,
+                  and which device a thread runs.
+    blas          the BLAS thread count that virtual CPU devices share, divided among the
+                  busy ones on request.
+    workers       the engine's running policy: a thread per device and lane, CUDA streams
+                  and the events between them.
+    engine        the dependency engine: operations run in the order of the variables they
+                  read and write, and a failure waits on what it should have written.
+    ops           every operation, by family, with its compute, shape, dtype and gradient
+                  rules and what the compiler may do with it.
+    tape          what autograd records on each array, and the recording and training flags.
+    ndarray       NDArray, a NumPy-like array whose every operation is one engine push;
+                  np gives it NumPy's names, npx the operators NumPy lacks.
+    autograd      reverse mode over the tape, with Gluon's record, pause, train and predict
+                  modes.
+    hybrid        the tracing compiler: trace, graph IR, passes, memory plan, generated code,
+                  export and import.
+    nn            Gluon-style blocks, layers, losses, initializers and parameters, compiled by
+                  hybrid.
+    trainer       minibatch SGD over a net's parameters on every device.
+
+Beside the layers, imported by none of them:
+
+    profiler      the engine's records of what ran where and when, as a Chrome trace, a
+                  timeline and a summary.
+    depgraph      the dependency graph those records imply, drawn.
+    data          Fashion-MNIST, downloaded, checked and cached, with an offline fallback.
+    hardware      microbenchmarks of the reader's machine (hardware_gpu: its GPU,
+                  hardware_io: cores, storage and network), imported on demand.
 """
 from . import engine
 from .device import Device, cpu, gpu, num_gpus, try_all_gpus, try_gpu

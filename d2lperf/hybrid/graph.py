@@ -176,7 +176,12 @@ def evaluate(graph, xp, arguments, keep=False):
 
 
 def gradients(graph, xp, values, head, head_grad):
-    """Reverse mode over the graph: the gradient of `head` for every argument (None if none)."""
+    """Reverse mode over the graph: the gradient of `head` for every argument (None if none).
+
+    The same rule as `autograd.backward`, walked differently: this runs inside ONE engine
+    operation (a hybridized block's tape node), on raw arrays, over nodes already in
+    topological order, where autograd sorts recorded arrays and pushes one engine operation
+    per node."""
     grads = {head: head_grad}
     for node in reversed(graph.nodes):
         if node.kind != 'call' or node not in grads:
