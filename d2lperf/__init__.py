@@ -8,11 +8,11 @@ NDArray's attach_grad and backward reach up: they import autograd when called.
     utils         timers (one median-of-repeats loop for everything), workload sizes, and
                   atomic file writes; it imports nothing of the package.
     device        where an array lives (cpu(i), gpu(i)), which array module computes there,
-                  and which device a thread runs.
+                  and how data moves between two of them.
     blas          the BLAS thread count that virtual CPU devices share, divided among the
                   busy ones on request.
-    workers       the engine's running policy: a thread per device and lane, CUDA streams
-                  and the events between them.
+    workers       the engine's running policy: a thread per device and lane, which device
+                  a thread runs, CUDA streams and the events between them.
     engine        the dependency engine: operations run in the order of the variables they
                   read and write, and a failure waits on what it should have written.
     ops           every operation, by family, with its compute, shape, dtype and gradient

@@ -4,12 +4,10 @@ A `Device` is a kind ('cpu' or 'gpu') and an index. CPU devices are virtual: `cp
 `cpu(1)` share the machine's cores but each gets its own engine workers, so two of them can
 compute side by side ("Automatic Parallelism"). GPUs compute with CuPy, imported only when a
 GPU is asked for, so the package runs on machines with neither CuPy nor a GPU. `transfer`
-says how data moves between two devices; `running_device` which device's operations the
-current thread runs.
+says how data moves between two devices.
 """
 import functools
 import os
-import threading
 
 import numpy
 
@@ -62,21 +60,6 @@ def available_cores():
     if hasattr(os, 'sched_getaffinity'):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
-
-
-_running = threading.local()
-
-
-def running_device():
-    """The device whose operations this thread runs: an engine worker's own (cpu(0) on any
-    other thread). Like CUDA's current device, it lets an operation find its device's
-    resources, such as its random generator, without being handed them."""
-    return getattr(_running, 'device', None) or cpu()
-
-
-def set_running_device(device):
-    """Say that this thread runs `device`'s operations from now on (see `running_device`)."""
-    _running.device = device
 
 
 def transfer(source, target):

@@ -6,7 +6,8 @@ compute lane, and lanes that move data, so that a copy overlaps with computation
 not depend on it. On a GPU each lane owns a CUDA stream (compute; host to device; device to
 host), so the copy engines of the GPU work while its cores compute; the CUDA events that
 order the streams, and the waits for them, are all here. Virtual CPU devices share the
-machine's cores (`blas.SharedCores`). `PoliteLock`, the engine's lock, keeps all these
+machine's cores (`blas.SharedCores`). `running_device()` says which device's operations the
+current thread runs. `PoliteLock`, the engine's lock, keeps all these
 threads from convoying on the GIL. `run_now` is the naive engine's policy: the caller's
 thread, at once. Taught in "Automatic Parallelism".
 """
@@ -17,7 +18,7 @@ import time
 import weakref
 
 from .blas import SharedCores
-from .device import set_running_device
+from .device import cpu
 
 COMPUTE, COPY_IN, COPY_OUT = 'compute', 'copy in', 'copy out'
 
@@ -34,14 +35,25 @@ def copy_lane(source, target):
     return target, COPY_IN
 
 
+running = threading.local()      # .device: the device whose operations this thread runs
+
+
+def running_device():
+    """The device whose operations this thread runs: an engine worker's own (cpu(0) on any
+    other thread). Like CUDA's current device, it lets an operation find its device's
+    resources, such as its random generator, without being handed them."""
+    return getattr(running, 'device', None) or cpu()
+
+
 # A GPU compute lane only launches its kernels: the engine counts the write done at once.
 # The CUDA event recorded after them, per variable, is what later readers wait for.
 write_events = weakref.WeakKeyDictionary()      # engine Var -> CUDA event of its last write
+gpu_lanes = []                                  # a GPU lane has started: events may exist
 
 
 def synchronize(var):
     """Block until the kernels that last wrote `var` have finished (CPU work: nothing to do)."""
-    if write_events:
+    if gpu_lanes:
         event = write_events.get(var)
         if event is not None:
             event.synchronize()
@@ -49,8 +61,7 @@ def synchronize(var):
 
 def run_now(op):
     """Run `op` on the caller's thread and wait for it, on a GPU too: the naive engine's way."""
-    device = op.device
-    set_running_device(device)
+    device = running.device = op.device
     if device is None or device.kind == 'cpu':
         op.fn()
         return
@@ -85,9 +96,10 @@ class Worker:
         started.wait()
 
     def _loop(self, run, started):
-        set_running_device(self.device)
+        running.device = self.device
         if self.device.kind == 'gpu':
             self.stream, self.launch = use_gpu_stream(self.device), self.run_on_stream
+            gpu_lanes.append(self.name)
         started.set()
         get, cores = self.ready.get, self.cores
         while True:
