@@ -2,18 +2,25 @@
 
 Layers, each importing only those before it: device → engine → ops → ndarray (np, npx) →
 autograd → hybrid (the tracing compiler) → nn → trainer. Beside them: utils (timers, workload
-sizes), data (Fashion-MNIST with an offline fallback), hardware (microbenchmarks, imported on
-demand as ``d2lperf.hardware``), profiler (engine events as a Chrome trace and a timeline)
-and depgraph (the engine's recorded dependencies, drawn).
+sizes, Animator), comm (a batch split among devices, allreduce), training (SGD and accuracy
+written from scratch), data (Fashion-MNIST with an offline fallback), hardware
+(microbenchmarks, imported on demand as ``d2lperf.hardware``), profiler (engine events as a
+Chrome trace and a timeline) and depgraph (the engine's recorded dependencies, drawn).
 """
 from . import engine
 from .device import Device, cpu, gpu, num_gpus, try_all_gpus, try_gpu
 from . import np, npx, autograd, nn
 from .nn import L2Loss, SoftmaxCrossEntropyLoss
 from .trainer import Trainer
-from .utils import Accumulator, Benchmark, Timer, memory_in_use, quick_mode, workload
-from . import data, hybrid, profiler
+from .utils import Accumulator, Animator, Benchmark, Timer, memory_in_use, quick_mode, workload
+from . import comm, data, hybrid, profiler
+from .comm import allreduce, split_and_load, split_batch
+from .training import accuracy, evaluate_accuracy_gpu, evaluate_accuracy_gpus, get_params, sgd
+from .data import load_data_fashion_mnist
 
 __all__ = ['engine', 'Device', 'cpu', 'gpu', 'num_gpus', 'try_all_gpus', 'try_gpu', 'np', 'npx',
            'autograd', 'nn', 'L2Loss', 'SoftmaxCrossEntropyLoss', 'Trainer', 'Accumulator',
-           'Benchmark', 'Timer', 'memory_in_use', 'quick_mode', 'workload', 'data', 'hybrid', 'profiler']
+           'Animator', 'Benchmark', 'Timer', 'memory_in_use', 'quick_mode', 'workload', 'comm',
+           'data', 'hybrid', 'profiler', 'allreduce', 'split_and_load', 'split_batch', 'accuracy',
+           'evaluate_accuracy_gpu', 'evaluate_accuracy_gpus', 'get_params', 'sgd',
+           'load_data_fashion_mnist']
