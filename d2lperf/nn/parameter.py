@@ -48,10 +48,11 @@ class Parameter:
         try:
             return copies[device]
         except KeyError:
+            first = self._devices[0]
             raise RuntimeError(
                 f"parameter '{self.name}' was not initialized on {device}; it was only "
-                f'initialized on {list(copies)}: ask for one of those, e.g. '
-                f'data({self._devices[0]}), or pass device=... to initialize()') from None
+                f'initialized on {list(copies)}: use one of those (data({first}), or an input '
+                f'copied with x.copyto({first})), or initialize on {device} too') from None
 
     def list_device(self):
         """The devices this parameter has a copy on, in the order initialize() was given."""
