@@ -143,10 +143,14 @@ class Animator:
             return
         if get_ipython() is None:
             return
-        buffer = io.BytesIO()
-        self.fig.savefig(buffer, format='svg')
-        image = SVG(buffer.getvalue())
+        image = SVG(self.svg())
         if self.display_handle is None:
             self.display_handle = display(image, display_id=True)
         else:
             self.display_handle.update(image)
+
+    def svg(self):
+        """The figure as SVG text: sharp at any zoom in the built book."""
+        buffer = io.BytesIO()
+        self.fig.savefig(buffer, format='svg', metadata={'Date': None})
+        return buffer.getvalue().decode()
