@@ -3,7 +3,7 @@
 Data parallelism ("Training on Multiple GPUs") needs two collective steps: `split_and_load`
 scatters a minibatch, one slice per device, and `allreduce` sums the gradients every device
 computed and hands the sum back to each of them. Both are made of ordinary engine operations
-(`copyto`, `+=`, `x[:] = y`), so they run asynchronously and in dependency order with the
+(`copyto`, `+=`, `x[...] = y`), so they run asynchronously and in dependency order with the
 forward and backward passes around them.
 """
 import numpy

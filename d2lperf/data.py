@@ -138,10 +138,17 @@ def interpolation_matrix(old, new):
 
 
 def resize_images(images, size):
-    """Bilinear resize of (N, C, H, W) images to (N, C, size, size): two matrix products."""
-    rows = interpolation_matrix(images.shape[2], size)
-    columns = interpolation_matrix(images.shape[3], size)
-    return (rows @ images @ columns.T).astype(numpy.float32)
+    """Bilinear resize of (N, C, H, W) images to (N, C, size, size): two matrix products.
+
+    Each product is one large GEMM over the whole batch (rows of all images side by side),
+    not one small product per image, which NumPy would run one by one.
+    """
+    n, c, h, w = images.shape
+    wide = images.reshape(n * c * h, w) @ interpolation_matrix(w, size).T     # (n c h, size)
+    wide = wide.reshape(n * c, h, size).transpose(1, 0, 2).reshape(h, n * c * size)
+    tall = interpolation_matrix(h, size) @ wide                              # (size, n c size)
+    return numpy.ascontiguousarray(
+        tall.reshape(size, n, c, size).transpose(1, 2, 0, 3), dtype=numpy.float32)
 
 
 def check_positive(what, value):

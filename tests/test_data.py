@@ -159,3 +159,10 @@ def test_resize_keeps_constants_and_interpolates_linearly():
     doubled = data.resize_images(ramp, 8)[0, 0, 0]
     numpy.testing.assert_allclose(doubled, [0, 0.25, 0.75, 1.25, 1.75, 2.25, 2.75, 3], atol=1e-6)
     assert numpy.allclose(data.interpolation_matrix(8, 28).sum(axis=1), 1)
+
+
+def test_resize_of_a_batch_equals_resizing_each_image():
+    images = numpy.random.default_rng(0).uniform(0, 1, (3, 2, 8, 5)).astype(numpy.float32)
+    rows, columns = data.interpolation_matrix(8, 7), data.interpolation_matrix(5, 7)
+    numpy.testing.assert_allclose(data.resize_images(images, 7), rows @ images @ columns.T,
+                                  rtol=1e-5, atol=1e-6)
