@@ -52,7 +52,7 @@ def evaluate_accuracy_gpu(net, data_iter, device=None):
     for X, y in data_iter:
         X, y = _on(X, device), _on(y, device)
         metric.add(accuracy(net(X), y), y.size)
-    return metric[0] / metric[1]
+    return _fraction_right(metric)
 
 
 def evaluate_accuracy_gpus(net, data_iter, split_f=split_batch):
@@ -64,7 +64,7 @@ def evaluate_accuracy_gpus(net, data_iter, split_f=split_batch):
         predictions = [net(X_shard) for X_shard in X_shards]      # all devices at once
         metric.add(sum(accuracy(y_hat, y_shard)
                        for y_hat, y_shard in zip(predictions, y_shards)), labels.size)
-    return metric[0] / metric[1]
+    return _fraction_right(metric)
 
 
 def _devices_of(net, fix):
@@ -73,6 +73,12 @@ def _devices_of(net, fix):
     if not params:
         raise TypeError(f'{net!r} has no parameters to say which devices it runs on; {fix}')
     return params[0].list_device()
+
+
+def _fraction_right(metric):
+    if metric[1] == 0:
+        raise ValueError('data_iter gave no examples to evaluate on')
+    return metric[0] / metric[1]
 
 
 def _on(array, device):

@@ -170,3 +170,5 @@ def test_evaluating_a_function_needs_a_device():
         d2l.evaluate_accuracy_gpu(lambda X: X, Batches([]))
     with pytest.raises(TypeError, match='no parameters'):
         d2l.evaluate_accuracy_gpus(lambda X: X, Batches([]))
+    with pytest.raises(ValueError, match='no examples'):
+        d2l.evaluate_accuracy_gpu(lambda X: X, Batches([]), CPU0)
