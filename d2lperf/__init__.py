@@ -1,12 +1,13 @@
 """d2lperf: the package behind "Computational Performance, a runnable course".
 
 The layers import downward only: device → engine → ops → ndarray → autograd → hybrid → nn
-→ trainer, and each module below imports only modules listed above it. comm, kvstore and
-launch (multi-device training, to come) will sit beside nn, above the engine. Only
+→ trainer, and each module below imports only modules listed above it. comm and training
+(multi-device training from scratch) sit beside nn, above the engine, as kvstore and launch
+will. Only
 NDArray's attach_grad and backward reach up: they import autograd when called.
 
-    utils         timers (one median-of-repeats loop for everything), workload sizes, and
-                  atomic file writes; it imports nothing of the package.
+    utils         timers (one median-of-repeats loop for everything), workload sizes, atomic
+                  file writes and the training-curve Animator; it imports nothing of the package.
     device        where an array lives (cpu(i), gpu(i)), which array module computes there,
                   and how data moves between two of them.
     blas          the BLAS thread count that virtual CPU devices share, divided among the
@@ -30,6 +31,9 @@ NDArray's attach_grad and backward reach up: they import autograd when called.
 
 Beside the layers, imported by none of them:
 
+    comm          a minibatch split among devices, and allreduce across them.
+    training      SGD, accuracy and evaluation written from scratch, for the chapters that
+                  build multi-device training by hand.
     profiler      the engine's records of what ran where and when, as a Chrome trace, a
                   timeline and a summary.
     depgraph      the dependency graph those records imply, drawn.
@@ -42,9 +46,15 @@ from .device import Device, cpu, gpu, num_gpus, try_all_gpus, try_gpu
 from . import np, npx, autograd, nn
 from .nn import L2Loss, SoftmaxCrossEntropyLoss
 from .trainer import Trainer
-from .utils import Accumulator, Benchmark, Timer, memory_in_use, quick_mode, workload
-from . import data, hybrid, profiler
+from .utils import Accumulator, Animator, Benchmark, Timer, memory_in_use, quick_mode, workload
+from . import comm, data, hybrid, profiler
+from .comm import allreduce, split_and_load, split_batch
+from .training import accuracy, evaluate_accuracy_gpu, evaluate_accuracy_gpus, get_params, sgd
+from .data import load_data_fashion_mnist
 
 __all__ = ['engine', 'Device', 'cpu', 'gpu', 'num_gpus', 'try_all_gpus', 'try_gpu', 'np', 'npx',
            'autograd', 'nn', 'L2Loss', 'SoftmaxCrossEntropyLoss', 'Trainer', 'Accumulator',
-           'Benchmark', 'Timer', 'memory_in_use', 'quick_mode', 'workload', 'data', 'hybrid', 'profiler']
+           'Animator', 'Benchmark', 'Timer', 'memory_in_use', 'quick_mode', 'workload', 'comm',
+           'data', 'hybrid', 'profiler', 'allreduce', 'split_and_load', 'split_batch', 'accuracy',
+           'evaluate_accuracy_gpu', 'evaluate_accuracy_gpus', 'get_params', 'sgd',
+           'load_data_fashion_mnist']

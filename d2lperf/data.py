@@ -4,6 +4,8 @@ Fashion-MNIST (Xiao et al., 2017) is fetched from its authors' mirror, each file
 against its published MD5 sum and written to a cache atomically, so an interrupted download
 never leaves a half file behind. Machines without internet fall back to a small real
 dataset that scikit-learn ships (8×8 handwritten digits), and say so.
+`load_data_fashion_mnist` serves either as minibatches of d2lperf arrays, the digits resized
+to 28×28 so that a network written for Fashion-MNIST runs on them unchanged.
 """
 import gzip
 import hashlib
@@ -14,6 +16,7 @@ import urllib.request
 
 import numpy
 
+from . import np
 from .utils import atomic_write
 
 FASHION_MNIST_URL = 'http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/'
@@ -25,6 +28,7 @@ FASHION_MNIST_FILES = {
 }
 FASHION_MNIST_CLASSES = ['t-shirt', 'trouser', 'pullover', 'dress', 'coat', 'sandal', 'shirt',
                          'sneaker', 'bag', 'ankle boot']
+FASHION_MNIST_SIDE = 28
 TIMEOUT_SECONDS = 5
 
 
@@ -87,13 +91,114 @@ def digits(test_fraction=0.2, seed=0):
     return images[train], labels[train], images[test], labels[test]
 
 
+def download_or_fallback(root=None):
+    """(name, arrays): Fashion-MNIST if it can be had, else the digits, saying why."""
+    try:
+        return 'Fashion-MNIST', fashion_mnist(root)
+    except (urllib.error.URLError, OSError) as err:
+        name = 'scikit-learn digits (offline fallback)'
+        print(f'Fashion-MNIST could not be downloaded ({err}); using {name}')
+        return name, digits()
+
+
 def load_classification_data(root=None):
     """Fashion-MNIST if it can be had, else the digits; returns (name, arrays) and says which."""
-    try:
-        name, arrays = 'Fashion-MNIST', fashion_mnist(root)
-    except (urllib.error.URLError, OSError) as err:
-        name, arrays = 'scikit-learn digits (offline fallback)', digits()
-        print(f'Fashion-MNIST could not be downloaded ({err}); using {name}')
+    name, arrays = download_or_fallback(root)
     print(f'dataset: {name}, {len(arrays[0])} training and {len(arrays[2])} test images '
           f'of {arrays[0].shape[2]}x{arrays[0].shape[3]}')
     return name, arrays
+
+
+def interpolation_matrix(old, new):
+    """(new, old) weights of linear interpolation along one axis of an image.
+
+    Each new pixel's centre is mapped into the old pixel grid (centres aligned, as PIL and
+    OpenCV do) and reads the two old pixels around it, weighted by closeness.
+    """
+    centres = numpy.clip((numpy.arange(new) + 0.5) * old / new - 0.5, 0, old - 1)
+    low = numpy.floor(centres).astype(int)
+    high = numpy.minimum(low + 1, old - 1)
+    weights = numpy.zeros((new, old), numpy.float32)
+    numpy.add.at(weights, (numpy.arange(new), low), 1 - (centres - low))
+    numpy.add.at(weights, (numpy.arange(new), high), centres - low)
+    return weights
+
+
+def resize_images(images, size):
+    """Bilinear resize of (N, C, H, W) images to (N, C, size, size): two matrix products.
+
+    Each product is one large GEMM over the whole batch (rows of all images side by side),
+    not one small product per image, which NumPy would run one by one.
+    """
+    n, c, h, w = images.shape
+    wide = images.reshape(n * c * h, w) @ interpolation_matrix(w, size).T     # (n c h, size)
+    wide = wide.reshape(n * c, h, size).transpose(1, 0, 2).reshape(h, n * c * size)
+    tall = interpolation_matrix(h, size) @ wide                              # (size, n c size)
+    return numpy.ascontiguousarray(
+        tall.reshape(size, n, c, size).transpose(1, 2, 0, 3), dtype=numpy.float32)
+
+
+def check_positive(what, value):
+    if not isinstance(value, (int, numpy.integer)) or isinstance(value, bool) or value < 1:
+        raise ValueError(f'{what} must be a positive integer, not {value!r}')
+
+
+class DataIterator:
+    """Minibatches (X, y) of d2lperf arrays on the CPU; each `for` loop over it is one epoch.
+
+    With `shuffle`, every epoch visits the examples in a new order, drawn from one generator
+    seeded once, so a seed fixes the whole sequence of epochs. The last batch may be smaller.
+    """
+
+    def __init__(self, features, labels, batch_size, shuffle=False, seed=None, resize=None,
+                 dataset_name=''):
+        if len(features) != len(labels):
+            raise ValueError(f'{len(features)} examples but {len(labels)} labels')
+        check_positive('batch_size', batch_size)
+        if resize is not None:
+            check_positive('resize', resize)
+        self.features, self.labels, self.batch_size = features, labels, int(batch_size)
+        self.shuffle, self.resize, self.dataset_name = shuffle, resize, dataset_name
+        self.generator = numpy.random.default_rng(seed)
+
+    def __len__(self):
+        return -(-len(self.labels) // self.batch_size)
+
+    def __iter__(self):
+        count = len(self.labels)
+        order = self.generator.permutation(count) if self.shuffle else numpy.arange(count)
+        for start in range(0, count, self.batch_size):
+            batch = order[start:start + self.batch_size]
+            images = self.features[batch]
+            if self.resize:
+                images = resize_images(images, self.resize)
+            yield np.array(images), np.array(self.labels[batch])
+
+
+def load_data_fashion_mnist(batch_size, resize=None, seed=None, max_train_examples=None,
+                            max_test_examples=None, root=None):
+    """(train_iter, test_iter) over Fashion-MNIST, or over the offline digits at 28×28.
+
+    Training batches are shuffled each epoch (`seed` makes the order reproducible), test
+    batches are not. The max_*_examples keep the first examples of each split, for short runs.
+    It prints which dataset it serves, and each iterator names it in `.dataset_name`.
+    """
+    check_positive('batch_size', batch_size)
+    for what, value in (('max_train_examples', max_train_examples),
+                        ('max_test_examples', max_test_examples), ('resize', resize)):
+        if value is not None:
+            check_positive(what, value)
+    name, (x_train, y_train, x_test, y_test) = download_or_fallback(root)
+    side = x_train.shape[-1]
+    if side != FASHION_MNIST_SIDE:
+        x_train = resize_images(x_train, FASHION_MNIST_SIDE)
+        x_test = resize_images(x_test, FASHION_MNIST_SIDE)
+    totals = len(y_train), len(y_test)
+    x_train, y_train = x_train[:max_train_examples], y_train[:max_train_examples]
+    x_test, y_test = x_test[:max_test_examples], y_test[:max_test_examples]
+    shown = resize or FASHION_MNIST_SIDE
+    print(f'dataset: {name}, {len(y_train)} of {totals[0]} training and {len(y_test)} of '
+          f'{totals[1]} test images, {side}x{side}'
+          + (f' resized to {shown}x{shown}' if shown != side else ''))
+    return (DataIterator(x_train, y_train, batch_size, True, seed, resize, name),
+            DataIterator(x_test, y_test, batch_size, False, None, resize, name))

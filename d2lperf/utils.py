@@ -4,9 +4,11 @@
 measure is only meaningful once the work has been waited for (see "Asynchronous
 Computation"). `median_seconds` is the one repeated-timing loop of the package, its
 microbenchmarks and its benchmarks. `workload` is the one place that picks a chapter's size
-from `D2LPERF_QUICK`. `atomic_write` is how the package writes a file.
+from `D2LPERF_QUICK`. `atomic_write` is how the package writes a file. `Animator` plots
+training curves as they grow.
 """
 import contextlib
+import io
 import os
 import statistics
 import tempfile
@@ -151,3 +153,71 @@ def memory_in_use(device=None):
     if device is not None and device.kind == 'gpu':
         used['device'] = device.xp.get_default_memory_pool().used_bytes()
     return used
+
+
+class Animator:
+    """A line plot that grows point by point while a model trains.
+
+    In a notebook, `add` redraws the figure in place (one display, updated), so a live run
+    shows the curves growing and the saved notebook (the built book) keeps exactly one
+    figure, the last. Outside IPython it only draws, into `self.fig`.
+    """
+
+    def __init__(self, xlabel=None, ylabel=None, legend=None, xlim=None, ylim=None,
+                 xscale='linear', yscale='linear', fmts=('-', 'm--', 'g-.', 'r:'),
+                 nrows=1, ncols=1, figsize=(3.5, 2.5)):
+        from matplotlib.figure import Figure      # not pyplot: no second copy at cell end
+        self.fig = Figure(figsize=figsize, layout='tight')
+        self.axes = list(self.fig.subplots(nrows, ncols, squeeze=False).ravel())
+        self.axis_settings = dict(xlabel=xlabel, ylabel=ylabel, xlim=xlim, ylim=ylim,
+                                  xscale=xscale, yscale=yscale)
+        self.legend, self.fmts = legend or [], fmts
+        self.X, self.Y = None, None                # one list of points per line
+        self.display_handle = None
+
+    def add(self, x, ys):
+        """Append one point to each line: `x` shared or one per line, `ys` one per line."""
+        ys = list(ys) if hasattr(ys, '__len__') else [ys]
+        xs = list(x) if hasattr(x, '__len__') else [x] * len(ys)
+        if self.Y is None:
+            self.X, self.Y = [[] for _ in ys], [[] for _ in ys]
+        if len(ys) != len(self.Y) or len(xs) != len(ys):
+            raise ValueError(f'this plot has {len(self.Y)} lines; add() got {len(xs)} x and '
+                             f'{len(ys)} y values')
+        for line, (a, b) in enumerate(zip(xs, ys)):
+            if a is not None and b is not None:
+                self.X[line].append(a)
+                self.Y[line].append(float(b))
+        self.draw()
+        self.show()
+
+    def draw(self):
+        axes = self.axes[0]
+        axes.cla()
+        for line, (x, y) in enumerate(zip(self.X, self.Y)):
+            axes.plot(x, y, self.fmts[line % len(self.fmts)])
+        axes.set(**self.axis_settings)
+        if self.legend:
+            axes.legend(self.legend)
+        axes.grid(True)
+
+    def show(self):
+        """Display the figure the first time, then update that same display."""
+        try:
+            from IPython import get_ipython
+            from IPython.display import SVG, display
+        except ImportError:
+            return
+        if get_ipython() is None:
+            return
+        image = SVG(self.svg())
+        if self.display_handle is None:
+            self.display_handle = display(image, display_id=True)
+        else:
+            self.display_handle.update(image)
+
+    def svg(self):
+        """The figure as SVG text: sharp at any zoom in the built book."""
+        buffer = io.BytesIO()
+        self.fig.savefig(buffer, format='svg', metadata={'Date': None})
+        return buffer.getvalue().decode()

@@ -69,3 +69,100 @@ def test_offline_falls_back_to_digits(tmp_path, monkeypatch, capsys):
     assert len(x_train) + len(x_test) == 1797
     assert 0 <= x_train.min() and x_train.max() <= 1
     assert set(numpy.unique(y_train)) == set(range(10))
+
+
+# -- minibatches for the training chapters --------------------------------------------------------
+
+@pytest.fixture
+def offline(monkeypatch):
+    def refuse(url, timeout):
+        raise urllib.error.URLError('no network')
+    monkeypatch.setattr(data.urllib.request, 'urlopen', refuse)
+
+
+def fake_fashion_mnist(root=None):
+    rng = numpy.random.default_rng(0)
+    images = lambda n: rng.uniform(0, 1, (n, 1, 28, 28)).astype(numpy.float32)  # noqa: E731
+    return images(50), numpy.arange(50) % 10, images(20), numpy.arange(20) % 10
+
+
+def first_batches(iterator):
+    return [(X.asnumpy(), y.asnumpy()) for X, y in iterator]
+
+
+def test_offline_loader_serves_digits_at_28x28(offline, tmp_path, capsys):
+    train_iter, test_iter = data.load_data_fashion_mnist(256, root=tmp_path)
+    assert 'digits' in train_iter.dataset_name and 'digits' in test_iter.dataset_name
+    assert '1437 of 1437 training' in capsys.readouterr().out
+    assert (len(train_iter), len(test_iter)) == (6, 2)             # 1437 / 256, 360 / 256
+    batches = first_batches(train_iter)
+    X, y = batches[0]
+    assert X.shape == (256, 1, 28, 28) and X.dtype == numpy.float32
+    assert y.shape == (256,) and y.dtype.kind == 'i'
+    assert 0 <= X.min() and X.max() <= 1
+    assert sum(len(y) for _, y in batches) == 1437 and len(batches[-1][1]) == 1437 - 5 * 256
+
+
+def test_loader_serves_fashion_mnist_when_it_can(monkeypatch, capsys):
+    monkeypatch.setattr(data, 'fashion_mnist', fake_fashion_mnist)
+    train_iter, test_iter = data.load_data_fashion_mnist(16, max_test_examples=8)
+    assert train_iter.dataset_name == 'Fashion-MNIST'
+    assert 'Fashion-MNIST, 50 of 50 training and 8 of 20 test images, 28x28\n' in \
+        capsys.readouterr().out
+    test_X = numpy.concatenate([X for X, _ in first_batches(test_iter)])
+    numpy.testing.assert_array_equal(test_X, fake_fashion_mnist()[2][:8])     # not shuffled
+
+
+def test_each_epoch_is_a_new_order_that_a_seed_repeats(monkeypatch):
+    monkeypatch.setattr(data, 'fashion_mnist', fake_fashion_mnist)
+    labels_of = lambda it: numpy.concatenate([y for _, y in first_batches(it)])  # noqa: E731
+    train_iter, _ = data.load_data_fashion_mnist(16, seed=3)
+    again, _ = data.load_data_fashion_mnist(16, seed=3)
+    epochs = [labels_of(train_iter), labels_of(train_iter)]
+    assert not numpy.array_equal(*epochs)                           # reshuffled
+    assert sorted(epochs[0]) == sorted(numpy.arange(50) % 10)       # every example once
+    numpy.testing.assert_array_equal(labels_of(again), epochs[0])   # the seed repeats it
+    numpy.testing.assert_array_equal(labels_of(again), epochs[1])
+
+
+def test_loader_caps_examples_and_resizes(offline, tmp_path, capsys):
+    train_iter, test_iter = data.load_data_fashion_mnist(
+        10, resize=32, max_train_examples=25, max_test_examples=12, root=tmp_path)
+    assert 'resized to 32x32' in capsys.readouterr().out
+    assert [len(y) for _, y in first_batches(train_iter)] == [10, 10, 5]
+    assert [X.shape for X, _ in first_batches(test_iter)] == [(10, 1, 32, 32), (2, 1, 32, 32)]
+
+
+@pytest.mark.parametrize('arguments, message', [
+    ({'batch_size': 0}, 'batch_size must be a positive integer, not 0'),
+    ({'batch_size': 4, 'resize': 2.5}, 'resize must be a positive integer'),
+    ({'batch_size': 4, 'max_train_examples': -1}, 'max_train_examples must be'),
+])
+def test_loader_refuses_bad_sizes(arguments, message):
+    with pytest.raises(ValueError, match=message):
+        data.load_data_fashion_mnist(**arguments)
+
+
+def test_batches_are_copies_of_the_dataset():
+    features = numpy.zeros((4, 1, 2, 2), numpy.float32)
+    (X, _), = data.DataIterator(features, numpy.arange(4), 4)
+    X += 1
+    assert features.sum() == 0
+
+
+def test_resize_keeps_constants_and_interpolates_linearly():
+    constant = numpy.full((2, 1, 8, 8), 0.25, numpy.float32)
+    numpy.testing.assert_allclose(data.resize_images(constant, 28), 0.25, rtol=1e-6)
+    ramp = numpy.arange(4, dtype=numpy.float32)[None, None, None, :].repeat(4, axis=2)
+    same = data.resize_images(ramp, 4)
+    numpy.testing.assert_allclose(same, ramp, atol=1e-6)                      # identity
+    doubled = data.resize_images(ramp, 8)[0, 0, 0]
+    numpy.testing.assert_allclose(doubled, [0, 0.25, 0.75, 1.25, 1.75, 2.25, 2.75, 3], atol=1e-6)
+    assert numpy.allclose(data.interpolation_matrix(8, 28).sum(axis=1), 1)
+
+
+def test_resize_of_a_batch_equals_resizing_each_image():
+    images = numpy.random.default_rng(0).uniform(0, 1, (3, 2, 8, 5)).astype(numpy.float32)
+    rows, columns = data.interpolation_matrix(8, 7), data.interpolation_matrix(5, 7)
+    numpy.testing.assert_allclose(data.resize_images(images, 7), rows @ images @ columns.T,
+                                  rtol=1e-5, atol=1e-6)

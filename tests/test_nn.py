@@ -68,7 +68,8 @@ def test_initialize_on_another_device():
     y = net(np.array(host(2, 3), device=CPU1))
     assert y.device == CPU1
     assert all(p.data().device == CPU1 for p in net.collect_params().values())
-    with pytest.raises(ValueError, match=r'lives on.*cpu\(1\).*not cpu\(0\)'):
+    with pytest.raises(RuntimeError, match=r'not initialized on cpu\(0\).*only initialized on '
+                                           r'\[cpu\(1\)\]'):
         net(np.array(host(2, 3)))
 
 
@@ -78,6 +79,57 @@ def test_initialize_on_two_devices_copies_the_same_values():
     first, second = layer.weight.list_data()
     assert (first.device, second.device) == (CPU0, CPU1)
     numpy.testing.assert_array_equal(first.asnumpy(), second.asnumpy())
+
+
+def test_deferred_initialize_on_two_devices_draws_once():
+    net = mlp()
+    net.initialize(init=nn.init.Normal(1.0), device=[CPU0, CPU1])
+    net(np.array(host(2, 3), device=CPU1))          # shapes learnt on the second device
+    for param in net.collect_params().values():
+        first, second = param.list_data()
+        assert param.list_device() == [CPU0, CPU1] and first.device == CPU0
+        assert first.asnumpy().tobytes() == second.asnumpy().tobytes()     # bit-identical
+        assert [g.device for g in param.list_grad()] == [CPU0, CPU1]
+
+
+def test_data_follows_mxnets_device_rule():
+    alone, pair, apart = (nn.Dense(2, in_units=3) for _ in range(3))
+    alone.initialize(device=CPU1)
+    pair.initialize(device=[CPU1, CPU0])
+    apart.initialize(device=[CPU1, d2l.cpu(2)])
+    assert alone.weight.data().device == CPU1               # one device: that one
+    assert pair.weight.data().device == CPU0                # several: None means cpu(0)
+    assert pair.weight.data(CPU1) is pair.weight.list_data()[0]
+    with pytest.raises(RuntimeError, match=r"'weight' was not initialized on cpu\(0\); it was "
+                                           r'only initialized on \[cpu\(1\), cpu\(2\)\]'):
+        apart.weight.data()
+    with pytest.raises(RuntimeError, match=r'not initialized on cpu\(3\)'):
+        pair.weight.grad(d2l.cpu(3))
+
+
+def test_a_device_named_twice_is_refused():
+    with pytest.raises(ValueError, match=r'name one device twice.*cpu\(0\), d2l.cpu\(1\)'):
+        mlp().initialize(device=[CPU0, CPU0])
+
+
+def test_list_device_before_initialize():
+    with pytest.raises(RuntimeError, match='initialize'):
+        nn.Dense(2).weight.list_device()
+
+
+@pytest.mark.parametrize('hybridize', [False, True], ids=['imperative', 'hybridized'])
+def test_a_block_computes_with_the_copies_on_its_inputs_device(hybridize):
+    net = nn.HybridSequential()
+    net.add(nn.Dense(2, in_units=3))
+    net.initialize(init=nn.init.Constant(1.0), device=[CPU0, CPU1])
+    net.hybridize(hybridize)
+    x = host(1, 3)
+    net(np.array(x, device=CPU1)).wait_to_read()       # compile for cpu(1) before the change
+    net[0].weight.data(CPU1)[:] = 2.0                   # only the copy on cpu(1) changes
+    y0, y1 = net(np.array(x)), net(np.array(x, device=CPU1))
+    assert (y0.device, y1.device) == (CPU0, CPU1)
+    numpy.testing.assert_allclose(y0.asnumpy(), [[x.sum()] * 2], rtol=1e-6)
+    numpy.testing.assert_allclose(y1.asnumpy(), [[2 * x.sum()] * 2], rtol=1e-6)
 
 
 @pytest.mark.parametrize('init, check', [
@@ -153,7 +205,7 @@ def test_sgd_step_equals_the_update_by_hand():
                                   atol=1e-6)
 
 
-def test_sgd_updates_every_device_copy_from_its_own_gradient():
+def test_sgd_sums_the_gradients_of_every_device_copy():
     layer = nn.Dense(1, in_units=2)
     layer.initialize(init=nn.init.Constant(1.0), device=[CPU0, CPU1])
     for device, scale in ((CPU0, 1.0), (CPU1, 2.0)):
@@ -161,8 +213,9 @@ def test_sgd_updates_every_device_copy_from_its_own_gradient():
             out = layer(np.array([[scale, scale]], device=device)).sum()
         out.backward()
     d2l.Trainer(layer.collect_params(), 'sgd', {'learning_rate': 1.0}).step(1)
-    assert layer.weight.data(CPU0).asnumpy().tolist() == [[0.0, 0.0]]
-    assert layer.weight.data(CPU1).asnumpy().tolist() == [[-1.0, -1.0]]
+    assert layer.weight.data(CPU0).asnumpy().tolist() == [[-2.0, -2.0]]      # 1 - (1 + 2)
+    assert layer.weight.data(CPU1).asnumpy().tolist() == [[-2.0, -2.0]]
+    assert layer.bias.data(CPU0).item() == layer.bias.data(CPU1).item() == -2.0
 
 
 def test_a_tiny_regression_trains():
@@ -195,6 +248,16 @@ def test_unknown_activation():
 def test_unknown_optimizer():
     with pytest.raises(ValueError, match="unknown optimizer 'adam'.*sgd"):
         d2l.Trainer(mlp().collect_params(), 'adam', {'learning_rate': 0.1})
+
+
+@pytest.mark.parametrize('kvstore', ['device', 'local', None])
+def test_trainer_takes_the_in_process_kvstores(kvstore):
+    assert d2l.Trainer(mlp().collect_params(), 'sgd', kvstore=kvstore).kvstore == kvstore
+
+
+def test_unknown_kvstore():
+    with pytest.raises(ValueError, match=r"unknown kvstore 'nccl'.*'device', 'local', None"):
+        d2l.Trainer(mlp().collect_params(), 'sgd', kvstore='nccl')
 
 
 def test_trainer_takes_parameters_only():

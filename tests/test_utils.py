@@ -1,5 +1,6 @@
 """Tests of d2lperf.utils: timers read a fake clock where they can; real-time checks use loose
 bounds only (a sleep lasts at least its time)."""
+import re
 import time
 
 import pytest
@@ -107,3 +108,89 @@ def test_accumulator_sums_numbers_and_arrays():
     assert (acc[0], acc[1]) == (4.0, 3.5)
     acc.reset()
     assert acc.data == [0.0, 0.0]
+
+
+# -- Animator ----------------------------------------------------------------------------------
+
+class FakeHandle:
+    def __init__(self, shown):
+        self.shown = shown
+
+    def update(self, image):
+        self.shown.append(('update', image))
+
+
+@pytest.fixture
+def notebook(monkeypatch):
+    """Pretend to run in IPython; collect what the Animator displays."""
+    import IPython
+    import IPython.display
+    shown = []
+    monkeypatch.setattr(IPython, 'get_ipython', lambda: object())
+
+    def display(image, display_id=False):
+        assert display_id is True
+        shown.append(('display', image))
+        return FakeHandle(shown)
+    monkeypatch.setattr(IPython.display, 'display', display)
+    return shown
+
+
+def test_animator_keeps_every_point_and_draws_each_line():
+    animator = d2l.Animator(xlabel='epoch', legend=['train', 'test'], xlim=[1, 3])
+    for epoch in (1, 2, 3):
+        animator.add(epoch, (0.1 * epoch, np.array(0.2 * epoch)))
+    assert animator.X == [[1, 2, 3]] * 2 and animator.Y[1] == pytest.approx([0.2, 0.4, 0.6])
+    lines = animator.axes[0].get_lines()
+    assert [list(line.get_xdata()) for line in lines] == [[1, 2, 3]] * 2
+    assert list(lines[0].get_ydata()) == pytest.approx([0.1, 0.2, 0.3])
+    assert animator.axes[0].get_xlabel() == 'epoch' and animator.axes[0].get_xlim() == (1, 3)
+    assert [t.get_text() for t in animator.axes[0].get_legend().get_texts()] == ['train', 'test']
+
+
+def test_animator_skips_missing_points_and_refuses_a_changed_line_count():
+    animator = d2l.Animator()
+    animator.add(1, (0.5, None))
+    animator.add([2, 2], [0.4, 0.3])
+    assert animator.X == [[1, 2], [2]] and animator.Y == [[0.5, 0.4], [0.3]]
+    with pytest.raises(ValueError, match='2 lines; add.. got 3 x and 3 y'):
+        animator.add(3, (1, 2, 3))
+
+
+def test_animator_displays_once_then_updates_that_display(notebook):
+    animator = d2l.Animator()
+    for epoch in range(3):
+        animator.add(epoch, 0.5)
+    assert [kind for kind, _ in notebook] == ['display', 'update', 'update']
+    from IPython.display import SVG
+    final = texts(SVG(animator.svg()).data)
+    assert texts(notebook[-1][1].data) == final != texts(notebook[0][1].data)
+
+
+def texts(svg):
+    """The texts matplotlib draws (tick labels, legend), which it names in SVG comments."""
+    return re.findall(r'<!-- (.*?) -->', svg)
+
+
+def test_animator_leaves_one_final_figure_in_an_executed_notebook():
+    nbformat = pytest.importorskip('nbformat')
+    nbclient = pytest.importorskip('nbclient')
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source) for source in (
+        'import d2lperf as d2l\n'
+        'animator = d2l.Animator(xlabel="epoch", legend=["acc"])\n'
+        'for epoch in (1, 2, 3):\n'
+        '    animator.add(epoch, 0.1 * epoch)\n'
+        'print("trained")',
+        'from IPython.display import SVG\n'
+        'print(SVG(animator.svg()).data, end="")')])
+    nbclient.NotebookClient(notebook, timeout=60, kernel_name='python3').execute()
+    outputs, final = notebook.cells[0].outputs, notebook.cells[1].outputs[0].text
+    images = [o for o in outputs if o.output_type == 'display_data']
+    assert len(images) == 1
+    assert '3.0' in texts(final) and texts(images[0].data['image/svg+xml']) == texts(final)
+    assert [o.get('text') for o in outputs if o.output_type == 'stream'] == ['trained\n']
+
+
+def test_animator_outside_a_notebook_displays_nothing(capsys):
+    d2l.Animator().add(1, 0.5)
+    assert capsys.readouterr().out == ''

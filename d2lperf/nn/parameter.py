@@ -18,10 +18,7 @@ class Parameter:
     def initialize(self, init=None, device=None, default_init=None, force_reinit=False):
         if self._data is not None and not force_reinit:
             return
-        devices = device if isinstance(device, (list, tuple)) else [device or cpu()]
-        if not all(isinstance(d, Device) for d in devices):
-            raise TypeError(f'device must be a Device or a list of them, not {device!r}')
-        self._devices = list(devices)
+        self._devices = _device_list(device)
         self._init = self.init or init or default_init or initializers.Uniform()
         self._data = None
         if 0 not in self.shape:
@@ -47,20 +44,31 @@ class Parameter:
         return self._data
 
     def data(self, device=None):
-        if self._data is None:
-            raise DeferredInitializationError(
-                f"parameter '{self.name}' has no value yet: call net.initialize() and run one "
-                'batch through the net so that its shape is known')
+        """The copy on `device`. With one device, None means that one; with several, cpu(0)."""
+        copies = self._copies()
         if device is None:
-            return next(iter(self._data.values()))
-        if device not in self._data:
-            raise ValueError(f"parameter '{self.name}' lives on {list(self._data)}, not {device}; "
-                             'pass device=... to initialize()')
-        return self._data[device]
+            if len(copies) == 1:
+                return next(iter(copies.values()))
+            device = cpu()
+        try:
+            return copies[device]
+        except KeyError:
+            first = self._devices[0]
+            raise RuntimeError(
+                f"parameter '{self.name}' was not initialized on {device}; it was only "
+                f'initialized on {list(copies)}: use one of those (data({first}), or an input '
+                f'copied with x.copyto({first})), or initialize on {device} too') from None
+
+    def list_device(self):
+        """The devices this parameter has a copy on, in the order initialize() was given."""
+        if self._devices is None:
+            raise RuntimeError(f"parameter '{self.name}' is on no device yet: call "
+                               'net.initialize(device=...) first')
+        return list(self._devices)
 
     def list_data(self):
-        self.data()             # no value yet: the same clear error as data(), not a TypeError
-        return list(self._data.values())
+        """Every device's copy, in the order of list_device()."""
+        return list(self._copies().values())
 
     def grad(self, device=None):
         return self.data(device).grad
@@ -69,8 +77,28 @@ class Parameter:
         return [d.grad for d in self.list_data()]
 
     def set_data(self, value):
-        for array in self._data.values():
+        for array in self._copies().values():
             array[:] = value if array.device == value.device else value.copyto(array.device)
+
+    def _copies(self):
+        """{device: copy}, or a clear error while the value is not drawn yet."""
+        if self._data is None:
+            raise DeferredInitializationError(
+                f"parameter '{self.name}' has no value yet: call net.initialize() and run one "
+                'batch through the net so that its shape is known')
+        return self._data
 
     def __repr__(self):
         return f'Parameter {self.name} (shape={self.shape})'
+
+
+def _device_list(device):
+    """initialize()'s `device` as a list: one Device, a list of distinct ones, or None (cpu)."""
+    devices = list(device) if isinstance(device, (list, tuple)) else [device or cpu()]
+    if not devices or not all(isinstance(d, Device) for d in devices):
+        raise TypeError(f'device must be a Device or a list of them, not {device!r}')
+    if len(set(devices)) < len(devices):
+        raise ValueError(f'the devices {devices} name one device twice, but a parameter keeps '
+                         'one copy a device; for two virtual devices on one machine use '
+                         '[d2l.cpu(0), d2l.cpu(1)]')
+    return devices

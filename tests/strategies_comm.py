@@ -1,0 +1,43 @@
+"""Hypothesis strategies for communication: batches to split, arrays to allreduce."""
+import math
+
+import numpy
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+import d2lperf as d2l
+
+DEVICES = [d2l.cpu(i) for i in range(4)]
+
+device_counts = st.integers(1, len(DEVICES))
+weight_lists = st.lists(st.integers(1, 5), min_size=1, max_size=len(DEVICES))
+
+
+@st.composite
+def batches_to_split(draw):
+    """(number of examples, devices): at least one example a device."""
+    devices = DEVICES[:draw(device_counts)]
+    return draw(st.integers(len(devices), 4 * len(devices) + 3)), devices
+
+
+@st.composite
+def work_loads(draw):
+    """(number of examples, weights): every share at least 3, so rounding empties no device."""
+    weights = draw(weight_lists)
+    return draw(st.integers(math.ceil(3 * sum(weights) / min(weights)), 90)), weights
+
+
+@st.composite
+def exact_work_loads(draw):
+    """(number of examples, weights) whose proportional shares are whole numbers."""
+    weights = draw(weight_lists)
+    return draw(st.integers(1, 6)) * sum(weights), weights
+
+
+@st.composite
+def arrays_to_reduce(draw):
+    """Float32 host arrays of one shape, one a device (2 to 4 devices)."""
+    shape = draw(hnp.array_shapes(min_dims=0, max_dims=3, max_side=4))
+    elements = st.floats(-100, 100, width=32)
+    return [draw(hnp.arrays(numpy.float32, shape, elements=elements))
+            for _ in range(draw(st.integers(2, len(DEVICES))))]
