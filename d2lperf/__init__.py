@@ -1,10 +1,10 @@
 """d2lperf: the package behind "Computational Performance, a runnable course".
 
 The layers import downward only: device → engine → ops → ndarray → autograd → hybrid → nn
-→ trainer, and each module below imports only modules listed above it. comm and training
-(multi-device training from scratch) sit beside nn, above the engine, as kvstore and launch
-will. Only
-NDArray's attach_grad and backward reach up: they import autograd when called.
+→ comm → trainer, and each module below imports only modules listed above it. comm sits under
+the trainer, which sums gradients over devices with it; kvstore and launch (distributed
+training, to come) will sit beside it. Only NDArray's attach_grad and backward reach up: they
+import autograd when called.
 
     utils         timers (one median-of-repeats loop for everything), workload sizes, atomic
                   file writes and the training-curve Animator; it imports nothing of the package.
@@ -27,11 +27,11 @@ NDArray's attach_grad and backward reach up: they import autograd when called.
                   export and import.
     nn            Gluon-style blocks, layers, losses, initializers and parameters, compiled by
                   hybrid.
+    comm          a minibatch split among devices, and allreduce across them.
     trainer       minibatch SGD over a net's parameters on every device.
 
 Beside the layers, imported by none of them:
 
-    comm          a minibatch split among devices, and allreduce across them.
     training      SGD, accuracy and evaluation written from scratch, for the chapters that
                   build multi-device training by hand.
     profiler      the engine's records of what ran where and when, as a Chrome trace, a
