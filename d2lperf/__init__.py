@@ -32,6 +32,7 @@ import autograd when called.
 
 Beside the layers, imported by none of them:
 
+    models        the residual block and ResNet-18, as the multi-GPU chapters train them.
     training      SGD, accuracy and evaluation written from scratch, for the chapters that
                   build multi-device training by hand.
     profiler      the engine's records of what ran where and when, as a Chrome trace, a
@@ -51,10 +52,11 @@ from . import comm, data, hybrid, profiler
 from .comm import allreduce, split_and_load, split_batch
 from .training import accuracy, evaluate_accuracy_gpu, evaluate_accuracy_gpus, get_params, sgd
 from .data import load_data_fashion_mnist
+from .models import Residual, resnet18
 
 __all__ = ['engine', 'Device', 'cpu', 'gpu', 'num_gpus', 'try_all_gpus', 'try_gpu', 'np', 'npx',
            'autograd', 'nn', 'L2Loss', 'SoftmaxCrossEntropyLoss', 'Trainer', 'Accumulator',
            'Animator', 'Benchmark', 'Timer', 'memory_in_use', 'quick_mode', 'workload', 'comm',
            'data', 'hybrid', 'profiler', 'allreduce', 'split_and_load', 'split_batch', 'accuracy',
            'evaluate_accuracy_gpu', 'evaluate_accuracy_gpus', 'get_params', 'sgd',
-           'load_data_fashion_mnist']
+           'load_data_fashion_mnist', 'Residual', 'resnet18']

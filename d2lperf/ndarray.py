@@ -228,7 +228,12 @@ def apply(name, *inputs, **attrs):
         def run():
             out.data = as_array(xp, compute(
                 xp, *[x.data if type(x) is NDArray else x for x in inputs], **attrs))
-    engine.push(run, [x.var for x in arrays], [out.var], device, name)
+    if op.writes:
+        written = [inputs[i].var for i in op.writes]
+        engine.push(run, [x.var for x in arrays if x.var not in written], [out.var] + written,
+                    device, name)
+    else:
+        engine.push(run, [x.var for x in arrays], [out.var], device, name)
     if TAPE.recording and any(map(needs_grad, arrays)):
         out.node = TapeNode(op, inputs, attrs)
     return out

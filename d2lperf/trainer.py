@@ -23,7 +23,8 @@ class Trainer:
         params = list(params.values()) if isinstance(params, dict) else list(params)
         if not all(isinstance(p, Parameter) for p in params):
             raise TypeError('Trainer takes net.collect_params() or a list of Parameters')
-        self.params, self.kvstore = params, kvstore
+        self.params = [p for p in params if p.grad_req == 'write']    # not running statistics
+        self.kvstore = kvstore
         self.learning_rate = (optimizer_params or {}).get('learning_rate', 0.01)
 
     def step(self, batch_size):

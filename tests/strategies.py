@@ -173,6 +173,42 @@ def where_cases(draw):
     return (cond, draw(operands(a_shape)), draw(operands(b_shape))), {}
 
 
+floats = st.sampled_from(['float32', 'float64'])
+
+
+@st.composite
+def window_attrs(draw, height, width):
+    kernel = (draw(st.integers(1, height)), draw(st.integers(1, width)))
+    pad = (draw(st.integers(0, kernel[0] - 1)), draw(st.integers(0, kernel[1] - 1)))
+    return {'kernel': kernel, 'stride': (draw(st.integers(1, 2)), draw(st.integers(1, 2))),
+            'pad': pad}
+
+
+@st.composite
+def convolution_cases(draw):
+    (n, c, h, w), dtype = draw(shapes(4, 4)), draw(floats)
+    attrs, filters = draw(window_attrs(h, w)), draw(st.integers(1, 3))
+    weight = host((filters, c) + attrs['kernel'], dtype)
+    bias = host((filters,), dtype) if draw(st.booleans()) else 0
+    return (host((n, c, h, w), dtype), weight, bias), dict(attrs, num_filter=filters)
+
+
+@st.composite
+def pooling_cases(draw):
+    shape = draw(shapes(4, 4))
+    attrs = draw(window_attrs(*shape[2:]))
+    return (host(shape, draw(floats)),), dict(attrs, pool_type=draw(st.sampled_from(['max', 'avg'])))
+
+
+@st.composite
+def batch_norm_cases(draw):
+    shape, dtype = draw(st.one_of(shapes(2, 2), shapes(4, 4))), draw(floats)
+    channel = (shape[1],)
+    running_var = numpy.abs(host(channel, dtype)) + 0.5
+    return (host(shape, dtype), host(channel, dtype), host(channel, dtype), host(channel, dtype),
+            running_var), {'eps': 1e-5, 'momentum': 0.9}
+
+
 @st.composite
 def dropout_mask_cases(draw):
     x = host(draw(shapes()), draw(st.sampled_from(['float32', 'float64'])))
@@ -192,7 +228,9 @@ OP_CASES.update({
     'broadcast_to': broadcast_to_cases(), 'astype': astype_cases(), 'getitem': getitem_cases(),
     'concatenate': concatenate_cases(), 'dot': dot_cases(), 'matmul': matmul_cases(),
     'pick': pick_cases(), 'fully_connected': fully_connected_cases(), 'where': where_cases(),
-    'dropout_mask': dropout_mask_cases(),
+    'dropout_mask': dropout_mask_cases(), 'convolution': convolution_cases(),
+    'pooling': pooling_cases(), 'batch_norm_train': batch_norm_cases(),
+    'batch_norm_predict': batch_norm_cases(),
 })
 
 

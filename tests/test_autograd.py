@@ -17,6 +17,9 @@ RNG = numpy.random.default_rng(0)
 STEP, RTOL, ATOL = 1e-6, 1e-5, 1e-7
 
 
+RUNNING_MEAN, RUNNING_VAR = [0.1, -0.2, 0.3], [0.5, 1.5, 2.0]
+
+
 def signed(*shape):
     """Values in ±[0.3, 1.5]: away from 0, where abs and relu have their kink."""
     return numpy.asarray(RNG.uniform(0.3, 1.5, shape) * RNG.choice([-1.0, 1.0], shape))
@@ -137,6 +140,26 @@ CASES = {
     'fully_connected_vector': (npx.fully_connected, signed(3), signed(2, 3), signed(2)),
     'where': (lambda a, b: apply('where', np.array(CONDITION), a, b), signed(2, 3), signed(3)),
     'dropout': (lambda a: a * seeded_dropout_mask(a), signed(4, 5)),
+    # convolutional networks
+    'convolution': (lambda a, w, b: npx.convolution(a, w, b, kernel=(2, 3), stride=(2, 1),
+                                                    pad=(1, 0), num_filter=2),
+                    signed(2, 3, 5, 4), signed(2, 3, 2, 3), signed(2)),
+    'convolution_without_bias': (lambda a, w: npx.convolution(a, w, kernel=(3, 3), pad=(1, 1),
+                                                              num_filter=2),
+                                 signed(1, 2, 4, 4), signed(2, 2, 3, 3)),
+    'max_pooling': (lambda a: npx.pooling(a, kernel=(2, 2), stride=(1, 2), pad=(1, 0)),
+                    distinct(2, 2, 4, 5)),
+    'avg_pooling': (lambda a: npx.pooling(a, kernel=(3, 2), stride=(2, 2), pad=(1, 1),
+                                          pool_type='avg'), signed(2, 2, 5, 4)),
+    'global_avg_pooling': (lambda a: npx.pooling(a, pool_type='avg', global_pool=True),
+                           signed(2, 3, 3, 2)),
+    'batch_norm_train': (lambda a, g, b: training_batch_norm(a, g, b),
+                         signed(4, 3, 2, 2), positive(3), signed(3)),
+    'batch_norm_train_dense': (lambda a, g, b: training_batch_norm(a, g, b),
+                               signed(5, 3), positive(3), signed(3)),
+    'batch_norm_predict': (lambda a, g, b: npx.batch_norm(
+        a, g, b, np.array(RUNNING_MEAN), np.array(RUNNING_VAR), use_global_stats=True),
+        signed(3, 3, 2, 2), positive(3), signed(3)),
     # a value used more than once accumulates its gradients
     'used_twice': (lambda a: a * a, signed(2, 3)),
     'used_thrice': (lambda a: a * np.exp(a) + a, signed(2, 3)),
@@ -150,6 +173,12 @@ for _op in ('sum', 'mean', 'max'):
             CASES[f'{_op}_axis{_axis}_keepdims{_keepdims}'] = (
                 lambda a, op=_op, axis=_axis, keepdims=_keepdims:
                     getattr(a, op)(axis=axis, keepdims=keepdims), distinct(2, 3, 4))
+
+
+def training_batch_norm(a, gamma, beta):
+    """Batch statistics, inside record() and out (finite differences run outside)."""
+    with autograd.train_mode():
+        return npx.batch_norm(a, gamma, beta, np.array(RUNNING_MEAN), np.array(RUNNING_VAR))
 
 
 @pytest.mark.parametrize('case', sorted(CASES))

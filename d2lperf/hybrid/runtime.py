@@ -11,7 +11,7 @@ are part of the signature: dropout traces to a different graph in training. Taug
 """
 from .. import engine
 from ..ndarray import NDArray
-from ..ops import Op
+from ..ops import REGISTRY, Op
 from ..tape import TAPE, TapeNode
 from .codegen import generate
 from .graph import Node, evaluate, gradients
@@ -49,7 +49,8 @@ class Executable:
             self.runner = self.program.runner
         self.workspace = engine.Var()           # orders the calls that share its buffers
         self.output_types = [(n.shape, n.dtype) for n in self.simplified.outputs]
-        self._params, self._param_vars = None, []
+        self._params, self._param_vars, self._written_vars = None, [], []
+        self.written = updated_params(self.simplified)
         single = len(self.output_types) == 1 and not traced.returns_tuple
         self.run = self.run_recorded if recording else self.run_one if single else self.run_many
 
@@ -57,7 +58,9 @@ class Executable:
         """The parameters' arrays; their engine variables re-read when they are new arrays."""
         params = self.param_arrays()
         if params is not self._params:
-            self._params, self._param_vars = params, [p.var for p in params]
+            self._params = params
+            self._param_vars = [p.var for i, p in enumerate(params) if i not in self.written]
+            self._written_vars = [params[i].var for i in self.written]
         return params
 
     def pack(self, outputs):
@@ -70,8 +73,8 @@ class Executable:
 
         def run():
             out.data = run_program(*[a.data for a in arrays])[0]
-        engine.push(run, [a.var for a in args] + self._param_vars, [out.var, self.workspace],
-                    self.device, self.name)
+        engine.push(run, [a.var for a in args] + self._param_vars,
+                    [out.var, self.workspace] + self._written_vars, self.device, self.name)
         return out
 
     def run_many(self, args):
@@ -81,8 +84,9 @@ class Executable:
         def run():
             for out, value in zip(outs, run_program(*[a.data for a in arrays])):
                 out.data = value
-        engine.push(run, [a.var for a in arrays], [o.var for o in outs] + [self.workspace],
-                    self.device, self.name)
+        engine.push(run, [a.var for a in args] + self._param_vars,
+                    [o.var for o in outs] + [self.workspace] + self._written_vars, self.device,
+                    self.name)
         return self.pack(outs)
 
     def run_recorded(self, args):
@@ -95,7 +99,8 @@ class Executable:
             results, saved['values'] = evaluate(graph, xp, [a.data for a in arrays], keep=True)
             for out, value in zip(outs, results):
                 out.data = value
-        engine.push(run, [a.var for a in arrays], [o.var for o in outs], self.device,
+        engine.push(run, [a.var for a in args] + self._param_vars,
+                    [o.var for o in outs] + self._written_vars, self.device,
                     f'{self.name}_recorded')
         for index, out in enumerate(outs):
             out.node = TapeNode(self.graph_op(saved, index), arrays, {})
@@ -113,6 +118,14 @@ class Executable:
             grads = gradients(graph, xp, saved['values'], graph.outputs[index], g)
             return [xp.zeros_like(x) if grad is None else grad for grad, x in zip(grads, inputs)]
         return Op(self.name, compute, lambda *inputs: output_type, vjp)
+
+
+def updated_params(graph):
+    """Positions among the graph's parameters of those an op updates in place (batch
+    normalization's running statistics): the call writes them, so the engine orders it."""
+    written = {node.inputs[i] for node in graph.nodes if node.kind == 'call'
+               for i in REGISTRY[node.op].writes}
+    return {k for k, param in enumerate(graph.params) if param in written}
 
 
 def apply_graph(graph, values, apply):

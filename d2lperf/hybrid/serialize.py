@@ -27,6 +27,8 @@ NAME = re.compile(r'[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}\Z')
 DTYPES = frozenset({'bool', 'int8', 'int16', 'int32', 'int64', 'uint8', 'uint16', 'uint32',
                     'uint64', 'float16', 'float32', 'float64'})
 NULL_KINDS = ('input', 'param', 'constant')
+# The only words an attribute may hold: a symbol file names things, never runs them.
+TEXT_ATTRIBUTES = {'dtype': DTYPES, 'pool_type': frozenset({'max', 'avg'})}
 
 
 # -- writing -------------------------------------------------------------------------------
@@ -123,9 +125,10 @@ def decode_attr(value, key):
     if value is None or type(value) in (bool, int, float):
         return value
     if type(value) is str:
-        if key != 'dtype' or value not in DTYPES:
-            raise ValueError(f'attribute {key}={value!r}: text is only allowed as a dtype '
-                             f'({", ".join(sorted(DTYPES))})')
+        if value not in TEXT_ATTRIBUTES.get(key, ()):
+            allowed = '; '.join(f'{k}: {", ".join(sorted(v))}' for k, v in TEXT_ATTRIBUTES.items())
+            raise ValueError(f'attribute {key}={value!r}: text is only allowed as one of the '
+                             f'known words ({allowed})')
         return value
     if type(value) is list:
         return tuple(decode_attr(v, key) for v in value)

@@ -2,5 +2,6 @@
 from . import init
 from .block import (Activation, Block, Dense, Dropout, HybridBlock, HybridSequential,
                     Sequential, SymbolBlock)
+from .conv_layers import AvgPool2D, BatchNorm, Conv2D, Flatten, GlobalAvgPool2D, MaxPool2D
 from .loss import L2Loss, SoftmaxCrossEntropyLoss
 from .parameter import DeferredInitializationError, Parameter

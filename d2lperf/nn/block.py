@@ -167,7 +167,8 @@ class HybridSequential(HybridBlock, Sequential):
 ACTIVATIONS = {'relu': npx.relu, 'sigmoid': npx.sigmoid, 'tanh': np.tanh}
 
 
-def _activation(name):
+def activation_function(name):
+    """The function an activation name stands for (None: no activation)."""
     if name is not None and name not in ACTIVATIONS:
         raise ValueError(f'unknown activation {name!r}; use one of {sorted(ACTIVATIONS)} or None')
     return ACTIVATIONS.get(name)
@@ -178,7 +179,7 @@ class Dense(HybridBlock):
 
     def __init__(self, units, activation=None, in_units=0):
         super().__init__()
-        self.units, self.act = units, _activation(activation)
+        self.units, self.act = units, activation_function(activation)
         self.activation = activation
         self.weight = Parameter('weight', (units, in_units))
         self.bias = Parameter('bias', (units,), init=Zero())
@@ -200,7 +201,7 @@ class Activation(HybridBlock):
 
     def __init__(self, activation):
         super().__init__()
-        self.activation, self.act = activation, _activation(activation)
+        self.activation, self.act = activation, activation_function(activation)
 
     def forward(self, x):
         return self.act(x)

@@ -10,8 +10,11 @@ class DeferredInitializationError(RuntimeError):
 class Parameter:
     """A learnable array. A 0 in `shape` is unknown until the first forward pass fills it in."""
 
-    def __init__(self, name, shape, init=None):
+    def __init__(self, name, shape, init=None, grad_req='write'):
+        if grad_req not in ('write', 'null'):
+            raise ValueError(f"grad_req must be 'write' or 'null', not {grad_req!r}")
         self.name, self.shape, self.init = name, tuple(shape), init
+        self.grad_req = grad_req     # 'null': state a layer updates itself, no gradient
         self._data = None            # {device: NDArray}
         self._devices = None         # set by initialize(), kept while the shape is unknown
 
@@ -34,8 +37,9 @@ class Parameter:
         first = self._init(self.shape, self._devices[0])
         self._data = {d: first if d == self._devices[0] else first.copyto(d)
                       for d in self._devices}
-        for array in self._data.values():
-            array.attach_grad()
+        if self.grad_req == 'write':
+            for array in self._data.values():
+                array.attach_grad()
 
     @property
     def copies(self):

@@ -12,6 +12,7 @@ means. Ops are registered with `defop` by family, one module each:
     shape.py        reshape, transpose, broadcast_to, astype, copy, getitem, concatenate, where
     nn.py           relu, sigmoid, softmax, log_softmax, pick, fully_connected
     random.py       one generator per device; dropout_mask
+    convolution.py  convolution (im2col and one product), pooling, batch normalization
 
 Adding an op is one `defop` call in its family's module: every frontend (`np`, `npx`),
 autograd and the compiler find it in REGISTRY.
@@ -20,7 +21,7 @@ from .registry import KINDS, REGISTRY, Op, as_array, defop
 from .rules import (compare, dot_shape, dtype_of, expand_reduced, floating, index_shape,
                     input_grads, matmul_shape, normalize_axes, promote, reduced_shape,
                     reshape_shape, same, shape_of, sum_dtype, unbroadcast)
-from . import elementwise, linalg, reduction, shape, nn, random  # noqa: F401  (they register)
+from . import elementwise, linalg, reduction, shape, nn, random, convolution  # noqa: F401
 
 __all__ = ['KINDS', 'REGISTRY', 'Op', 'as_array', 'defop', 'compare', 'dot_shape', 'dtype_of',
            'expand_reduced', 'floating', 'index_shape', 'input_grads', 'matmul_shape',

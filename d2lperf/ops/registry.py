@@ -22,6 +22,9 @@ the one place the kinds are defined:
 
 `c_expr`, for elementwise ops, is the op as a C expression over `{a}` (and `{b}`) of C type
 `{t}`: the GPU back end fuses a chain of them into one kernel.
+
+`writes` lists the positions of inputs the op updates in place besides computing its result
+(batch normalization's running statistics): the engine orders those writes like any other.
 """
 import numpy
 
@@ -32,15 +35,17 @@ class Op:
     """One registered operation; `ufunc` names the NumPy/CuPy ufunc that computes it into an
     existing array (`out=`), for the elementwise and comparison ops that have one."""
 
-    __slots__ = ('name', 'compute', 'infer', 'vjp', 'kind', 'c_expr', 'ufunc')
+    __slots__ = ('name', 'compute', 'infer', 'vjp', 'kind', 'c_expr', 'ufunc', 'writes')
 
-    def __init__(self, name, compute, infer, vjp=None, kind='opaque', c_expr=None):
+    def __init__(self, name, compute, infer, vjp=None, kind='opaque', c_expr=None, writes=()):
         if kind not in KINDS:
             raise ValueError(f'op {name!r}: kind must be one of {KINDS}, not {kind!r}')
         if c_expr is not None and kind != 'elementwise':
             raise ValueError(f'op {name!r}: only elementwise ops have a C expression')
         self.name, self.compute, self.infer, self.vjp = name, compute, infer, vjp
-        self.kind, self.c_expr = kind, c_expr
+        if writes and kind != 'opaque':
+            raise ValueError(f'op {name!r}: only opaque ops may update their inputs')
+        self.kind, self.c_expr, self.writes = kind, c_expr, tuple(writes)
         is_ufunc = isinstance(getattr(numpy, name, None), numpy.ufunc)
         self.ufunc = name if kind in ('elementwise', 'compare') and is_ufunc else None
 
@@ -51,11 +56,11 @@ class Op:
 REGISTRY = {}
 
 
-def defop(name, compute, infer, vjp=None, kind='opaque', c_expr=None):
+def defop(name, compute, infer, vjp=None, kind='opaque', c_expr=None, writes=()):
     """Register an operation under `name` (every frontend and the compiler find it there)."""
     if name in REGISTRY:
         raise ValueError(f'an op named {name!r} is already registered')
-    REGISTRY[name] = Op(name, compute, infer, vjp, kind, c_expr)
+    REGISTRY[name] = Op(name, compute, infer, vjp, kind, c_expr, writes)
     return REGISTRY[name]
 
 

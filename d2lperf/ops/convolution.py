@@ -1,0 +1,218 @@
+"""Convolution, pooling and batch normalization on NCHW arrays, each one engine operation.
+
+A convolution is turned into one matrix product: *im2col* lays every kh×kw patch of the
+(padded) input out as a row, so that multiplying by the filters, flattened to a matrix, gives
+every output pixel of every example at once. BLAS (or cuBLAS) does the work; Python never
+loops over pixels or examples. The backward pass runs the same products transposed, and
+`col2im` adds the patches' gradients back into place with one loop over the kh·kw kernel
+offsets. Pooling reads the same windows, as a strided view that copies nothing.
+
+Batch normalization in training mode also updates the running statistics of its layer: the
+op declares that it writes them (`writes=(3, 4)`), so the engine orders that update against
+every other use of those arrays. Taught in "Training on Multiple GPUs".
+"""
+import numpy
+
+from .registry import defop
+
+
+def pair(value):
+    return (value, value) if isinstance(value, int) else tuple(value)
+
+
+def out_size(size, kernel, stride, pad):
+    return (size + 2 * pad - kernel) // stride + 1
+
+
+def padded(xp, x, pad, value=0):
+    ph, pw = pad
+    if not ph and not pw:
+        return x
+    return xp.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw)), constant_values=value)
+
+
+def windows(xp, x, kernel, stride):
+    """A (B, C, OH, OW, kh, kw) view of every window of `x`: no data is copied."""
+    (kh, kw), (sh, sw) = kernel, stride
+    b, c, h, w = x.shape
+    oh, ow = (h - kh) // sh + 1, (w - kw) // sw + 1
+    s = x.strides
+    return xp.lib.stride_tricks.as_strided(
+        x, (b, c, oh, ow, kh, kw), (s[0], s[1], s[2] * sh, s[3] * sw, s[2], s[3]))
+
+
+def im2col(xp, x, kernel, stride, pad):
+    """Every patch as a row: (B·OH·OW, C·kh·kw), the left factor of the convolution's product."""
+    patches = windows(xp, xp.ascontiguousarray(padded(xp, x, pad)), kernel, stride)
+    b, c, oh, ow, kh, kw = patches.shape
+    return patches.transpose(0, 2, 3, 1, 4, 5).reshape(b * oh * ow, c * kh * kw)
+
+
+def col2im(xp, cols, x_shape, kernel, stride, pad):
+    """The adjoint of im2col: add each patch row back onto the input pixels it came from."""
+    (kh, kw), (sh, sw), (ph, pw) = kernel, stride, pad
+    b, c, h, w = x_shape
+    oh, ow = out_size(h, kh, sh, ph), out_size(w, kw, sw, pw)
+    cols = cols.reshape(b, oh, ow, c, kh, kw)
+    dx = xp.zeros((b, c, h + 2 * ph, w + 2 * pw), cols.dtype)
+    for i in range(kh):
+        for j in range(kw):
+            dx[:, :, i:i + sh * oh:sh, j:j + sw * ow:sw] += cols[:, :, :, :, i, j].transpose(
+                0, 3, 1, 2)
+    return dx[:, :, ph:ph + h, pw:pw + w]
+
+
+# -- convolution ----------------------------------------------------------------------------
+
+def convolution_infer(data, weight, bias, kernel, stride, pad, num_filter):
+    if len(data.shape) != 4:
+        raise ValueError(f'convolution needs NCHW input (4 dimensions), got shape {data.shape}')
+    f, c, kh, kw = weight.shape
+    if data.shape[1] != c:
+        raise ValueError(f'a convolution with weight {tuple(weight.shape)} expects inputs with '
+                         f'{c} channels, got input of shape {tuple(data.shape)}: check the '
+                         'previous layer\'s channels')
+    if (kh, kw) != tuple(kernel) or f != num_filter:
+        raise ValueError(f'weight {tuple(weight.shape)} does not match kernel={tuple(kernel)} '
+                         f'and num_filter={num_filter}')
+    if hasattr(bias, 'shape') and tuple(bias.shape) != (f,):
+        raise ValueError(f'a convolution with {f} filters needs a bias of shape ({f},), '
+                         f'got {tuple(bias.shape)}')
+    oh, ow = (out_size(n, k, s, p) for n, k, s, p in zip(data.shape[2:], kernel, stride, pad))
+    if oh < 1 or ow < 1:
+        raise ValueError(f'kernel {tuple(kernel)} is larger than the padded input '
+                         f'{tuple(data.shape[2:])} (pad {tuple(pad)})')
+    return (data.shape[0], f, oh, ow), numpy.result_type(data.dtype, weight.dtype)
+
+
+def convolution(xp, data, weight, bias, kernel, stride, pad, num_filter):
+    b = data.shape[0]
+    oh, ow = (out_size(n, k, s, p) for n, k, s, p in zip(data.shape[2:], kernel, stride, pad))
+    out = im2col(xp, data, kernel, stride, pad) @ weight.reshape(num_filter, -1).T
+    if hasattr(bias, 'shape'):
+        out += bias
+    return xp.ascontiguousarray(out.reshape(b, oh, ow, num_filter).transpose(0, 3, 1, 2))
+
+
+def convolution_vjp(xp, g, out, data, weight, bias, kernel, stride, pad, num_filter):
+    g_rows = g.transpose(0, 2, 3, 1).reshape(-1, num_filter)
+    cols = im2col(xp, data, kernel, stride, pad)
+    d_weight = (g_rows.T @ cols).reshape(weight.shape)
+    d_data = col2im(xp, g_rows @ weight.reshape(num_filter, -1), data.shape, kernel, stride, pad)
+    d_bias = g_rows.sum(axis=0) if hasattr(bias, 'shape') else None
+    return d_data, d_weight, d_bias
+
+
+defop('convolution', convolution, convolution_infer, convolution_vjp)
+
+
+# -- pooling --------------------------------------------------------------------------------
+
+def pooling_infer(data, kernel, stride, pad, pool_type):
+    if len(data.shape) != 4:
+        raise ValueError(f'pooling needs NCHW input (4 dimensions), got shape {data.shape}')
+    if pool_type not in ('max', 'avg'):
+        raise ValueError(f"pool_type must be 'max' or 'avg', not {pool_type!r}")
+    oh, ow = (out_size(n, k, s, p) for n, k, s, p in zip(data.shape[2:], kernel, stride, pad))
+    if oh < 1 or ow < 1:
+        raise ValueError(f'pooling window {tuple(kernel)} is larger than the padded input '
+                         f'{tuple(data.shape[2:])}')
+    return data.shape[:2] + (oh, ow), numpy.dtype(data.dtype)
+
+
+def pool_windows(xp, data, kernel, stride, pad, pool_type):
+    fill = -numpy.inf if pool_type == 'max' else 0
+    return windows(xp, padded(xp, data, pad, fill), kernel, stride)
+
+
+def pooling(xp, data, kernel, stride, pad, pool_type):
+    """Max or average over each window; an average counts padding as zeros (MXNet's rule)."""
+    patches = pool_windows(xp, data, kernel, stride, pad, pool_type)
+    if pool_type == 'max':
+        return patches.max(axis=(4, 5))
+    return patches.mean(axis=(4, 5), dtype=data.dtype)
+
+
+def pooling_vjp(xp, g, out, data, kernel, stride, pad, pool_type):
+    (kh, kw), (sh, sw), (ph, pw) = kernel, stride, pad
+    b, c, h, w = data.shape
+    oh, ow = g.shape[2:]
+    dx = xp.zeros((b, c, h + 2 * ph, w + 2 * pw), g.dtype)
+    if pool_type == 'max':       # the gradient goes to the first maximum of each window
+        patches = pool_windows(xp, data, kernel, stride, pad, pool_type)
+        winner = patches.reshape(b, c, oh, ow, kh * kw).argmax(axis=-1)
+    for i in range(kh):
+        for j in range(kw):
+            share = g * (winner == i * kw + j) if pool_type == 'max' else g / (kh * kw)
+            dx[:, :, i:i + sh * oh:sh, j:j + sw * ow:sw] += share
+    return (dx[:, :, ph:ph + h, pw:pw + w],)
+
+
+defop('pooling', pooling, pooling_infer, pooling_vjp)
+
+
+# -- batch normalization --------------------------------------------------------------------
+
+def stats_axes(ndim):
+    """Statistics per channel: over the batch, and over pixels for images."""
+    return (0,) if ndim == 2 else (0, 2, 3)
+
+
+def per_channel(v, ndim):
+    return v.reshape((1, -1) + (1,) * (ndim - 2))
+
+
+def batch_norm_infer(data, gamma, beta, running_mean, running_var, eps, momentum):
+    channels = data.shape[1] if len(data.shape) > 1 else None
+    if len(data.shape) not in (2, 4):
+        raise ValueError(f'batch_norm needs (N, C) or (N, C, H, W) input, got {data.shape}')
+    for name, v in (('gamma', gamma), ('beta', beta), ('running_mean', running_mean),
+                    ('running_var', running_var)):
+        if tuple(v.shape) != (channels,):
+            raise ValueError(f'batch_norm on {channels} channels needs {name} of shape '
+                             f'({channels},), got {tuple(v.shape)}')
+    return tuple(data.shape), numpy.dtype(data.dtype)
+
+
+def batch_norm_train(xp, data, gamma, beta, running_mean, running_var, eps, momentum):
+    """Normalize with the batch's statistics, and move the running ones towards them."""
+    axes, n = stats_axes(data.ndim), data.size // data.shape[1]
+    mean, var = data.mean(axis=axes), data.var(axis=axes)
+    running_mean *= momentum
+    running_mean += (1 - momentum) * mean
+    running_var *= momentum
+    running_var += (1 - momentum) * var * (n / max(n - 1, 1))      # unbiased, as MXNet keeps
+    scale = gamma / xp.sqrt(var + eps)
+    return data * per_channel(scale, data.ndim) + per_channel(beta - mean * scale, data.ndim)
+
+
+def batch_norm_train_vjp(xp, g, out, data, gamma, beta, running_mean, running_var, eps,
+                         momentum):
+    axes, ndim = stats_axes(data.ndim), data.ndim
+    mean, inv_std = data.mean(axis=axes), 1 / xp.sqrt(data.var(axis=axes) + eps)
+    x_hat = (data - per_channel(mean, ndim)) * per_channel(inv_std, ndim)
+    d_beta, d_gamma = g.sum(axis=axes), (g * x_hat).sum(axis=axes)
+    n = data.size // data.shape[1]
+    d_data = per_channel(gamma * inv_std / n, ndim) * (
+        n * g - per_channel(d_beta, ndim) - x_hat * per_channel(d_gamma, ndim))
+    return d_data, d_gamma, d_beta, None, None
+
+
+def batch_norm_predict(xp, data, gamma, beta, running_mean, running_var, eps, momentum):
+    scale = gamma / xp.sqrt(running_var + eps)
+    return (data * per_channel(scale, data.ndim)
+            + per_channel(beta - running_mean * scale, data.ndim))
+
+
+def batch_norm_predict_vjp(xp, g, out, data, gamma, beta, running_mean, running_var, eps,
+                           momentum):
+    axes, ndim = stats_axes(data.ndim), data.ndim
+    inv_std = 1 / xp.sqrt(running_var + eps)
+    x_hat = (data - per_channel(running_mean, ndim)) * per_channel(inv_std, ndim)
+    return (g * per_channel(gamma * inv_std, ndim), (g * x_hat).sum(axis=axes),
+            g.sum(axis=axes), None, None)
+
+
+defop('batch_norm_train', batch_norm_train, batch_norm_infer, batch_norm_train_vjp,
+      writes=(3, 4))
+defop('batch_norm_predict', batch_norm_predict, batch_norm_infer, batch_norm_predict_vjp)

@@ -1,0 +1,209 @@
+"""Tests of convolution, pooling and batch normalization (d2lperf.ops.convolution and the
+layers of d2lperf.nn.conv_layers): forward against direct loops on random shapes, running
+statistics, errors, and conv nets through hybridize, export and import. Gradients are
+checked against finite differences in test_autograd.py."""
+import numpy
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import d2lperf as d2l
+from d2lperf import autograd, np, npx, nn
+
+
+def loop_convolution(x, w, b, stride, pad):
+    """The definition, one output value at a time."""
+    xp = numpy.pad(x, ((0, 0), (0, 0), (pad[0],) * 2, (pad[1],) * 2))
+    f, _, kh, kw = w.shape
+    oh, ow = (xp.shape[2] - kh) // stride[0] + 1, (xp.shape[3] - kw) // stride[1] + 1
+    out = numpy.zeros((x.shape[0], f, oh, ow))
+    for n in range(x.shape[0]):
+        for k in range(f):
+            for i in range(oh):
+                for j in range(ow):
+                    patch = xp[n, :, i * stride[0]:i * stride[0] + kh, j * stride[1]:j * stride[1] + kw]
+                    out[n, k, i, j] = (patch * w[k]).sum() + b[k]
+    return out
+
+
+def loop_pooling(x, kernel, stride, pad, pool_type):
+    fill = -numpy.inf if pool_type == 'max' else 0.0
+    xp = numpy.pad(x, ((0, 0), (0, 0), (pad[0],) * 2, (pad[1],) * 2), constant_values=fill)
+    oh, ow = (xp.shape[2] - kernel[0]) // stride[0] + 1, (xp.shape[3] - kernel[1]) // stride[1] + 1
+    out = numpy.zeros(x.shape[:2] + (oh, ow))
+    reduce = numpy.max if pool_type == 'max' else numpy.mean
+    for i in range(oh):
+        for j in range(ow):
+            window = xp[:, :, i * stride[0]:i * stride[0] + kernel[0],
+                        j * stride[1]:j * stride[1] + kernel[1]]
+            out[:, :, i, j] = reduce(window, axis=(2, 3))
+    return out
+
+
+@st.composite
+def conv_cases(draw):
+    kernel = (draw(st.integers(1, 3)), draw(st.integers(1, 3)))
+    pad = (draw(st.integers(0, kernel[0] - 1)), draw(st.integers(0, kernel[1] - 1)))
+    stride = (draw(st.integers(1, 2)), draw(st.integers(1, 2)))
+    shape = (draw(st.integers(1, 3)), draw(st.integers(1, 3)),
+             draw(st.integers(kernel[0], 6)), draw(st.integers(kernel[1], 6)))
+    filters, seed = draw(st.integers(1, 4)), draw(st.integers(0, 2**16))
+    return shape, filters, kernel, stride, pad, seed
+
+
+@settings(max_examples=40, deadline=None)
+@given(conv_cases())
+def test_convolution_matches_the_definition(case):
+    shape, filters, kernel, stride, pad, seed = case
+    rng = numpy.random.default_rng(seed)
+    x, w = rng.normal(size=shape), rng.normal(size=(filters, shape[1]) + kernel)
+    b = rng.normal(size=filters)
+    got = npx.convolution(np.array(x), np.array(w), np.array(b), kernel=kernel, stride=stride,
+                          pad=pad, num_filter=filters).asnumpy()
+    numpy.testing.assert_allclose(got, loop_convolution(x, w, b, stride, pad), rtol=1e-10,
+                                  atol=1e-10)
+
+
+@settings(max_examples=40, deadline=None)
+@given(conv_cases(), st.sampled_from(['max', 'avg']))
+def test_pooling_matches_the_definition(case, pool_type):
+    shape, _, kernel, stride, pad, seed = case
+    x = numpy.random.default_rng(seed).normal(size=shape)
+    got = npx.pooling(np.array(x), kernel=kernel, stride=stride, pad=pad,
+                      pool_type=pool_type).asnumpy()
+    numpy.testing.assert_allclose(got, loop_pooling(x, kernel, stride, pad, pool_type),
+                                  rtol=1e-12)
+
+
+def test_pooling_stride_defaults_to_the_window_and_global_pooling_takes_the_image():
+    x = numpy.arange(2 * 3 * 4 * 6, dtype=numpy.float32).reshape(2, 3, 4, 6)
+    assert npx.pooling(np.array(x), kernel=(2, 3)).shape == (2, 3, 2, 2)
+    got = npx.pooling(np.array(x), pool_type='avg', global_pool=True).asnumpy()
+    numpy.testing.assert_allclose(got[:, :, 0, 0], x.mean(axis=(2, 3)))
+
+
+def test_convolution_without_bias_and_float32_stays_float32():
+    x = numpy.ones((1, 2, 3, 3), numpy.float32)
+    w = numpy.ones((1, 2, 3, 3), numpy.float32)
+    y = npx.convolution(np.array(x), np.array(w), kernel=(3, 3), num_filter=1)
+    assert y.dtype == numpy.float32 and y.asnumpy().item() == 18.0
+
+
+def test_input_channels_that_do_not_match_the_weight_fail_at_the_push():
+    x, w = np.ones((2, 3, 8, 8)), np.ones((4, 1, 3, 3))
+    with pytest.raises(ValueError, match=r'\(4, 1, 3, 3\).*1 channels.*\(2, 3, 8, 8\)'):
+        npx.convolution(x, w, kernel=(3, 3), num_filter=4)
+    net = nn.Conv2D(4, kernel_size=3, in_channels=1)
+    net.initialize()
+    with pytest.raises(ValueError, match='channels'):
+        net(x)
+
+
+def test_a_kernel_larger_than_the_input_is_refused():
+    with pytest.raises(ValueError, match='larger than the padded input'):
+        npx.pooling(np.ones((1, 1, 2, 2)), kernel=(3, 3))
+
+
+def test_batch_norm_uses_batch_statistics_while_training_and_running_ones_in_prediction():
+    rng = numpy.random.default_rng(0)
+    x = rng.normal(2.0, 3.0, size=(8, 2, 3, 3))
+    layer = nn.BatchNorm(momentum=0.5)
+    layer.initialize()
+    with autograd.record():
+        y = layer(np.array(x)).asnumpy()
+    mean, var = x.mean(axis=(0, 2, 3)), x.var(axis=(0, 2, 3))
+    expected = (x - mean[None, :, None, None]) / numpy.sqrt(var[None, :, None, None] + 1e-5)
+    numpy.testing.assert_allclose(y, expected, atol=1e-6)
+    n = 8 * 3 * 3
+    numpy.testing.assert_allclose(layer.running_mean.data().asnumpy(), 0.5 * mean)
+    numpy.testing.assert_allclose(layer.running_var.data().asnumpy(),
+                                  0.5 + 0.5 * var * n / (n - 1))
+    predicted = layer(np.array(x)).asnumpy()           # outside record(): running statistics
+    rm, rv = 0.5 * mean, 0.5 + 0.5 * var * n / (n - 1)
+    numpy.testing.assert_allclose(
+        predicted, (x - rm[None, :, None, None]) / numpy.sqrt(rv[None, :, None, None] + 1e-5),
+        atol=1e-6)
+    with autograd.predict_mode():
+        layer(np.array(x))
+    numpy.testing.assert_allclose(layer.running_mean.data().asnumpy(), rm)  # not updated
+
+
+def test_running_statistics_are_updated_in_engine_order():
+    """Each training call reads the running mean the previous one wrote: after k calls on
+    the same batch, the mean is (1 - m^k) times the batch mean, on either engine."""
+    x = np.array(numpy.random.default_rng(1).normal(5.0, 1.0, size=(16, 3)))
+    layer = nn.BatchNorm(momentum=0.9)
+    layer.initialize()
+    with autograd.train_mode():
+        for _ in range(20):
+            layer(x)
+    numpy.testing.assert_allclose(layer.running_mean.data().asnumpy(),
+                                  (1 - 0.9 ** 20) * x.asnumpy().mean(axis=0), rtol=1e-5)
+
+
+def test_running_statistics_have_no_gradient_and_the_trainer_leaves_them_alone():
+    layer = nn.BatchNorm()
+    layer.initialize()
+    x = np.array(numpy.random.default_rng(2).normal(size=(4, 2)))
+    with autograd.record():
+        y = (layer(x) * np.array([1.0, 2.0])).sum()
+    y.backward()
+    trainer = d2l.Trainer(layer.collect_params(), 'sgd', {'learning_rate': 0.5})
+    assert {p.name for p in trainer.params} == {'gamma', 'beta'}
+    before = layer.running_var.data().asnumpy().copy()
+    trainer.step(1)
+    numpy.testing.assert_array_equal(layer.running_var.data().asnumpy(), before)
+    assert layer.running_mean.data().grad is None
+
+
+def lenet():
+    net = nn.HybridSequential()
+    net.add(nn.Conv2D(6, kernel_size=5, padding=2, activation='sigmoid'),
+            nn.AvgPool2D(pool_size=2, strides=2),
+            nn.Conv2D(16, kernel_size=5, activation='sigmoid'), nn.MaxPool2D(pool_size=2),
+            nn.Flatten(), nn.Dense(32, activation='relu'), nn.Dense(10))
+    return net
+
+
+@pytest.mark.parametrize('make', [lenet, lambda: d2l.Residual(4, use_1x1conv=True, strides=2)],
+                         ids=['lenet', 'residual'])
+def test_conv_nets_survive_hybridize_export_and_import(make, tmp_path):
+    x = np.array(numpy.random.default_rng(3).uniform(size=(3, 2, 12, 12)).astype('float32'))
+    net = make()
+    net.initialize(nn.init.Xavier())
+    with autograd.train_mode():
+        net(x)                                     # running statistics move off 0 and 1
+    imperative = net(x).asnumpy()
+    net.hybridize()
+    numpy.testing.assert_allclose(net(x).asnumpy(), imperative, rtol=1e-5, atol=1e-6)
+    symbol, params = net.export(str(tmp_path / 'net'))
+    loaded = nn.SymbolBlock.imports(symbol, ['data'], params)
+    numpy.testing.assert_allclose(loaded(x).asnumpy(), imperative, rtol=1e-5, atol=1e-6)
+
+
+def test_hybridized_training_matches_imperative_training():
+    """Gradients and running statistics agree whether the net runs compiled or not."""
+    x = numpy.random.default_rng(4).uniform(size=(4, 1, 8, 8)).astype('float32')
+    y = numpy.array([0, 1, 2, 3])
+    results = []
+    for hybridize in (False, True):
+        numpy.random.seed(0)
+        net = d2l.Residual(3, use_1x1conv=True)
+        net.initialize(nn.init.Constant(0.1))
+        net.hybridize(hybridize)
+        loss_fn = d2l.SoftmaxCrossEntropyLoss()
+        with autograd.record():
+            loss = loss_fn(npx.flatten(net(np.array(x))), np.array(y))
+        loss.backward()
+        results.append([net.conv1.weight.grad().asnumpy(),
+                        net.bn1.running_mean.data().asnumpy()])
+    for imperative, compiled in zip(*results):
+        numpy.testing.assert_allclose(compiled, imperative, rtol=1e-4, atol=1e-6)
+
+
+def test_resnet18_shapes_and_parameter_count():
+    net = d2l.resnet18(10)
+    net.initialize()
+    assert net(np.ones((2, 1, 28, 28))).shape == (2, 10)
+    trainable = sum(int(numpy.prod(p.shape)) for p in net.collect_params().values()
+                    if p.grad_req == 'write')
+    assert 11_150_000 < trainable < 11_200_000       # ResNet-18 with 1 input channel, 10 classes
