@@ -43,7 +43,7 @@ Beside the layers, imported by none of them:
                   hardware_io: cores, storage and network), imported on demand.
 """
 from . import engine
-from .device import Device, cpu, gpu, num_gpus, try_all_gpus, try_gpu
+from .device import Device, cpu, gpu, num_gpus, try_all_gpus, try_devices, try_gpu
 from . import np, npx, autograd, nn
 from .nn import L2Loss, SoftmaxCrossEntropyLoss
 from .trainer import Trainer
@@ -54,7 +54,7 @@ from .training import accuracy, evaluate_accuracy_gpu, evaluate_accuracy_gpus, g
 from .data import load_data_fashion_mnist
 from .models import Residual, resnet18
 
-__all__ = ['engine', 'Device', 'cpu', 'gpu', 'num_gpus', 'try_all_gpus', 'try_gpu', 'np', 'npx',
+__all__ = ['engine', 'Device', 'cpu', 'gpu', 'num_gpus', 'try_all_gpus', 'try_devices', 'try_gpu', 'np', 'npx',
            'autograd', 'nn', 'L2Loss', 'SoftmaxCrossEntropyLoss', 'Trainer', 'Accumulator',
            'Animator', 'Benchmark', 'Timer', 'memory_in_use', 'quick_mode', 'workload', 'comm',
            'data', 'hybrid', 'profiler', 'allreduce', 'split_and_load', 'split_batch', 'accuracy',

@@ -119,3 +119,14 @@ def try_gpu(i=0):
 def try_all_gpus():
     """Every GPU, or [cpu(0)] if there is none."""
     return [gpu(i) for i in range(num_gpus())] or [cpu()]
+
+
+def try_devices(n):
+    """n GPUs if the machine has them, else n virtual CPU devices cpu(1), ..., cpu(n).
+
+    The virtual devices leave cpu(0) to the host, as on a GPU machine: data is loaded there
+    and copied to the devices that compute.
+    """
+    if num_gpus() >= n:
+        return [gpu(i) for i in range(n)]
+    return [cpu(i) for i in range(1, n + 1)]

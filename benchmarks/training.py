@@ -1,0 +1,305 @@
+"""Training throughput: d2lperf against PyTorch and a hand-written NumPy floor, in one run.
+
+    python benchmarks/training.py            # full sizes
+    D2LPERF_QUICK=1 python benchmarks/training.py
+
+Rows, all measured side by side in this run:
+* LeNet (the toy net of "Training on Multiple GPUs"), images per second at batch 256 on
+  28×28 inputs for one training step (forward, backward, SGD): d2lperf imperative and
+  hybridized, PyTorch eager with the same thread count (skipped without torch), and a
+  hand-written NumPy im2col implementation, the floor any NumPy library pays. Each at one
+  thread and at every core.
+* Data parallelism: the same batch split over two virtual CPU devices with one BLAS thread
+  each, against one device with every core.
+* ResNet-18 (the chapter's variant), seconds per step at a small batch.
+* GPU rows with CuPy, where a GPU is present.
+Each figure is the best of several interleaved repeats.
+"""
+import platform
+
+import numpy
+from numpy.lib.stride_tricks import sliding_window_view
+from threadpoolctl import threadpool_limits
+
+import d2lperf as d2l
+from d2lperf import autograd, engine, np, npx
+from d2lperf.workers import available_cores
+
+BATCH = 256
+STEPS = d2l.workload(8, 2)
+REPEATS = d2l.workload(5, 2)
+LR = 0.1
+
+
+def best_seconds(step, steps=STEPS, repeats=REPEATS):
+    """Best over repeats of the mean seconds per call of `step()` (which waits for itself)."""
+    step()
+    best = float('inf')
+    for _ in range(repeats):
+        timer = d2l.Timer()
+        for _ in range(steps):
+            step()
+        best = min(best, timer.stop() / steps)
+    return best
+
+
+def lenet_shapes():
+    return [(20, 1, 3, 3), (20,), (50, 20, 5, 5), (50,), (800, 128), (128,), (128, 10), (10,)]
+
+
+def initial_params(seed=0):
+    rng = numpy.random.default_rng(seed)
+    return [(rng.normal(0, 0.01, shape) if len(shape) > 1 else numpy.zeros(shape))
+            .astype(numpy.float32) for shape in lenet_shapes()]
+
+
+def batch(seed=1):
+    rng = numpy.random.default_rng(seed)
+    return (rng.uniform(size=(BATCH, 1, 28, 28)).astype(numpy.float32),
+            rng.integers(0, 10, BATCH))
+
+
+# -- the NumPy floor: im2col by hand, forward and backward ---------------------------------
+
+def im2col(x, k):
+    """(B, C, H, W) → (B·OH·OW, C·k·k) patches, one row per output pixel."""
+    patches = sliding_window_view(x, (k, k), axis=(2, 3))       # B, C, OH, OW, k, k
+    b, c, oh, ow = patches.shape[:4]
+    return patches.transpose(0, 2, 3, 1, 4, 5).reshape(b * oh * ow, c * k * k), (b, oh, ow)
+
+
+def conv_forward(x, w, bias):
+    cols, (b, oh, ow) = im2col(x, w.shape[-1])
+    out = cols @ w.reshape(len(w), -1).T + bias
+    return out.reshape(b, oh, ow, -1).transpose(0, 3, 1, 2), cols
+
+
+def conv_backward(dout, cols, w, x_shape):
+    f, c, k, _ = w.shape
+    d2 = dout.transpose(0, 2, 3, 1).reshape(-1, f)
+    dw, db = (d2.T @ cols).reshape(w.shape), d2.sum(0)
+    if x_shape is None:
+        return None, dw, db
+    b, _, oh, ow = dout.shape
+    dcols = (d2 @ w.reshape(f, -1)).reshape(b, oh, ow, c, k, k)
+    dx = numpy.zeros(x_shape, numpy.float32)
+    for i in range(k):
+        for j in range(k):
+            dx[:, :, i:i + oh, j:j + ow] += dcols[:, :, :, :, i, j].transpose(0, 3, 1, 2)
+    return dx, dw, db
+
+
+def avg_pool(x):
+    b, c, h, w = x.shape
+    return x[:, :, :h // 2 * 2, :w // 2 * 2].reshape(b, c, h // 2, 2, w // 2, 2).mean((3, 5))
+
+
+def avg_pool_backward(dout, shape):
+    dx = numpy.zeros(shape, numpy.float32)
+    oh, ow = dout.shape[2:]
+    dx[:, :, :2 * oh, :2 * ow] = numpy.repeat(numpy.repeat(dout / 4, 2, 2), 2, 3)
+    return dx
+
+
+def numpy_step(params, x, y):
+    """One SGD step of the toy LeNet, written by hand: the floor for a NumPy library."""
+    w1, b1, w2, b2, w3, b3, w4, b4 = params
+    c1, cols1 = conv_forward(x, w1, b1)
+    r1 = numpy.maximum(c1, 0)
+    p1 = avg_pool(r1)
+    c2, cols2 = conv_forward(p1, w2, b2)
+    r2 = numpy.maximum(c2, 0)
+    p2 = avg_pool(r2)
+    flat = p2.reshape(len(x), -1)
+    h3 = numpy.maximum(flat @ w3 + b3, 0)
+    logits = h3 @ w4 + b4
+    probs = numpy.exp(logits - logits.max(1, keepdims=True))
+    probs /= probs.sum(1, keepdims=True)
+    probs[numpy.arange(len(y)), y] -= 1                          # d loss / d logits
+    dh3 = (probs @ w4.T) * (h3 > 0)
+    dflat = dh3 @ w3.T
+    dr2 = avg_pool_backward(dflat.reshape(p2.shape), r2.shape) * (c2 > 0)
+    dp1, dw2, db2 = conv_backward(dr2, cols2, w2, p1.shape)
+    dr1 = avg_pool_backward(dp1, r1.shape) * (c1 > 0)
+    _, dw1, db1 = conv_backward(dr1, cols1, w1, None)
+    grads = [dw1, db1, dw2, db2, flat.T @ dh3, dh3.sum(0), h3.T @ probs, probs.sum(0)]
+    for p, g in zip(params, grads):
+        p -= (LR / len(x)) * g
+
+
+# -- d2lperf --------------------------------------------------------------------------------
+
+def lenet(x, params):
+    w1, b1, w2, b2, w3, b3, w4, b4 = params
+    h = npx.relu(npx.convolution(x, w1, b1, kernel=(3, 3), num_filter=20))
+    h = npx.pooling(h, kernel=(2, 2), stride=(2, 2), pool_type='avg')
+    h = npx.relu(npx.convolution(h, w2, b2, kernel=(5, 5), num_filter=50))
+    h = npx.pooling(h, kernel=(2, 2), stride=(2, 2), pool_type='avg')
+    h = npx.relu(np.dot(h.reshape(h.shape[0], -1), w3) + b3)
+    return np.dot(h, w4) + b4
+
+
+LOSS = d2l.SoftmaxCrossEntropyLoss()
+
+
+def d2lperf_step_fn(devices, x_host, y_host):
+    """One data-parallel SGD step over `devices` (one device: plain SGD)."""
+    params = [d2l.get_params([np.array(p, device=d) for p in initial_params()], d)
+              for d in devices]
+    xs = d2l.split_and_load(np.array(x_host), devices)
+    ys = d2l.split_and_load(np.array(y_host), devices)
+
+    def step():
+        with autograd.record():
+            losses = [LOSS(lenet(x, p), y) for x, y, p in zip(xs, ys, params)]
+        for loss in losses:
+            loss.backward()
+        if len(devices) > 1:
+            for i in range(len(params[0])):
+                d2l.allreduce([p[i].grad for p in params])
+        for p in params:
+            d2l.sgd(p, LR, len(x_host))
+        npx.waitall()
+    return step
+
+
+def hybrid_lenet_step_fn(x_host, y_host):
+    net = d2l.nn.HybridSequential()
+    net.add(d2l.nn.Conv2D(20, kernel_size=3, activation='relu'), d2l.nn.AvgPool2D(2, 2),
+            d2l.nn.Conv2D(50, kernel_size=5, activation='relu'), d2l.nn.AvgPool2D(2, 2),
+            d2l.nn.Flatten(), d2l.nn.Dense(128, activation='relu'), d2l.nn.Dense(10))
+    net.initialize(d2l.nn.init.Normal(0.01))
+    net.hybridize()
+    trainer = d2l.Trainer(net.collect_params(), 'sgd', {'learning_rate': LR})
+    x, y = np.array(x_host), np.array(y_host)
+
+    def step():
+        with autograd.record():
+            loss = LOSS(net(x), y)
+        loss.backward()
+        trainer.step(len(x_host))
+        npx.waitall()
+    return step
+
+
+# -- PyTorch eager, when installed -----------------------------------------------------------
+
+def torch_step_fn(x_host, y_host):
+    try:
+        import torch
+    except ImportError:
+        return None
+    f = torch.nn.functional
+    params = [torch.tensor(p, requires_grad=True) for p in initial_params()]
+    x, y = torch.from_numpy(x_host), torch.from_numpy(y_host)
+
+    def step():
+        w1, b1, w2, b2, w3, b3, w4, b4 = params
+        h = f.avg_pool2d(f.relu(f.conv2d(x, w1, b1)), 2)
+        h = f.avg_pool2d(f.relu(f.conv2d(h, w2, b2)), 2)
+        h = f.relu(h.flatten(1) @ w3 + b3)
+        loss = f.cross_entropy(h @ w4 + b4, y, reduction='sum')
+        loss.backward()
+        with torch.no_grad():
+            for p in params:
+                p -= (LR / len(x_host)) * p.grad
+                p.grad = None
+    return step, torch
+
+
+def with_threads(threads, make_step, torch=None):
+    """Time `make_step()` with BLAS (and torch) limited to `threads`."""
+    with threadpool_limits(threads):
+        if torch is not None:
+            old = torch.get_num_threads()
+            torch.set_num_threads(threads)
+        try:
+            return best_seconds(make_step)
+        finally:
+            if torch is not None:
+                torch.set_num_threads(old)
+
+
+def lenet_rows(cores):
+    x, y = batch()
+    host_params = initial_params()
+    steps = {'NumPy im2col by hand (floor)': lambda: numpy_step(host_params, x, y),
+             'd2lperf, imperative': d2lperf_step_fn([d2l.cpu(0)], x, y),
+             'd2lperf, hybridized (Gluon layers)': hybrid_lenet_step_fn(x, y)}
+    torch_step = torch_step_fn(x, y)
+    rows = []
+    for threads in sorted({1, cores}):
+        for name, step in steps.items():
+            rows.append((name, threads, BATCH / with_threads(threads, step)))
+        if torch_step is not None:
+            rows.append(('PyTorch eager', threads,
+                         BATCH / with_threads(threads, torch_step[0], torch_step[1])))
+    return rows
+
+
+def data_parallel_rows(cores):
+    """Two virtual devices sharing the cores, against one device that has them all."""
+    x, y = batch()
+    one = d2lperf_step_fn([d2l.cpu(0)], x, y)
+    two = d2lperf_step_fn([d2l.cpu(0), d2l.cpu(1)], x, y)
+    old = engine.set_blas_division(True)
+    try:
+        two_seconds = best_seconds(two)
+    finally:
+        engine.set_blas_division(old)
+    one_seconds = with_threads(cores, one)
+    return [('one device, every core', cores, BATCH / one_seconds),
+            ('two virtual devices, BLAS threads divided', cores, BATCH / two_seconds)]
+
+
+def resnet_row():
+    net = d2l.resnet18(10)
+    net.initialize(d2l.nn.init.Normal(0.01))
+    trainer = d2l.Trainer(net.collect_params(), 'sgd', {'learning_rate': LR})
+    small = 16
+    x = np.random.uniform(size=(small, 1, 28, 28))
+    y = np.array(numpy.arange(small) % 10)
+
+    def step():
+        with autograd.record():
+            loss = LOSS(net(x), y)
+        loss.backward()
+        trainer.step(small)
+        npx.waitall()
+    return small, best_seconds(step, steps=d2l.workload(3, 1))
+
+
+def gpu_rows():
+    if d2l.num_gpus() == 0:
+        return []
+    x, y = batch()
+    step = d2lperf_step_fn([d2l.gpu(0)], x, y)
+    return [('d2lperf on gpu(0), imperative', 'GPU', BATCH / best_seconds(step))]
+
+
+def main():
+    cores = available_cores()
+    print(f'# {platform.machine()}, {cores} cores, Python {platform.python_version()}, '
+          f'NumPy {numpy.__version__}; batch {BATCH}, 28x28, best of {REPEATS}')
+    print('\nLeNet, one training step (forward, backward, SGD)')
+    rows = lenet_rows(cores)
+    floor = {threads: ips for name, threads, ips in rows if 'floor' in name}
+    torch_ips = {threads: ips for name, threads, ips in rows if name == 'PyTorch eager'}
+    print(f'| what | threads | img/s | × NumPy floor | × PyTorch |\n|---|--:|--:|--:|--:|')
+    for name, threads, ips in rows:
+        vs_torch = f'{ips / torch_ips[threads]:.2f}' if threads in torch_ips else '-'
+        print(f'| {name} | {threads} | {ips:.0f} | {ips / floor[threads]:.2f} | {vs_torch} |')
+    print('\nData parallelism on virtual devices')
+    rows = data_parallel_rows(cores)
+    print(f'| what | cores | img/s | × one device |\n|---|--:|--:|--:|')
+    for name, threads, ips in rows:
+        print(f'| {name} | {threads} | {ips:.0f} | {ips / rows[0][2]:.2f} |')
+    small, seconds = resnet_row()
+    print(f'\nResNet-18 (28x28, batch {small}): {seconds * 1e3:.0f} ms per step, '
+          f'{small / seconds:.1f} img/s')
+    for name, where, ips in gpu_rows():
+        print(f'| {name} | {where} | {ips:.0f} img/s |')
+
+
+if __name__ == '__main__':
+    main()
