@@ -23,7 +23,7 @@ from threadpoolctl import threadpool_limits
 
 import d2lperf as d2l
 from d2lperf import autograd, engine, np, npx
-from d2lperf.workers import available_cores
+from d2lperf.device import available_cores
 
 BATCH = 256
 STEPS = d2l.workload(8, 2)
