@@ -46,6 +46,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/engine.py
 	$(BIN)/python benchmarks/hybridize.py
 	$(BIN)/python benchmarks/parallel.py
+	$(BIN)/python benchmarks/training.py
 
 clean:
 	rm -rf _build
