@@ -682,4 +682,10 @@ def test_on_a_real_gpu_fused_kernels_and_cuda_graphs_agree_with_imperative():
         for _ in range(3):
             numpy.testing.assert_allclose(net(x).asnumpy(), expected, rtol=1e-4, atol=1e-5)
         runner = net._compiled.last.runner
-        assert runner.name == ('CUDA graph' if batch == 1 else 'fused kernels'), runner.notes
+        if batch == 1:
+            # CuPy versions that refuse cuBLAS inside a stream capture (CuPy 14 on CUDA 13
+            # does) leave the fused kernels; the note must say so.
+            refused = any('during stream capture' in note for note in runner.notes)
+            assert runner.name == ('fused kernels' if refused else 'CUDA graph'), runner.notes
+        else:
+            assert runner.name == 'fused kernels', runner.notes
