@@ -185,18 +185,25 @@ def check_benchmarks(args):
     for path in gpu_benchmarks():
         status, output, seconds = run([sys.executable, str(path)], args.timeout, args.quick,
                                       f'benchmark {path.name}')
-        rows = gpu_rows(output)
-        notes = [f'{len(rows) - 2 if rows else 0} GPU row(s)']
-        sections.append({'step': f'benchmark {path.name}', 'ok': status == 0 and bool(rows),
-                         'seconds': seconds, 'notes': notes, 'rows': rows, 'output': output})
+        tables = gpu_tables(output)
+        notes = [f'{sum(len(table) - 2 for table in tables)} GPU row(s)']
+        sections.append({'step': f'benchmark {path.name}', 'ok': status == 0 and bool(tables),
+                         'seconds': seconds, 'notes': notes, 'tables': tables, 'output': output})
     return sections
 
 
-def gpu_rows(output):
-    """The header of the output's Markdown table and those of its rows that name a GPU."""
-    table = [line for line in output.splitlines() if line.startswith('|')]
-    rows = [line for line in table[2:] if re.search(r'gpu|cuda', line, re.I)]
-    return table[:2] + rows if rows else []
+def gpu_tables(output):
+    """Each Markdown table of the output that has rows naming a GPU: its header and those rows."""
+    tables, table = [], []
+    for line in output.splitlines() + ['']:
+        if line.startswith('|'):
+            table.append(line)
+            continue
+        rows = [row for row in table[2:] if re.search(r'gpu|cuda', row, re.I)]
+        if rows:
+            tables.append(table[:2] + rows)
+        table = []
+    return tables
 
 
 def fenced(text):
@@ -230,8 +237,8 @@ def machine_lines(gpu, args):
 def section_lines(section):
     mark = 'ok' if section['ok'] else 'FAILED'
     lines = ['', f'## {section["step"]}: {mark}', ''] + [f'- {n}' for n in section['notes']]
-    if section.get('rows'):
-        lines += ['', 'GPU rows:', ''] + section['rows']
+    for table in section.get('tables', []):
+        lines += ['', 'GPU rows:', ''] + table
     if section.get('glued'):
         lines += ['', 'Values glued into the prose:', '', '| name | value |', '|---|---|']
         lines += [f'| {name} | {value:.4g} |' if isinstance(value, float) else

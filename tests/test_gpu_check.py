@@ -158,12 +158,16 @@ def test_with_a_gpu_each_chapter_must_run_on_it(tmp_path, monkeypatch):
     assert '| n | 3 |' in report
 
 
-def test_benchmark_gpu_rows_keep_the_table_header():
+def test_benchmark_gpu_rows_keep_their_table_header():
     output = ('# header\n| device | mode | µs |\n|---|---|--:|\n| cpu | eager | 1 |\n'
-              '| gpu | eager | 2 |\n| cpu + gpu(0) | both | 3 |\ntext\n')
-    assert gpu_check.gpu_rows(output) == ['| device | mode | µs |', '|---|---|--:|',
-                                          '| gpu | eager | 2 |', '| cpu + gpu(0) | both | 3 |']
-    assert gpu_check.gpu_rows('| a |\n|---|\n| cpu |\n') == []
+              '| gpu | eager | 2 |\n| cpu + gpu(0) | both | 3 |\ntext\n\n'
+              '| what | img/s |\n|---|--:|\n| cpu | 5 |\n\n| what | img/s |\n|--|--|\n'
+              '| on gpu(0) | 7 |')
+    assert gpu_check.gpu_tables(output) == [
+        ['| device | mode | µs |', '|---|---|--:|', '| gpu | eager | 2 |',
+         '| cpu + gpu(0) | both | 3 |'],
+        ['| what | img/s |', '|--|--|', '| on gpu(0) | 7 |']]
+    assert gpu_check.gpu_tables('| a |\n|---|\n| cpu |\n') == []
 
 
 def test_a_fence_in_the_output_cannot_close_the_report_block():
