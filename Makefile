@@ -48,5 +48,18 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/parallel.py
 	$(BIN)/python benchmarks/training.py
 
+## Redraw the schematic figures in images/ with the scripts beside them.
+figures: $(STAMP)
+	for script in images/*.py; do $(BIN)/python $$script || exit 1; done
+
+## Everything GPU-specific on gpu(0), one report in _build/gpu-check.md (tests/gpu_check.py).
+## Needs no .venv and no network: the venv's Python if there is one, else $(PYTHON), with
+## NumPy and CuPy. GPU_CHECK_ARGS=--quick runs the small workloads.
+GPU_CHECK_PYTHON := $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
+gpu-check:
+	$(GPU_CHECK_PYTHON) tests/gpu_check.py $(GPU_CHECK_ARGS)
+
+.PHONY: figures gpu-check
+
 clean:
 	rm -rf _build

@@ -1,0 +1,175 @@
+"""tests/run_chapter.py reads chapters as Jupytext does and runs them as a kernel would;
+tests/gpu_check.py reports what it ran, or, without a GPU, what it would have run."""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import jupytext
+import pytest
+from hypothesis import given, strategies as st
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+import gpu_check                                   # noqa: E402
+import run_chapter                                 # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CHAPTERS = sorted((ROOT / 'chapters').glob('*.md'))
+
+SAMPLE = textwrap.dedent('''\
+    ---
+    jupytext:
+      formats: ipynb,md:myst
+    ---
+    # A chapter
+
+    ```python
+    print('a fenced block that is not a cell')
+    ```
+
+    ```{code-cell} ipython3
+    from myst_nb import glue
+    import matplotlib.pyplot as plt
+    x = 41
+    glue('answer', x + 1, display=False)
+    glue('figure', plt.figure(), display=False)
+    plt.plot([1, 2]); plt.show()
+    %timeit x + 1
+    x + 1
+    ```
+
+    ```{code-cell} ipython3
+    :tags: [raises-exception]
+    1 / 0
+    ```
+
+    ````{code-cell} ipython3
+    ---
+    tags: [remove-cell, another-tag]
+    ---
+    !echo skipped
+    text = """
+    ```
+    """
+    open('written.txt', 'w').write(str(len(plt.get_fignums())))
+    ````
+
+    ```{code-cell} ipython3
+    :tags: [skip-execution]
+    raise RuntimeError('never run')
+    ```
+
+    ```{code-cell} ipython3
+    raise RuntimeError('the first real error')
+    ```
+
+    ```{code-cell} ipython3
+    print('after the error')
+    ```
+    ''')
+
+
+@pytest.mark.parametrize('markdown', CHAPTERS, ids=lambda p: p.stem)
+def test_the_reader_finds_the_cells_jupytext_finds(markdown):
+    expected = [(c.source.strip(), c.metadata.get('tags', []))
+                for c in jupytext.read(markdown).cells if c.cell_type == 'code']
+    found = [(source.strip(), tags) for _, source, tags in
+             run_chapter.read_cells(markdown.read_text())]
+    assert found == expected
+
+
+def test_the_reader_reads_options_fences_and_tags():
+    cells = run_chapter.read_cells(SAMPLE)
+    assert [tags for _, _, tags in cells] == [[], ['raises-exception'],
+                                             ['remove-cell', 'another-tag'],
+                                             ['skip-execution'], [], []]
+    assert '```' in cells[2][1] and cells[0][0] == 11      # line of the opening fence
+
+
+def test_an_unclosed_cell_names_its_line():
+    with pytest.raises(run_chapter.ChapterError, match='line 3 is never closed'):
+        run_chapter.read_cells('text\n\n```{code-cell} ipython3\nx = 1\n')
+
+
+def test_ipython_syntax_becomes_calls():
+    assert run_chapter.translate('  %timeit f(x)') == \
+        "  __ipython__.line_magic('timeit', 'f(x)')"
+    assert run_chapter.translate('!ls -l') == "__ipython__.shell('ls -l')"
+    assert run_chapter.translate('%%time\na = 1\nb = 2') == \
+        "__ipython__.cell_magic('time', '', 'a = 1\\nb = 2')"
+
+
+python_lines = st.text(st.characters(codec='ascii', exclude_characters='\r\x0b\x0c\x1c\x1d\x1e'),
+                       max_size=30).filter(lambda line: not line.lstrip().startswith(('%', '!')))
+
+
+@given(st.lists(python_lines, max_size=8).map('\n'.join))
+def test_source_without_ipython_syntax_is_left_alone(source):
+    assert run_chapter.translate(source) == source
+
+
+def test_a_chapter_runs_in_its_folder_and_stops_at_the_first_error(tmp_path):
+    chapter = tmp_path / 'sample.md'
+    chapter.write_text(SAMPLE)
+    done = subprocess.run([sys.executable, str(ROOT / 'tests' / 'run_chapter.py'), str(chapter),
+                           '--json', 'result.json'], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert done.returncode == 1, done.stderr
+    result = json.loads((tmp_path / 'result.json').read_text())
+    assert result['glued'] == {'answer': 42, 'figure': '<Figure>'}
+    assert (result['cells'], result['ran'], result['error']['cell']) == (6, 3, 5)
+    assert 'the first real error' in result['error']['traceback']
+    assert (tmp_path / 'written.txt').read_text() == '0'     # plt.show() closed the figures
+    assert '\n42\n' in done.stdout and 'µs per loop' in done.stdout
+    assert 'ZeroDivisionError' in done.stdout and 'after the error' not in done.stdout
+
+
+def test_without_a_gpu_the_check_runs_nothing_and_says_what_it_would_run(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_check, 'probe_gpu', lambda: (None, 'CuPy is not installed'))
+    monkeypatch.setattr(gpu_check, 'run', lambda *args: pytest.fail('nothing may run'))
+    assert gpu_check.main(['--report', str(tmp_path / 'report.md')]) == 0
+    report = (tmp_path / 'report.md').read_text()
+    assert report.startswith('# d2lperf GPU check: not run')
+    assert 'No GPU was found: CuPy is not installed.' in report
+    assert all(path.name in report for path in CHAPTERS)
+    assert 'hybridize.py' in report and 'engine.py' not in report   # no GPU rows there
+    assert '| `cupy` | `cupy-cuda12x or cupy-cuda13x` |' in report
+
+
+def test_with_a_gpu_each_chapter_must_run_on_it(tmp_path, monkeypatch):
+    """Here the chapter finds no GPU, so the check must fail it and say why."""
+    chapter = tmp_path / 'chapters' / 'tiny.md'
+    chapter.parent.mkdir()
+    chapter.write_text('```{code-cell} ipython3\nimport d2lperf as d2l\n'
+                       'from myst_nb import glue\nglue("n", 3, display=False)\n```\n')
+    gpu = {'name': 'Stand-in GPU', 'count': 1, 'memory_gib': 80.0, 'compute_capability': '9.0',
+           'cuda_runtime': 13000, 'cuda_driver': 13000, 'cupy': '14.0'}
+    monkeypatch.setattr(gpu_check, 'probe_gpu', lambda: (gpu, None))
+    monkeypatch.setattr(gpu_check, 'chapter_paths', lambda: [chapter])
+    monkeypatch.setattr(gpu_check, 'missing_modules', lambda names: [])   # CuPy, say
+    report_path = tmp_path / 'report.md'
+    assert gpu_check.main(['--steps', 'chapters', '--quick', '--report', str(report_path)]) == 1
+    report = report_path.read_text()
+    assert report.startswith('# d2lperf GPU check: 1 FAILED')
+    assert '- GPU: Stand-in GPU (1 visible), 80 GiB' in report
+    assert '| chapter tiny | FAILED |' in report and 'ran on the CPU' in report
+    assert '| n | 3 |' in report
+
+
+def test_benchmark_gpu_rows_keep_their_table_header():
+    output = ('# header\n| device | mode | µs |\n|---|---|--:|\n| cpu | eager | 1 |\n'
+              '| gpu | eager | 2 |\n| cpu + gpu(0) | both | 3 |\ntext\n\n'
+              '| what | img/s |\n|---|--:|\n| cpu | 5 |\n\n| what | img/s |\n|--|--|\n'
+              '| on gpu(0) | 7 |')
+    assert gpu_check.gpu_tables(output) == [
+        ['| device | mode | µs |', '|---|---|--:|', '| gpu | eager | 2 |',
+         '| cpu + gpu(0) | both | 3 |'],
+        ['| what | img/s |', '|--|--|', '| on gpu(0) | 7 |']]
+    assert gpu_check.gpu_tables('| a |\n|---|\n| cpu |\n') == []
+
+
+def test_a_fence_in_the_output_cannot_close_the_report_block():
+    block = gpu_check.fenced('before\n````\nafter')
+    assert block.startswith('`````text\n') and block.endswith('\n`````')
