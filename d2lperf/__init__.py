@@ -28,6 +28,8 @@ import autograd when called.
     nn            Gluon-style blocks, layers, losses, initializers and parameters, compiled by
                   hybrid.
     comm          a minibatch split among devices, and allreduce across them.
+    optimizer     the update rules (SGD with momentum and weight decay) that a trainer or a
+                  key-value store applies, with their states as plain arrays.
     trainer       minibatch SGD over a net's parameters on every device.
 
 Beside the layers, imported by none of them:
@@ -48,7 +50,7 @@ from . import np, npx, autograd, nn
 from .nn import L2Loss, SoftmaxCrossEntropyLoss
 from .trainer import Trainer
 from .utils import Accumulator, Animator, Benchmark, Timer, memory_in_use, quick_mode, workload
-from . import comm, data, hybrid, profiler
+from . import comm, data, hybrid, optimizer, profiler
 from .comm import allreduce, split_and_load, split_batch
 from .training import accuracy, evaluate_accuracy_gpu, evaluate_accuracy_gpus, get_params, sgd
 from .data import load_data_fashion_mnist
@@ -57,6 +59,6 @@ from .models import Residual, resnet18
 __all__ = ['engine', 'Device', 'cpu', 'gpu', 'num_gpus', 'try_all_gpus', 'try_devices', 'try_gpu', 'np', 'npx',
            'autograd', 'nn', 'L2Loss', 'SoftmaxCrossEntropyLoss', 'Trainer', 'Accumulator',
            'Animator', 'Benchmark', 'Timer', 'memory_in_use', 'quick_mode', 'workload', 'comm',
-           'data', 'hybrid', 'profiler', 'allreduce', 'split_and_load', 'split_batch', 'accuracy',
+           'data', 'hybrid', 'optimizer', 'profiler', 'allreduce', 'split_and_load', 'split_batch', 'accuracy',
            'evaluate_accuracy_gpu', 'evaluate_accuracy_gpus', 'get_params', 'sgd',
            'load_data_fashion_mnist', 'Residual', 'resnet18']
