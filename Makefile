@@ -50,7 +50,8 @@ bench: $(STAMP)
 
 ## Redraw the schematic figures in images/ with the scripts beside them.
 figures: $(STAMP)
-	for script in images/*.py; do $(BIN)/python $$script || exit 1; done
+	for script in images/*.py; do grep -q '^def main' $$script || continue; \
+		$(BIN)/python $$script || exit 1; done
 
 ## Everything GPU-specific on gpu(0), one report in _build/gpu-check.md (tests/gpu_check.py).
 ## Needs no .venv and no network: the venv's Python if there is one, else $(PYTHON), with

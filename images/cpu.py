@@ -6,28 +6,12 @@ script. Schematics, not measurements: the chapter's cells measure this machine.
 """
 import pathlib
 
-import matplotlib
+import matplotlib.pyplot as plt
+from matplotlib.patches import FancyBboxPatch
 
-matplotlib.use('svg')
-import matplotlib.pyplot as plt                         # noqa: E402
-from matplotlib.patches import FancyArrowPatch, FancyBboxPatch   # noqa: E402
+from schematic import BLUE, ORANGE, GREEN, RED, GRAY, PURPLE, arrow, box, save
 
 HERE = pathlib.Path(__file__).parent
-BLUE, ORANGE, GREEN, RED, GRAY, PURPLE = ('#4C72B0', '#DD8452', '#55A868', '#C44E52',
-                                          '#8C8C8C', '#8172B3')
-matplotlib.rcParams.update({'svg.hashsalt': 'd2lperf', 'font.size': 9})
-
-
-def box(ax, x, y, w, h, text, color, text_color='white', size=8, alpha=0.9):
-    ax.add_patch(FancyBboxPatch((x, y), w, h, boxstyle='round,pad=0.01,rounding_size=0.05',
-                                facecolor=color, edgecolor='white', alpha=alpha))
-    ax.text(x + w / 2, y + h / 2, text, ha='center', va='center', color=text_color,
-            fontsize=size)
-
-
-def arrow(ax, start, end, color='#444', style='-|>', width=1.0, **kwargs):
-    ax.add_patch(FancyArrowPatch(start, end, arrowstyle=style, mutation_scale=9, color=color,
-                                 linewidth=width, **kwargs))
 
 
 def cpu_chip(ax):
@@ -137,11 +121,6 @@ def cache_coherence(ax):
     ax.set_xlim(-1.6, 9.3), ax.set_ylim(-0.1, 4.7)
 
 
-def save(fig, name):
-    fig.savefig(HERE / name, metadata={'Date': None}, bbox_inches='tight')
-    plt.close(fig)
-
-
 def main():
     for name, draw, size in (('cpu_chip.svg', cpu_chip, (8, 3.0)),
                              ('core_pipeline.svg', core_pipeline, (8, 3.4)),
@@ -150,7 +129,7 @@ def main():
         fig, ax = plt.subplots(figsize=size)
         draw(ax)
         ax.axis('off')
-        save(fig, name)
+        save(fig, HERE / name)
 
 
 if __name__ == '__main__':

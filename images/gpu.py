@@ -7,23 +7,12 @@ measurements: the chapter's cells measure this machine's GPU, if it has one.
 """
 import pathlib
 
-import matplotlib
+import matplotlib.pyplot as plt
+from matplotlib.patches import FancyArrowPatch, Rectangle
 
-matplotlib.use('svg')
-import matplotlib.pyplot as plt                         # noqa: E402
-from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Rectangle   # noqa: E402
+from schematic import BLUE, ORANGE, GREEN, RED, GRAY, PURPLE, box, save
 
 HERE = pathlib.Path(__file__).parent
-BLUE, ORANGE, GREEN, RED, GRAY, PURPLE = ('#4C72B0', '#DD8452', '#55A868', '#C44E52',
-                                          '#8C8C8C', '#8172B3')
-matplotlib.rcParams.update({'svg.hashsalt': 'd2lperf', 'font.size': 9})
-
-
-def box(ax, x, y, w, h, text, color, text_color='white', size=8, alpha=0.9):
-    ax.add_patch(FancyBboxPatch((x, y), w, h, boxstyle='round,pad=0.01,rounding_size=0.05',
-                                facecolor=color, edgecolor='white', alpha=alpha))
-    ax.text(x + w / 2, y + h / 2, text, ha='center', va='center', color=text_color,
-            fontsize=size)
 
 
 def unit_grid(ax, x, y, columns, rows, size, color):
@@ -147,11 +136,6 @@ def server_links(ax):
     ax.set_xlim(-1.8, 12.5), ax.set_ylim(-2.2, 4.1)
 
 
-def save(fig, name):
-    fig.savefig(HERE / name, metadata={'Date': None}, bbox_inches='tight')
-    plt.close(fig)
-
-
 def main():
     for name, draw, size in (('gpu_sm.svg', sm_and_chip, (10, 4.1)),
                              ('tensor_core.svg', tensor_core, (7, 2.0)),
@@ -159,7 +143,7 @@ def main():
         fig, ax = plt.subplots(figsize=size)
         draw(ax)
         ax.axis('off')
-        save(fig, name)
+        save(fig, HERE / name)
 
 
 if __name__ == '__main__':

@@ -5,26 +5,13 @@ this script; the chapter "Training on Multiple GPUs" shows them. Schematics, not
 """
 import pathlib
 
-import matplotlib
+import matplotlib.pyplot as plt
+from matplotlib.patches import FancyArrowPatch
 
-matplotlib.use('svg')
-import matplotlib.pyplot as plt                         # noqa: E402
-from matplotlib.patches import FancyArrowPatch, FancyBboxPatch   # noqa: E402
+from schematic import BLUE, GREEN, ORANGE, RED, arrow, box, save
 
 HERE = pathlib.Path(__file__).parent
-DEVICE_COLORS = ['#4C72B0', '#DD8452', '#55A868']
-matplotlib.rcParams.update({'svg.hashsalt': 'd2lperf', 'font.size': 9})
-
-
-def box(ax, x, y, w, h, text, color, alpha=0.85):
-    ax.add_patch(FancyBboxPatch((x, y), w, h, boxstyle='round,pad=0.02,rounding_size=0.04',
-                                facecolor=color, edgecolor='white', alpha=alpha))
-    ax.text(x + w / 2, y + h / 2, text, ha='center', va='center', color='white', fontsize=8)
-
-
-def arrow(ax, start, end, color='#444'):
-    ax.add_patch(FancyArrowPatch(start, end, arrowstyle='-|>', mutation_scale=9, color=color,
-                                 linewidth=1))
+DEVICE_COLORS = [BLUE, ORANGE, GREEN]
 
 
 def layers_across_devices(ax):
@@ -61,9 +48,9 @@ def data_across_devices(ax):
                 DEVICE_COLORS[device])
         ax.text(x + 0.18, -0.04, 'half the batch', ha='center', fontsize=7)
     ax.add_patch(FancyArrowPatch((0.45, 0.82), (0.53, 0.82), arrowstyle='<|-|>', mutation_scale=9,
-                                 color='#C44E52', linewidth=1.2))
+                                 color=RED, linewidth=1.2))
     ax.text(0.5, 1.1, 'gradients summed\nonce per batch', ha='center', va='top', fontsize=7,
-            color='#C44E52')
+            color=RED)
     ax.set_title('split the data', fontsize=9)
 
 
@@ -74,7 +61,7 @@ def data_parallel_step(ax):
     for i, stage in enumerate(stages):
         x = 0.02 + 0.2 * i
         if i in (2, 3):
-            box(ax, x, 0.3, 0.14, 0.4, stage, '#C44E52')
+            box(ax, x, 0.3, 0.14, 0.4, stage, RED)
         else:
             for device in range(2):
                 box(ax, x, 0.55 - 0.45 * device, 0.14, 0.35, stage, DEVICE_COLORS[device])
@@ -85,21 +72,16 @@ def data_parallel_step(ax):
                 ha='right', fontsize=8, color=DEVICE_COLORS[device])
 
 
-def save(fig, name):
-    fig.savefig(HERE / name, metadata={'Date': None}, bbox_inches='tight')
-    plt.close(fig)
-
-
 def main():
     fig, axes = plt.subplots(1, 3, figsize=(9, 3))
     for ax, draw in zip(axes, [layers_across_devices, layer_across_devices, data_across_devices]):
         draw(ax)
         ax.set_xlim(0, 1), ax.set_ylim(-0.06, 1.1), ax.axis('off')
-    save(fig, 'partitioning.svg')
+    save(fig, HERE / 'partitioning.svg')
     fig, ax = plt.subplots(figsize=(8, 2.2))
     data_parallel_step(ax)
     ax.set_xlim(-0.03, 1), ax.set_ylim(0, 1), ax.axis('off')
-    save(fig, 'data_parallel_step.svg')
+    save(fig, HERE / 'data_parallel_step.svg')
 
 
 if __name__ == '__main__':

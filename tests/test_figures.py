@@ -9,13 +9,15 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGES = sorted((ROOT / 'chapters').glob('*.md')) + [ROOT / 'intro.md']
-SCRIPTS = sorted((ROOT / 'images').glob('*.py'))
+SCRIPTS = sorted(path for path in (ROOT / 'images').glob('*.py')
+                 if re.search(r'^def main\(', path.read_text(), re.M))
 IMAGE_REFERENCES = re.compile(r'^`{3,}\{(?:figure|image)\}\s+(\S+)'       # MyST directives
                               r'|!\[[^\]]*\]\(([^)\s]+)'                    # Markdown images
                               r'|<img\s[^>]*src="([^"]+)"', re.M)          # HTML images
 # Runs a drawing script with its output folder moved, as `make figures` would run it.
 DRAW_INTO = """
 import importlib.util, pathlib, sys
+sys.path.insert(0, str(pathlib.Path(sys.argv[1]).parent))
 spec = importlib.util.spec_from_file_location('figure_script', sys.argv[1])
 script = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(script)
@@ -60,3 +62,10 @@ def test_a_drawing_script_redraws_its_figures_byte_for_byte(script, tmp_path):
         drawn.append({path.name: path.read_bytes() for path in folder.iterdir()})
     assert drawn[0] and drawn[0] == drawn[1]                 # no dates, no random ids
     assert all((ROOT / 'images' / name).is_file() for name in drawn[0]), sorted(drawn[0])
+
+
+def test_every_other_module_in_images_is_used_by_a_drawing_script():
+    helpers = {path.stem for path in (ROOT / 'images').glob('*.py')} - {p.stem for p in SCRIPTS}
+    used = {name for script in SCRIPTS
+            for name in re.findall(r'^from (\w+) import', script.read_text(), re.M)}
+    assert helpers <= used, f'images/ holds modules no drawing script uses: {helpers - used}'
