@@ -121,16 +121,21 @@ def convolution(xp, data, weight, bias, kernel, stride, pad, num_filter):
     return out.reshape((num_filter,) + grid + data.shape[:1]).transpose(3, 0, 1, 2)
 
 
-def convolution_vjp(xp, g, out, data, weight, bias, kernel, stride, pad, num_filter):
+def convolution_vjp(xp, g, out, data, weight, bias, kernel, stride, pad, num_filter,
+                    needs=(True, True, True)):
+    """The input's gradient only where it is needed: not for a first layer, whose input is
+    the data."""
     g_rows = batch_last(xp, g).reshape(num_filter, -1)      # (F, OH·OW·N), as the product
     d_weight = (g_rows @ im2col(xp, data, kernel, stride, pad).T).reshape(weight.shape)
-    d_data = col2im(xp, weight.reshape(num_filter, -1).T @ g_rows, data.shape, kernel, stride,
-                    pad)
+    d_data = None
+    if needs[0]:
+        d_data = col2im(xp, weight.reshape(num_filter, -1).T @ g_rows, data.shape, kernel,
+                        stride, pad)
     d_bias = g_rows.sum(axis=1) if hasattr(bias, 'shape') else None
     return d_data, d_weight, d_bias
 
 
-defop('convolution', convolution, convolution_infer, convolution_vjp)
+defop('convolution', convolution, convolution_infer, convolution_vjp, partial_vjp=True)
 
 
 # -- pooling --------------------------------------------------------------------------------
