@@ -3,13 +3,13 @@
 A training step allocates and frees the same large temporaries every time: im2col columns,
 activations and their gradients, tens of MiB each. By default glibc's malloc gives big blocks
 back to the OS as soon as they are freed (an `munmap`, or a trim of the heap's top), so the
-next step touches brand-new pages and the kernel zeroes each one on a page fault (see the
-Training section of benchmarks/RESULTS.md for what that cost a LeNet step). MXNet keeps freed CPU memory in a pool
-(its pooled storage manager) for the same reason. Here three `mallopt` settings make glibc do
-it: one heap for every thread (no per-thread arenas whose heaps come and go), no block served
-by `mmap`, and no trimming. The price: the process keeps its peak heap until it exits. Only
-glibc has `mallopt`; elsewhere this does nothing. The engine's workers ask for it when they
-are imported, before any of their threads allocates.
+next step touches brand-new pages and the kernel zeroes each one on a page fault (the
+Training section of benchmarks/RESULTS.md says what that cost a LeNet step). MXNet keeps
+freed CPU memory in a pool (its pooled storage manager) for the same reason. Here three
+`mallopt` settings make glibc do it: one heap for every thread (no per-thread arenas whose
+heaps come and go), no block served by `mmap`, and no trimming. The price: the process keeps
+its peak heap until it exits. Only glibc has `mallopt`; elsewhere this does nothing. The
+engine's workers ask for it when they are imported, before any of their threads allocates.
 """
 import ctypes
 
