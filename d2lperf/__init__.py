@@ -27,7 +27,8 @@ import autograd when called.
                   export and import.
     nn            Gluon-style blocks, layers, losses, initializers and parameters, compiled by
                   hybrid.
-    comm          a minibatch split among devices, and allreduce across them.
+    comm          a minibatch split among devices; allreduce across them by six algorithms
+                  (schedules run as engine operations), and what each costs on a topology.
     optimizer     the update rules (SGD with momentum and weight decay) that a trainer or a
                   key-value store applies, with their states as plain arrays.
     trainer       minibatch SGD over a net's parameters on every device.
@@ -51,7 +52,8 @@ from .nn import L2Loss, SoftmaxCrossEntropyLoss
 from .trainer import Trainer
 from .utils import Accumulator, Animator, Benchmark, Timer, memory_in_use, quick_mode, workload
 from . import comm, data, hybrid, optimizer, profiler
-from .comm import allreduce, split_and_load, split_batch
+from .comm import split_and_load, split_batch
+from .comm import allreduce_on_first as allreduce        # the source's, "Multiple GPUs"
 from .training import accuracy, evaluate_accuracy_gpu, evaluate_accuracy_gpus, get_params, sgd
 from .data import load_data_fashion_mnist
 from .models import Residual, resnet18

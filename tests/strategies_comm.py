@@ -41,3 +41,23 @@ def arrays_to_reduce(draw):
     elements = st.floats(-100, 100, width=32)
     return [draw(hnp.arrays(numpy.float32, shape, elements=elements))
             for _ in range(draw(st.integers(2, len(DEVICES))))]
+
+
+ALGORITHMS = ('naive', 'cpu', 'split', 'tree', 'ring', 'ring2')
+REDUCTION_OPS = ('sum', 'max', 'min', 'prod')
+MAX_DEVICES = 8
+
+
+@st.composite
+def allreduce_cases(draw):
+    """(host arrays, one a device, 1 to 8 of them; algorithm; op): sizes that do not divide by
+    the device count, and empty ones, included. Products stay near 1 so that nothing overflows."""
+    count = draw(st.integers(1, MAX_DEVICES))
+    op = draw(st.sampled_from(REDUCTION_OPS))
+    dtype = numpy.dtype(draw(st.sampled_from(['float32', 'float64'])))
+    shape = draw(st.one_of(st.tuples(st.integers(0, 3 * MAX_DEVICES + 1)),
+                           hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=4)))
+    low, high = (0.5, 2.0) if op == 'prod' else (-100.0, 100.0)
+    elements = st.floats(low, high, width=dtype.itemsize * 8)
+    arrays = [draw(hnp.arrays(dtype, shape, elements=elements)) for _ in range(count)]
+    return arrays, draw(st.sampled_from(ALGORITHMS)), op

@@ -1,16 +1,14 @@
-"""Communication between devices: dividing a minibatch among them and summing their results.
+"""Dividing a minibatch among devices: one slice of the batch (and of its labels) a device.
 
-Data parallelism ("Training on Multiple GPUs") needs two collective steps: `split_and_load`
-scatters a minibatch, one slice per device, and `allreduce` sums the gradients every device
-computed and hands the sum back to each of them. Both are made of ordinary engine operations
-(`copyto`, `+=`, `x[...] = y`), so they run asynchronously and in dependency order with the
-forward and backward passes around them.
+`split_and_load` is the first collective step of data parallelism ("Training on Multiple
+GPUs"); its copies are ordinary engine operations, so they run asynchronously and in
+dependency order with the forward and backward passes that follow.
 """
 import numpy
 
-from . import np
-from .device import Device
-from .ndarray import NDArray
+from .. import np
+from ..device import Device
+from ..ndarray import NDArray
 
 
 def split_and_load(data, devices, even_split=True, work_load_list=None):
@@ -94,27 +92,6 @@ def split_batch(X, y, devices):
                          'come from the same batch')
     return (split_and_load(X, devices, even_split=False),
             split_and_load(y, devices, even_split=False))
-
-
-def allreduce(data):
-    """Sum the arrays in `data` (one a device) and give every one of them the sum, in place.
-
-    The simplest algorithm, the source's: copy every array to the first one's device and add
-    it there, then copy the sum back to each device. The first device does all the adding and
-    its links carry all the traffic ("Parameter Servers" improves on it).
-    """
-    if not data:
-        raise ValueError('allreduce needs at least one array')
-    first = data[0]
-    for other in data[1:]:
-        if other.shape != first.shape:
-            raise ValueError(f'allreduce sums arrays of one shape, got {first.shape} on '
-                             f'{first.device} and {other.shape} on {other.device}')
-    for other in data[1:]:
-        first += other.copyto(first.device)
-    for other in data[1:]:
-        other[...] = first.copyto(other.device)
-    return data
 
 
 def _check_devices(devices):

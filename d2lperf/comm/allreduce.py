@@ -1,0 +1,180 @@
+"""Allreduce: every device's array becomes the reduction (sum, max, min or product) of all of them.
+
+`allreduce` runs a schedule (`schedules.py`) as engine operations: each chunk of each array
+gets an engine variable of its own, so a chunk moves on as soon as it is ready while the rest
+of the array is still being sent or added, and computation that does not touch the arrays
+runs beside it. Copies go on the copy lanes, reductions on the receiving device's compute
+lane. Every operation is named `'<algorithm> <phase> <step> chunk <c> <from>-><to> <action>'`
+(`NAME`), so a profile of a real run shows the chunks moving (`transfers_in`).
+`allreduce_on_first` is the source's simple version from "Training on Multiple GPUs".
+Taught in "Parameter Servers".
+"""
+import re
+
+import numpy
+
+from .. import engine
+from ..device import cpu, transfer
+from ..ndarray import NDArray
+from .schedules import chunk_bounds, schedule
+
+REDUCTIONS = {'sum': 'add', 'max': 'maximum', 'min': 'minimum', 'prod': 'multiply'}
+
+
+def allreduce(arrays, algorithm='ring', op='sum'):
+    """Reduce the arrays (one a device, one shape and dtype) with `op`, in place; returns them.
+
+    `algorithm`: 'naive' (on the first device), 'cpu' (on the host), 'split' (device i
+    reduces 1/n of the data), 'tree', 'ring' or 'ring2' (two rings, opposite ways).
+    """
+    arrays = list(arrays)
+    _check(arrays, op)
+    plan = schedule(algorithm, len(arrays))
+    parties = [Party(array, plan.chunks) for array in arrays]
+    if plan.parties > len(arrays):
+        host = NDArray(arrays[0].shape, arrays[0].dtype, cpu(0))
+        parties.append(Party(host, plan.chunks))
+    for party in parties:
+        party.open(algorithm)
+    for step in plan.steps:
+        for move in step.transfers:
+            _push_transfer(parties, move, f'{algorithm} {step.phase} {step.number}', op)
+    for party in parties:
+        party.close(algorithm)
+    return arrays
+
+
+def allreduce_on_first(data):
+    """Sum the arrays in `data` (one a device) and give every one of them the sum, in place.
+
+    The simplest algorithm, the source's: copy every array to the first one's device and add
+    it there, then copy the sum back to each device. The first device does all the adding and
+    its links carry all the traffic ("Parameter Servers" improves on it).
+    """
+    if not data:
+        raise ValueError('allreduce needs at least one array')
+    first = data[0]
+    for other in data[1:]:
+        if other.shape != first.shape:
+            raise ValueError(f'allreduce sums arrays of one shape, got {first.shape} on '
+                             f'{first.device} and {other.shape} on {other.device}')
+    for other in data[1:]:
+        first += other.copyto(first.device)
+    for other in data[1:]:
+        other[...] = first.copyto(other.device)
+    return data
+
+
+class Party:
+    """One array taking part, seen as `chunks` flat pieces with an engine variable each.
+
+    `open` claims the whole array (it waits for everything pushed on it before) and hands
+    its chunks out; `close` hands the array back once every chunk is done, so what is pushed
+    on the array afterwards waits for the whole allreduce.
+    """
+
+    def __init__(self, array, chunks):
+        self.array, self.device = array, array.device
+        self.bounds = chunk_bounds(array.size, chunks)
+        self.vars = [engine.Var() for _ in range(chunks)]
+        self.flat = None                  # the array's values as one flat array, once open
+
+    def open(self, algorithm):
+        def run():
+            data = self.array.data
+            if data is None:                                  # the host's buffer
+                data = self.array.data = self.device.xp.empty(self.array.shape,
+                                                              self.array.dtype)
+            self.flat = data.reshape(-1) if data.flags.c_contiguous else data.ravel()
+        engine.push(run, [], [self.array.var] + self.vars, self.device, f'{algorithm} open')
+
+    def close(self, algorithm):
+        def run():
+            data = self.array.data
+            if not data.flags.c_contiguous:                   # flat was a copy: write it back
+                data[...] = self.flat.reshape(data.shape)
+            self.flat = None
+        # A write of the chunks: it waits for their last readers (the sends) as well.
+        engine.push(run, [], [self.array.var] + self.vars, self.device, f'{algorithm} close')
+
+    def chunk(self, index):
+        start, stop = self.bounds[index]
+        return self.flat[start:stop]
+
+
+NAME = re.compile(r'(?P<algorithm>\w+) (?P<phase>[\w-]+) (?P<step>\d+) chunk (?P<chunk>\d+) '
+                  r'(?P<source>\w+\(\d+\))->(?P<target>\w+\(\d+\)) (?P<action>\w+)$')
+
+
+def transfers_in(records):
+    """The allreduce operations among profiler records, as dicts: algorithm, phase, step,
+    chunk, source, target, action ('send', or the reduction), worker, start, end."""
+    found = []
+    for record in records:
+        match = NAME.match(record.name)
+        if match:
+            fields = match.groupdict()
+            fields['step'], fields['chunk'] = int(fields['step']), int(fields['chunk'])
+            fields.update(worker=record.worker, start=record.start, end=record.end)
+            found.append(fields)
+    return found
+
+
+def _push_transfer(parties, move, where, op):
+    """One transfer: a copy on the copy lane; a combine then reduces on the target's device.
+
+    An overwrite into a CPU array copies straight into it. Into a GPU array, only the target's
+    own compute stream writes: the engine orders GPU streams by what operations read.
+    """
+    source, target = parties[move.source], parties[move.target]
+    chunk, var = move.chunk, target.vars[move.chunk]
+    name = f'{where} chunk {chunk} {source.device}->{target.device}'
+    copy_device, lane = engine.copy_lane(source.device, target.device)
+    if not move.combine and target.device.kind == 'cpu':
+        def copy_into():
+            _copy_into_host(target.chunk(chunk), source.chunk(chunk))
+        engine.push(copy_into, [source.vars[chunk]], [var], copy_device, f'{name} send', lane)
+        return
+    received, move_data = {}, transfer(source.device, target.device)
+
+    def send():
+        received['data'] = move_data(source.chunk(chunk))
+    buffer = engine.Var()
+    engine.push(send, [source.vars[chunk]], [buffer], copy_device, f'{name} send', lane)
+    reduction = getattr(target.device.xp, REDUCTIONS[op])
+
+    def apply():
+        mine = target.chunk(chunk)
+        if move.combine:
+            reduction(mine, received.pop('data'), out=mine)
+        else:
+            mine[...] = received.pop('data')
+    engine.push(apply, [buffer], [var], target.device, f'{name} {op if move.combine else "set"}')
+
+
+def _copy_into_host(target, source):
+    if isinstance(source, numpy.ndarray):
+        numpy.copyto(target, source)
+    else:
+        source.get(out=target)                     # from a GPU, on this lane's stream
+
+
+def _check(arrays, op):
+    if op not in REDUCTIONS:
+        raise ValueError(f'unknown reduction op={op!r}; use one of {sorted(REDUCTIONS)}')
+    if not arrays:
+        raise ValueError('allreduce needs at least one array, one a device')
+    if not all(isinstance(a, NDArray) for a in arrays):
+        kinds = sorted({type(a).__name__ for a in arrays})
+        raise TypeError(f'allreduce takes d2lperf NDArrays, got {kinds}; wrap NumPy arrays '
+                        'with d2l.np.array(x, device=...)')
+    first = arrays[0]
+    for other in arrays[1:]:
+        if other.shape != first.shape or other.dtype != first.dtype:
+            raise ValueError(
+                f'allreduce needs one shape and dtype on every device, got {first.dtype}'
+                f'{list(first.shape)} on {first.device} and {other.dtype}{list(other.shape)} on '
+                f'{other.device}; reshape or astype them to match first')
+    if len({a.var for a in arrays}) < len(arrays):
+        raise ValueError('allreduce got the same array (or views of one array) twice; give '
+                         'it one distinct array per device')
