@@ -12,6 +12,8 @@ import autograd when called.
                   and how data moves between two of them.
     blas          the BLAS thread count that virtual CPU devices share, divided among the
                   busy ones on request.
+    host_memory   freed host memory kept for the next step instead of returned to the OS
+                  (glibc's mallopt), so a training loop does not page-fault every step.
     workers       the engine's running policy: a thread per device and lane, which device
                   a thread runs, CUDA streams and the events between them.
     engine        the dependency engine: operations run in the order of the variables they

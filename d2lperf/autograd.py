@@ -105,6 +105,8 @@ def push_vjp(out, g, grads):
                if type(x) is NDArray and needs_grad(x) and x.dtype.kind == 'f' else None
                for x in inputs]
     xp, vjp = out.device.xp, op.vjp
+    if op.partial_vjp:                          # tell the rule which gradients to skip
+        attrs = dict(attrs, needs=tuple(t is not None for t in targets))
 
     def run():
         values = vjp(xp, g.data, out.data,

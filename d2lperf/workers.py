@@ -19,6 +19,7 @@ import weakref
 
 from .blas import SharedCores
 from .device import cpu
+from .host_memory import keep_freed_memory
 
 COMPUTE, COPY_IN, COPY_OUT = 'compute', 'copy in', 'copy out'
 
@@ -34,6 +35,8 @@ def copy_lane(source, target):
         return source, COPY_OUT
     return target, COPY_IN
 
+
+keep_freed_memory()              # before any worker thread allocates (see host_memory)
 
 running = threading.local()      # .device: the device whose operations this thread runs
 

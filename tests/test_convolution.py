@@ -207,3 +207,75 @@ def test_resnet18_shapes_and_parameter_count():
     trainable = sum(int(numpy.prod(p.shape)) for p in net.collect_params().values()
                     if p.grad_req == 'write')
     assert 11_150_000 < trainable < 11_200_000       # ResNet-18 with 1 input channel, 10 classes
+
+
+def batch_innermost(a):
+    """True when an (N, C, H, W) array lies in memory as a contiguous (C, H, W, N) one."""
+    return a.transpose(1, 2, 3, 0).flags.c_contiguous
+
+
+def test_layers_keep_the_batch_axis_innermost_and_read_it_in_place():
+    """The convolution returns its product as a view (no copy back to NCHW order), ReLU and
+    pooling keep that layout, and the next convolution's im2col reads it without a copy."""
+    from d2lperf.ops.convolution import batch_last
+    rng = numpy.random.default_rng(5)
+    x = np.array(rng.normal(size=(4, 2, 9, 9)).astype('float32'))
+    w1, w2 = (np.array(rng.normal(size=s).astype('float32')) for s in [(3, 2, 3, 3),
+                                                                        (5, 3, 2, 2)])
+    conv = npx.convolution(x, w1, kernel=(3, 3), num_filter=3)
+    relu = npx.relu(conv)
+    pooled = npx.pooling(relu, kernel=(2, 2), pool_type='avg')
+    for a in (conv, relu, pooled):
+        a.wait_to_read()
+        assert batch_innermost(a.data), a.data.strides
+    assert conv.data.base is not None                          # a view of the product
+    assert numpy.shares_memory(batch_last(numpy, pooled.data), pooled.data)
+    flat = npx.flatten(pooled)
+    flat.wait_to_read()
+    assert numpy.shares_memory(flat.data, pooled.data)        # Flatten: a view as well
+    expected = loop_convolution(pooled.asnumpy(), w2.asnumpy(), numpy.zeros(5), (1, 1), (0, 0))
+    got = npx.convolution(pooled, w2, kernel=(2, 2), num_filter=5).asnumpy()
+    numpy.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def conv_net():
+    net = nn.HybridSequential()
+    net.add(nn.Conv2D(3, kernel_size=3, activation='relu'), nn.MaxPool2D(2),
+            nn.Conv2D(4, kernel_size=2), nn.Flatten(), nn.Dense(2))
+    net.initialize(nn.init.Normal(0.5))
+    return net
+
+
+@pytest.mark.parametrize('hybridize', [False, True], ids=['imperative', 'hybridized'])
+def test_a_convolution_skips_the_gradient_of_an_input_that_needs_none(hybridize, monkeypatch):
+    """The first layer's input is data: its gradient is never computed, and every other
+    gradient is the same as when the data does want one."""
+    from d2lperf.ops import REGISTRY
+    op, asked = REGISTRY['convolution'], []
+    vjp = op.vjp
+
+    def spy(*args, needs, **attrs):
+        asked.append(needs)
+        grads = vjp(*args, needs=needs, **attrs)
+        assert (grads[0] is None) == (not needs[0])
+        return grads
+    monkeypatch.setattr(op, 'vjp', spy)
+    x = numpy.random.default_rng(6).normal(size=(2, 2, 8, 8)).astype('float32')
+    net = conv_net()
+    results = []
+    for wants_input, compiled in ((False, hybridize), (True, hybridize), (True, False)):
+        net.hybridize(compiled)
+        data = np.array(x)
+        if wants_input:
+            data.attach_grad()
+        with autograd.record():
+            loss = (net(data) ** 2).sum()
+        loss.backward()
+        results.append([p.grad().asnumpy() for p in net.collect_params().values()]
+                       + ([data.grad.asnumpy()] if wants_input else []))
+    assert sorted(asked[:4]) == [(False, True, True), (True, True, True), (True, True, True),
+                                 (True, True, True)]
+    for without, with_input in zip(results[0], results[1]):
+        numpy.testing.assert_allclose(without, with_input, rtol=1e-6)
+    for got, imperative in zip(results[1], results[2]):     # the input's gradient too
+        numpy.testing.assert_allclose(got, imperative, rtol=1e-4, atol=1e-5)

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given
 
 import d2lperf as d2l
-from d2lperf import device as device_module, engine, np
+from d2lperf import autograd, device as device_module, engine, np
 from d2lperf.ops import random as random_module
 from d2lperf.blas import SharedCores
 from d2lperf.workers import COMPUTE, COPY_IN, COPY_OUT, copy_lane
@@ -344,3 +344,28 @@ def test_fake_gpu_profiles_use_event_times_and_respect_dependencies(fake_gpus):
     assert all(r.events is None and r.start <= r.end for r in records)
     assert {r.worker for r in records} == {'gpu(0) compute', 'gpu(0) copy out'}
     assert_trace_respects_dependencies(records)
+
+
+@pytest.mark.parametrize('hybridize', [False, True], ids=['imperative', 'hybridized'])
+def test_a_conv_net_trains_the_same_on_a_fake_gpu_as_on_the_cpu(fake_gpus, hybridize):
+    """Batch-innermost views (convolution, pooling, batch norm) through CuPy's names: the
+    loss and every gradient match cpu(0), imperative or compiled into fused kernels."""
+    x = numpy.random.default_rng(7).uniform(size=(4, 1, 8, 8)).astype('float32')
+    y = numpy.array([0, 1, 2, 1])
+    net = d2l.nn.HybridSequential()
+    net.add(d2l.nn.Conv2D(3, kernel_size=3, padding=1, activation='relu'), d2l.nn.BatchNorm(),
+            d2l.nn.MaxPool2D(2), d2l.nn.Conv2D(4, kernel_size=2), d2l.nn.Flatten(),
+            d2l.nn.Dense(3))
+    net.initialize(d2l.nn.init.Normal(0.5), device=[CPU0, d2l.gpu(0)])
+    net.hybridize(hybridize)
+    loss_fn, results = d2l.SoftmaxCrossEntropyLoss(), []
+    for device in (CPU0, d2l.gpu(0)):
+        with autograd.record():
+            loss = loss_fn(net(np.array(x, device=device)), np.array(y, device=device)).sum()
+        loss.backward()
+        predicted = net(np.array(x, device=device)).asnumpy()     # compiled code, if hybridized
+        results.append([loss.asnumpy(), predicted] + [p.grad(device).asnumpy()
+                                           for p in net.collect_params().values()
+                                           if p.grad_req != 'null'])
+    for cpu, gpu in zip(*results):
+        numpy.testing.assert_allclose(gpu, cpu, rtol=1e-5, atol=1e-6)

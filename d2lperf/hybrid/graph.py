@@ -175,22 +175,38 @@ def evaluate(graph, xp, arguments, keep=False):
     return (outputs, values) if keep else outputs
 
 
-def gradients(graph, xp, values, head, head_grad):
-    """Reverse mode over the graph: the gradient of `head` for every argument (None if none).
+def gradients(graph, xp, values, head, head_grad, needs=None):
+    """Reverse mode over the graph: the gradient of `head` for every argument (None if none,
+    or if `needs`, one bool per argument, says nobody wants it).
 
     The same rule as `autograd.backward`, walked differently: this runs inside ONE engine
     operation (a hybridized block's tape node), on raw arrays, over nodes already in
     topological order, where autograd sorts recorded arrays and pushes one engine operation
     per node."""
+    wanted = needing_gradients(graph, needs)
     grads = {head: head_grad}
     for node in reversed(graph.nodes):
-        if node.kind != 'call' or node not in grads:
+        if node.kind != 'call' or node not in grads or node not in wanted:
             continue
-        g, op = grads[node], REGISTRY[node.op]
+        g, op, attrs = grads[node], REGISTRY[node.op], node.attrs
         if op.vjp is None:
             raise RuntimeError(f"operation '{node.op}' has no gradient")
+        if op.partial_vjp:
+            attrs = dict(attrs, needs=tuple(isinstance(x, Node) and x in wanted
+                                            for x in node.inputs))
         inputs = [values[x] if isinstance(x, Node) else x for x in node.inputs]
-        for x, grad in zip(node.inputs, op.vjp(xp, g, values[node], *inputs, **node.attrs)):
-            if isinstance(x, Node) and grad is not None and x.dtype.kind == 'f':
+        for x, grad in zip(node.inputs, op.vjp(xp, g, values[node], *inputs, **attrs)):
+            if isinstance(x, Node) and x in wanted and grad is not None and x.dtype.kind == 'f':
                 grads[x] = grad if x not in grads else grads[x] + grad
     return [grads.get(n) for n in graph.arguments]
+
+
+def needing_gradients(graph, needs=None):
+    """The arguments `needs` marks (all, if None) and every node computed from one of them:
+    the nodes a gradient must reach."""
+    wanted = {a for a, need in zip(graph.arguments, needs or [True] * len(graph.arguments))
+              if need}
+    for node in graph.nodes:
+        if node.kind == 'call' and any(x in wanted for x in node.input_nodes()):
+            wanted.add(node)
+    return wanted

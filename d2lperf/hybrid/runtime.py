@@ -114,10 +114,9 @@ class Executable:
         def compute(xp, *inputs):
             return evaluate(graph, xp, inputs)[index]
 
-        def vjp(xp, g, out, *inputs):
-            grads = gradients(graph, xp, saved['values'], graph.outputs[index], g)
-            return [xp.zeros_like(x) if grad is None else grad for grad, x in zip(grads, inputs)]
-        return Op(self.name, compute, lambda *inputs: output_type, vjp)
+        def vjp(xp, g, out, *inputs, needs):
+            return gradients(graph, xp, saved['values'], graph.outputs[index], g, needs)
+        return Op(self.name, compute, lambda *inputs: output_type, vjp, partial_vjp=True)
 
 
 def updated_params(graph):

@@ -1,11 +1,19 @@
 """Convolution, pooling and batch normalization on NCHW arrays, each one engine operation.
 
 A convolution is turned into one matrix product: *im2col* lays every kh×kw patch of the
-(padded) input out as a row, so that multiplying by the filters, flattened to a matrix, gives
-every output pixel of every example at once. BLAS (or cuBLAS) does the work; Python never
-loops over pixels or examples. The backward pass runs the same products transposed, and
-`col2im` adds the patches' gradients back into place with one loop over the kh·kw kernel
-offsets. Pooling reads the same windows, as a strided view that copies nothing.
+(padded) input out as a column, so that the filters, flattened to a (F, C·kh·kw) matrix,
+times those columns give every output pixel of every example at once. BLAS (or cuBLAS) does
+the work; Python never loops over pixels or examples. The backward pass runs the same
+products transposed, and `col2im` adds the patches' gradients back into place with one loop
+over the kh·kw kernel offsets. Pooling reads the same windows, as a strided view that copies
+nothing.
+
+Layout matters as much as arithmetic. The columns are (C·kh·kw, OH·OW·N), the batch axis
+innermost, so the product comes out (F, OH·OW·N) and the op returns it as an (N, F, OH, OW)
+*view*: NCHW to the reader, (F, OH, OW, N) in memory, with no copy back. NumPy's (and
+CuPy's) elementwise results keep their input's memory order, so a ReLU after it keeps the
+layout too, and the next convolution or pooling reads its input in place (`batch_last` is
+free). The copies that build and undo the columns move runs of N values, not a few pixels.
 
 Batch normalization in training mode also updates the running statistics of its layer: the
 op declares that it writes them (`writes=(3, 4)`), so the engine orders that update against
@@ -24,42 +32,62 @@ def out_size(size, kernel, stride, pad):
     return (size + 2 * pad - kernel) // stride + 1
 
 
-def padded(xp, x, pad, value=0):
+def batch_last(xp, x, pad=(0, 0), fill=0):
+    """x (N, C, H, W) as a contiguous (C, H + 2·ph, W + 2·pw, N) array, padded with `fill`:
+    free (a view) when x already lies in memory that way, as these ops' results do."""
+    image = x.transpose(1, 2, 3, 0)
     ph, pw = pad
     if not ph and not pw:
-        return x
-    return xp.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw)), constant_values=value)
+        return xp.ascontiguousarray(image)
+    c, h, w, n = image.shape
+    out = xp.full((c, h + 2 * ph, w + 2 * pw, n), fill, x.dtype)
+    out[:, ph:ph + h, pw:pw + w] = image
+    return out
 
 
-def windows(xp, x, kernel, stride):
-    """A (B, C, OH, OW, kh, kw) view of every window of `x`: no data is copied."""
+def batch_first(image, shape, pad):
+    """The inverse of `batch_last`: the (N, C, H, W) view of a padded (C, H', W', N) image."""
+    (ph, pw), (h, w) = pad, shape[2:]
+    return image[:, ph:ph + h, pw:pw + w].transpose(3, 0, 1, 2)
+
+
+def windows(xp, image, kernel, stride):
+    """A (C, kh, kw, OH, OW, N) view of every window of a batch-last image: no data copied."""
     (kh, kw), (sh, sw) = kernel, stride
-    b, c, h, w = x.shape
+    c, h, w, n = image.shape
     oh, ow = (h - kh) // sh + 1, (w - kw) // sw + 1
-    s = x.strides
+    s = image.strides
     return xp.lib.stride_tricks.as_strided(
-        x, (b, c, oh, ow, kh, kw), (s[0], s[1], s[2] * sh, s[3] * sw, s[2], s[3]))
+        image, (c, kh, kw, oh, ow, n), (s[0], s[1], s[2], s[1] * sh, s[2] * sw, s[3]))
 
 
 def im2col(xp, x, kernel, stride, pad):
-    """Every patch as a row: (B·OH·OW, C·kh·kw), the left factor of the convolution's product."""
-    patches = windows(xp, xp.ascontiguousarray(padded(xp, x, pad)), kernel, stride)
-    b, c, oh, ow, kh, kw = patches.shape
-    return patches.transpose(0, 2, 3, 1, 4, 5).reshape(b * oh * ow, c * kh * kw)
+    """Every patch as a column: (C·kh·kw, OH·OW·N), the right factor of the product."""
+    patches = windows(xp, batch_last(xp, x, pad), kernel, stride)
+    c, kh, kw = patches.shape[:3]
+    return patches.reshape(c * kh * kw, -1)
+
+
+def offsets(kernel, stride, grid):
+    """For each kernel offset (i, j): its index i·kw + j, and the slices that pick, from a
+    padded batch-last image, the pixel at that offset in every window."""
+    (kh, kw), (sh, sw), (oh, ow) = kernel, stride, grid
+    for i in range(kh):
+        for j in range(kw):
+            yield i * kw + j, (slice(None), slice(i, i + sh * (oh - 1) + 1, sh),
+                               slice(j, j + sw * (ow - 1) + 1, sw))
 
 
 def col2im(xp, cols, x_shape, kernel, stride, pad):
-    """The adjoint of im2col: add each patch row back onto the input pixels it came from."""
-    (kh, kw), (sh, sw), (ph, pw) = kernel, stride, pad
-    b, c, h, w = x_shape
-    oh, ow = out_size(h, kh, sh, ph), out_size(w, kw, sw, pw)
-    cols = cols.reshape(b, oh, ow, c, kh, kw)
-    dx = xp.zeros((b, c, h + 2 * ph, w + 2 * pw), cols.dtype)
-    for i in range(kh):
-        for j in range(kw):
-            dx[:, :, i:i + sh * oh:sh, j:j + sw * ow:sw] += cols[:, :, :, :, i, j].transpose(
-                0, 3, 1, 2)
-    return dx[:, :, ph:ph + h, pw:pw + w]
+    """The adjoint of im2col: add each column back onto the input pixels it came from."""
+    (kh, kw), (ph, pw) = kernel, pad
+    n, c, h, w = x_shape
+    grid = out_size(h, kh, stride[0], ph), out_size(w, kw, stride[1], pw)
+    cols = cols.reshape((c, kh * kw) + grid + (n,))
+    image = xp.zeros((c, h + 2 * ph, w + 2 * pw, n), cols.dtype)
+    for k, where in offsets(kernel, stride, grid):
+        image[where] += cols[:, k]
+    return batch_first(image, x_shape, pad)
 
 
 # -- convolution ----------------------------------------------------------------------------
@@ -86,24 +114,28 @@ def convolution_infer(data, weight, bias, kernel, stride, pad, num_filter):
 
 
 def convolution(xp, data, weight, bias, kernel, stride, pad, num_filter):
-    b = data.shape[0]
-    oh, ow = (out_size(n, k, s, p) for n, k, s, p in zip(data.shape[2:], kernel, stride, pad))
-    out = im2col(xp, data, kernel, stride, pad) @ weight.reshape(num_filter, -1).T
+    grid = tuple(out_size(n, k, s, p) for n, k, s, p in zip(data.shape[2:], kernel, stride, pad))
+    out = weight.reshape(num_filter, -1) @ im2col(xp, data, kernel, stride, pad)
     if hasattr(bias, 'shape'):
-        out += bias
-    return xp.ascontiguousarray(out.reshape(b, oh, ow, num_filter).transpose(0, 3, 1, 2))
+        out += bias[:, None]
+    return out.reshape((num_filter,) + grid + data.shape[:1]).transpose(3, 0, 1, 2)
 
 
-def convolution_vjp(xp, g, out, data, weight, bias, kernel, stride, pad, num_filter):
-    g_rows = g.transpose(0, 2, 3, 1).reshape(-1, num_filter)
-    cols = im2col(xp, data, kernel, stride, pad)
-    d_weight = (g_rows.T @ cols).reshape(weight.shape)
-    d_data = col2im(xp, g_rows @ weight.reshape(num_filter, -1), data.shape, kernel, stride, pad)
-    d_bias = g_rows.sum(axis=0) if hasattr(bias, 'shape') else None
+def convolution_vjp(xp, g, out, data, weight, bias, kernel, stride, pad, num_filter,
+                    needs=(True, True, True)):
+    """The input's gradient only where it is needed: not for a first layer, whose input is
+    the data."""
+    g_rows = batch_last(xp, g).reshape(num_filter, -1)      # (F, OH·OW·N), as the product
+    d_weight = (g_rows @ im2col(xp, data, kernel, stride, pad).T).reshape(weight.shape)
+    d_data = None
+    if needs[0]:
+        d_data = col2im(xp, weight.reshape(num_filter, -1).T @ g_rows, data.shape, kernel,
+                        stride, pad)
+    d_bias = g_rows.sum(axis=1) if hasattr(bias, 'shape') else None
     return d_data, d_weight, d_bias
 
 
-defop('convolution', convolution, convolution_infer, convolution_vjp)
+defop('convolution', convolution, convolution_infer, convolution_vjp, partial_vjp=True)
 
 
 # -- pooling --------------------------------------------------------------------------------
@@ -122,30 +154,30 @@ def pooling_infer(data, kernel, stride, pad, pool_type):
 
 def pool_windows(xp, data, kernel, stride, pad, pool_type):
     fill = -numpy.inf if pool_type == 'max' else 0
-    return windows(xp, padded(xp, data, pad, fill), kernel, stride)
+    return windows(xp, batch_last(xp, data, pad, fill), kernel, stride)
 
 
 def pooling(xp, data, kernel, stride, pad, pool_type):
     """Max or average over each window; an average counts padding as zeros (MXNet's rule)."""
     patches = pool_windows(xp, data, kernel, stride, pad, pool_type)
     if pool_type == 'max':
-        return patches.max(axis=(4, 5))
-    return patches.mean(axis=(4, 5), dtype=data.dtype)
+        return patches.max(axis=(1, 2)).transpose(3, 0, 1, 2)
+    return patches.mean(axis=(1, 2), dtype=data.dtype).transpose(3, 0, 1, 2)
 
 
 def pooling_vjp(xp, g, out, data, kernel, stride, pad, pool_type):
-    (kh, kw), (sh, sw), (ph, pw) = kernel, stride, pad
-    b, c, h, w = data.shape
-    oh, ow = g.shape[2:]
-    dx = xp.zeros((b, c, h + 2 * ph, w + 2 * pw), g.dtype)
+    (kh, kw), (ph, pw) = kernel, pad
+    n, c, h, w = data.shape
+    g_image = batch_last(xp, g)                         # (C, OH, OW, N)
+    dx = xp.zeros((c, h + 2 * ph, w + 2 * pw, n), g.dtype)
     if pool_type == 'max':       # the gradient goes to the first maximum of each window
         patches = pool_windows(xp, data, kernel, stride, pad, pool_type)
-        winner = patches.reshape(b, c, oh, ow, kh * kw).argmax(axis=-1)
-    for i in range(kh):
-        for j in range(kw):
-            share = g * (winner == i * kw + j) if pool_type == 'max' else g / (kh * kw)
-            dx[:, :, i:i + sh * oh:sh, j:j + sw * ow:sw] += share
-    return (dx[:, :, ph:ph + h, pw:pw + w],)
+        winner = patches.reshape((c, kh * kw) + patches.shape[3:]).argmax(axis=1)
+    else:
+        share = g_image / (kh * kw)
+    for k, where in offsets(kernel, stride, g.shape[2:]):
+        dx[where] += g_image * (winner == k) if pool_type == 'max' else share
+    return (batch_first(dx, data.shape, pad),)
 
 
 defop('pooling', pooling, pooling_infer, pooling_vjp)

@@ -25,6 +25,10 @@ the one place the kinds are defined:
 
 `writes` lists the positions of inputs the op updates in place besides computing its result
 (batch normalization's running statistics): the engine orders those writes like any other.
+
+`partial_vjp` says that the vjp takes `needs=`, one bool per input, and may skip (return None
+for) the gradients nobody needs: a convolution whose input is the data computes no gradient
+for it. Autograd and the compiler's gradient walk both pass it.
 """
 import numpy
 
@@ -35,9 +39,11 @@ class Op:
     """One registered operation; `ufunc` names the NumPy/CuPy ufunc that computes it into an
     existing array (`out=`), for the elementwise and comparison ops that have one."""
 
-    __slots__ = ('name', 'compute', 'infer', 'vjp', 'kind', 'c_expr', 'ufunc', 'writes')
+    __slots__ = ('name', 'compute', 'infer', 'vjp', 'kind', 'c_expr', 'ufunc', 'writes',
+                 'partial_vjp')
 
-    def __init__(self, name, compute, infer, vjp=None, kind='opaque', c_expr=None, writes=()):
+    def __init__(self, name, compute, infer, vjp=None, kind='opaque', c_expr=None, writes=(),
+                 partial_vjp=False):
         if kind not in KINDS:
             raise ValueError(f'op {name!r}: kind must be one of {KINDS}, not {kind!r}')
         if c_expr is not None and kind != 'elementwise':
@@ -46,6 +52,7 @@ class Op:
         if writes and kind != 'opaque':
             raise ValueError(f'op {name!r}: only opaque ops may update their inputs')
         self.kind, self.c_expr, self.writes = kind, c_expr, tuple(writes)
+        self.partial_vjp = partial_vjp
         is_ufunc = isinstance(getattr(numpy, name, None), numpy.ufunc)
         self.ufunc = name if kind in ('elementwise', 'compare') and is_ufunc else None
 
@@ -56,11 +63,12 @@ class Op:
 REGISTRY = {}
 
 
-def defop(name, compute, infer, vjp=None, kind='opaque', c_expr=None, writes=()):
+def defop(name, compute, infer, vjp=None, kind='opaque', c_expr=None, writes=(),
+          partial_vjp=False):
     """Register an operation under `name` (every frontend and the compiler find it there)."""
     if name in REGISTRY:
         raise ValueError(f'an op named {name!r} is already registered')
-    REGISTRY[name] = Op(name, compute, infer, vjp, kind, c_expr, writes)
+    REGISTRY[name] = Op(name, compute, infer, vjp, kind, c_expr, writes, partial_vjp)
     return REGISTRY[name]
 
 
