@@ -60,57 +60,60 @@ def batch(seed=1):
 
 
 # -- the NumPy floor: im2col by hand, forward and backward ---------------------------------
+# Activations are kept as (C, H, W, N), batch innermost, the layout a product of the filters
+# (F, C·k·k) with the columns (C·k·k, OH·OW·N) produces: nothing is transposed back.
 
 def im2col(x, k):
-    """(B, C, H, W) → (B·OH·OW, C·k·k) patches, one row per output pixel."""
-    patches = sliding_window_view(x, (k, k), axis=(2, 3))       # B, C, OH, OW, k, k
-    b, c, oh, ow = patches.shape[:4]
-    return patches.transpose(0, 2, 3, 1, 4, 5).reshape(b * oh * ow, c * k * k), (b, oh, ow)
+    """(C, H, W, N) → (C·k·k, OH·OW·N) columns, one per output pixel of every example."""
+    patches = sliding_window_view(x, (k, k), axis=(1, 2))       # C, OH, OW, N, k, k
+    c, oh, ow, n = patches.shape[:4]
+    return patches.transpose(0, 4, 5, 1, 2, 3).reshape(c * k * k, oh * ow * n), (oh, ow, n)
 
 
 def conv_forward(x, w, bias):
-    cols, (b, oh, ow) = im2col(x, w.shape[-1])
-    out = cols @ w.reshape(len(w), -1).T + bias
-    return out.reshape(b, oh, ow, -1).transpose(0, 3, 1, 2), cols
+    cols, grid = im2col(x, w.shape[-1])
+    out = w.reshape(len(w), -1) @ cols + bias[:, None]
+    return out.reshape((len(w),) + grid), cols
 
 
 def conv_backward(dout, cols, w, x_shape):
     f, c, k, _ = w.shape
-    d2 = dout.transpose(0, 2, 3, 1).reshape(-1, f)
-    dw, db = (d2.T @ cols).reshape(w.shape), d2.sum(0)
+    d2 = dout.reshape(f, -1)
+    dw, db = (d2 @ cols.T).reshape(w.shape), d2.sum(1)
     if x_shape is None:
         return None, dw, db
-    b, _, oh, ow = dout.shape
-    dcols = (d2 @ w.reshape(f, -1)).reshape(b, oh, ow, c, k, k)
+    oh, ow, n = dout.shape[1:]
+    dcols = (w.reshape(f, -1).T @ d2).reshape(c, k, k, oh, ow, n)
     dx = numpy.zeros(x_shape, numpy.float32)
     for i in range(k):
         for j in range(k):
-            dx[:, :, i:i + oh, j:j + ow] += dcols[:, :, :, :, i, j].transpose(0, 3, 1, 2)
+            dx[:, i:i + oh, j:j + ow] += dcols[:, i, j]
     return dx, dw, db
 
 
 def avg_pool(x):
-    b, c, h, w = x.shape
-    return x[:, :, :h // 2 * 2, :w // 2 * 2].reshape(b, c, h // 2, 2, w // 2, 2).mean((3, 5))
+    c, h, w, n = x.shape
+    return x[:, :h // 2 * 2, :w // 2 * 2].reshape(c, h // 2, 2, w // 2, 2, n).mean((2, 4))
 
 
 def avg_pool_backward(dout, shape):
     dx = numpy.zeros(shape, numpy.float32)
-    oh, ow = dout.shape[2:]
-    dx[:, :, :2 * oh, :2 * ow] = numpy.repeat(numpy.repeat(dout / 4, 2, 2), 2, 3)
+    oh, ow = dout.shape[1:3]
+    dx[:, :2 * oh, :2 * ow] = numpy.repeat(numpy.repeat(dout / 4, 2, 1), 2, 2)
     return dx
 
 
 def numpy_step(params, x, y):
     """One SGD step of the toy LeNet, written by hand: the floor for a NumPy library."""
     w1, b1, w2, b2, w3, b3, w4, b4 = params
+    x = numpy.ascontiguousarray(x.transpose(1, 2, 3, 0))          # C, H, W, N
     c1, cols1 = conv_forward(x, w1, b1)
     r1 = numpy.maximum(c1, 0)
     p1 = avg_pool(r1)
     c2, cols2 = conv_forward(p1, w2, b2)
     r2 = numpy.maximum(c2, 0)
     p2 = avg_pool(r2)
-    flat = p2.reshape(len(x), -1)
+    flat = p2.reshape(-1, len(y)).T                               # N, C·H·W
     h3 = numpy.maximum(flat @ w3 + b3, 0)
     logits = h3 @ w4 + b4
     probs = numpy.exp(logits - logits.max(1, keepdims=True))
@@ -118,13 +121,23 @@ def numpy_step(params, x, y):
     probs[numpy.arange(len(y)), y] -= 1                          # d loss / d logits
     dh3 = (probs @ w4.T) * (h3 > 0)
     dflat = dh3 @ w3.T
-    dr2 = avg_pool_backward(dflat.reshape(p2.shape), r2.shape) * (c2 > 0)
+    dr2 = avg_pool_backward(dflat.T.reshape(p2.shape), r2.shape) * (c2 > 0)
     dp1, dw2, db2 = conv_backward(dr2, cols2, w2, p1.shape)
     dr1 = avg_pool_backward(dp1, r1.shape) * (c1 > 0)
     _, dw1, db1 = conv_backward(dr1, cols1, w1, None)
     grads = [dw1, db1, dw2, db2, flat.T @ dh3, dh3.sum(0), h3.T @ probs, probs.sum(0)]
     for p, g in zip(params, grads):
-        p -= (LR / len(x)) * g
+        p -= (LR / len(y)) * g
+
+
+def check_floor_against_d2lperf():
+    """The hand-written step must be the step d2lperf takes: one step each, same weights."""
+    x, y = batch()
+    by_hand = initial_params()
+    numpy_step(by_hand, x, y)
+    d2lperf_step_fn([d2l.cpu(0)], x, y, keep=(kept := []))()
+    for name, a, b in zip(('w1', 'b1', 'w2', 'b2', 'w3', 'b3', 'w4', 'b4'), by_hand, kept[0]):
+        numpy.testing.assert_allclose(a, b.asnumpy(), rtol=1e-4, atol=1e-6, err_msg=name)
 
 
 # -- d2lperf --------------------------------------------------------------------------------
@@ -142,10 +155,13 @@ def lenet(x, params):
 LOSS = d2l.SoftmaxCrossEntropyLoss()
 
 
-def d2lperf_step_fn(devices, x_host, y_host):
-    """One data-parallel SGD step over `devices` (one device: plain SGD)."""
+def d2lperf_step_fn(devices, x_host, y_host, keep=None):
+    """One data-parallel SGD step over `devices` (one device: plain SGD); `keep` (a list)
+    receives the parameters, for checking."""
     params = [d2l.get_params([np.array(p, device=d) for p in initial_params()], d)
               for d in devices]
+    if keep is not None:
+        keep.extend(params)
     xs = d2l.split_and_load(np.array(x_host), devices)
     ys = d2l.split_and_load(np.array(y_host), devices)
 
@@ -281,7 +297,9 @@ def main():
     cores = available_cores()
     print(f'# {platform.machine()}, {cores} cores, Python {platform.python_version()}, '
           f'NumPy {numpy.__version__}; batch {BATCH}, 28x28, best of {REPEATS}')
-    print('\nLeNet, one training step (forward, backward, SGD)')
+    check_floor_against_d2lperf()
+    print('\nLeNet, one training step (forward, backward, SGD); the floor checked against '
+          'd2lperf')
     rows = lenet_rows(cores)
     floor = {threads: ips for name, threads, ips in rows if 'floor' in name}
     torch_ips = {threads: ips for name, threads, ips in rows if name == 'PyTorch eager'}

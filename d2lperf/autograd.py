@@ -127,8 +127,12 @@ def push_vjp(out, g, grads):
             grads[id(x)] = target if id(x) not in grads else grads[id(x)] + target
 
 
-def backward(head, head_grad=None, retain_graph=False):
-    """Gradients of `head` (summed, if it is not a scalar) into every attached `.grad`."""
+def backward(head, head_grad=None, retain_graph=False, on_gradient=None):
+    """Gradients of `head` (summed, if it is not a scalar) into every attached `.grad`.
+
+    `on_gradient(array)` is called as soon as the write of `array.grad` has been pushed, while
+    the rest of the backward pass is still being pushed: a trainer can start summing that
+    gradient over devices right away ("Parameter Servers")."""
     if head.node is None:
         raise RuntimeError('nothing to differentiate: compute the head inside autograd.record() '
                            'from arrays that called attach_grad()')
@@ -144,3 +148,5 @@ def backward(head, head_grad=None, retain_graph=False):
                     array.node = None
             elif array.grad is not None:
                 array.grad[...] = g          # `...`, not `:`, so that a 0-d leaf works too
+                if on_gradient is not None:
+                    on_gradient(array)
