@@ -79,7 +79,12 @@ def filled_like(like, value):
 
 
 def topological_order(head):
-    """Every recorded array the head depends on, inputs before the arrays they produce."""
+    """Every recorded array the head depends on, inputs before the arrays they produce.
+
+    An array's leaves (parameters) are visited after its recorded inputs, so that in reverse
+    each leaf comes right after its last consumer: its gradient is final as early as it can be,
+    and a trainer can start summing it over devices while backpropagation goes on.
+    """
     order, seen, stack = [], set(), [(head, False)]
     while stack:
         array, expanded = stack.pop()
@@ -91,8 +96,8 @@ def topological_order(head):
         seen.add(id(array))
         stack.append((array, True))
         if array.node is not None:
-            stack.extend((x, False) for x in array.node.inputs
-                         if type(x) is NDArray and id(x) not in seen)
+            inputs = [x for x in array.node.inputs if type(x) is NDArray and id(x) not in seen]
+            stack.extend((x, False) for x in sorted(inputs, key=lambda x: x.node is not None))
     return order
 
 

@@ -188,3 +188,18 @@ def test_trainer_refuses_unknown_optimizer_parameters():
     net.initialize()
     with pytest.raises(ValueError, match="'sgd' does not take"):
         d2l.Trainer(net.collect_params(), 'sgd', {'learning_rte': 0.1})
+
+
+def test_backward_reports_each_gradient_as_soon_as_its_last_consumer_is_done():
+    """Last layer first: a trainer can sum the output layer's gradients while the first layer's
+    are still being computed."""
+    net = nn.HybridSequential()
+    net.add(nn.Dense(8, activation='relu'), nn.Dense(8, activation='relu'), nn.Dense(3))
+    net.initialize()
+    with autograd.record():
+        loss = d2l.SoftmaxCrossEntropyLoss()(net(np.ones((4, 5))), np.array([0, 1, 2, 0]))
+    reported = []
+    loss.backward(on_gradient=reported.append)
+    layer_of = {id(p.data()): i for i, layer in enumerate(net)
+                for p in (layer.weight, layer.bias)}
+    assert [layer_of[id(a)] for a in reported] == [2, 2, 1, 1, 0, 0]
