@@ -47,6 +47,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/hybridize.py
 	$(BIN)/python benchmarks/parallel.py
 	$(BIN)/python benchmarks/training.py
+	$(BIN)/python benchmarks/allreduce.py
 
 ## Redraw the schematic figures in images/ with the scripts beside them.
 figures: $(STAMP)

@@ -1,10 +1,10 @@
 """d2lperf: the package behind "Computational Performance, a runnable course".
 
 The layers import downward only: device → engine → ops → ndarray → autograd → hybrid → nn
-→ comm → trainer, and each module below imports only modules listed above it. comm sits under
-the trainer, which sums gradients over devices with it; kvstore and launch (distributed
-training, to come) will sit beside it. Only NDArray's attach_grad and backward reach up: they
-import autograd when called.
+→ comm → optimizer → kvstore → trainer, and each module below imports only modules listed
+above it. The trainer sums gradients over devices through a key-value store, which runs comm's
+algorithms. Only NDArray's attach_grad and backward reach up: they import autograd when
+called.
 
     utils         timers (one median-of-repeats loop for everything), workload sizes, atomic
                   file writes and the training-curve Animator; it imports nothing of the package.
@@ -33,6 +33,8 @@ import autograd when called.
                   (schedules run as engine operations), and what each costs on a topology.
     optimizer     the update rules (SGD with momentum and weight decay) that a trainer or a
                   key-value store applies, with their states as plain arrays.
+    kvstore       the (key, value) store: push values, pull results; where the sums and
+                  updates happen ('local', 'device'), and the way to the distributed stores.
     trainer       minibatch SGD over a net's parameters on every device.
 
 Beside the layers, imported by none of them:
@@ -46,6 +48,8 @@ Beside the layers, imported by none of them:
     data          Fashion-MNIST, downloaded, checked and cached, with an offline fallback.
     hardware      microbenchmarks of the reader's machine (hardware_gpu: its GPU,
                   hardware_io: cores, storage and network), imported on demand.
+    kvstore_dist  the distributed stores: workers and servers in one MPI job; kvstore
+                  imports it when one is created, as mpi4py is optional.
 """
 from . import engine
 from .device import Device, cpu, gpu, num_gpus, try_all_gpus, try_devices, try_gpu
@@ -53,7 +57,7 @@ from . import np, npx, autograd, nn
 from .nn import L2Loss, SoftmaxCrossEntropyLoss
 from .trainer import Trainer
 from .utils import Accumulator, Animator, Benchmark, Timer, memory_in_use, quick_mode, workload
-from . import comm, data, hybrid, optimizer, profiler
+from . import comm, data, hybrid, kvstore, optimizer, profiler
 from .comm import split_and_load, split_batch
 from .comm import allreduce_on_first as allreduce        # the source's, "Multiple GPUs"
 from .training import accuracy, evaluate_accuracy_gpu, evaluate_accuracy_gpus, get_params, sgd
@@ -63,6 +67,6 @@ from .models import Residual, resnet18
 __all__ = ['engine', 'Device', 'cpu', 'gpu', 'num_gpus', 'try_all_gpus', 'try_devices', 'try_gpu', 'np', 'npx',
            'autograd', 'nn', 'L2Loss', 'SoftmaxCrossEntropyLoss', 'Trainer', 'Accumulator',
            'Animator', 'Benchmark', 'Timer', 'memory_in_use', 'quick_mode', 'workload', 'comm',
-           'data', 'hybrid', 'optimizer', 'profiler', 'allreduce', 'split_and_load', 'split_batch', 'accuracy',
+           'data', 'hybrid', 'kvstore', 'optimizer', 'profiler', 'allreduce', 'split_and_load', 'split_batch', 'accuracy',
            'evaluate_accuracy_gpu', 'evaluate_accuracy_gpus', 'get_params', 'sgd',
            'load_data_fashion_mnist', 'Residual', 'resnet18']

@@ -79,7 +79,12 @@ def filled_like(like, value):
 
 
 def topological_order(head):
-    """Every recorded array the head depends on, inputs before the arrays they produce."""
+    """Every recorded array the head depends on, inputs before the arrays they produce.
+
+    An array's leaves (parameters) are visited after its recorded inputs, so that in reverse
+    each leaf comes right after its last consumer: its gradient is final as early as it can be,
+    and a trainer can start summing it over devices while backpropagation goes on.
+    """
     order, seen, stack = [], set(), [(head, False)]
     while stack:
         array, expanded = stack.pop()
@@ -91,8 +96,8 @@ def topological_order(head):
         seen.add(id(array))
         stack.append((array, True))
         if array.node is not None:
-            stack.extend((x, False) for x in array.node.inputs
-                         if type(x) is NDArray and id(x) not in seen)
+            inputs = [x for x in array.node.inputs if type(x) is NDArray and id(x) not in seen]
+            stack.extend((x, False) for x in sorted(inputs, key=lambda x: x.node is not None))
     return order
 
 
@@ -127,8 +132,12 @@ def push_vjp(out, g, grads):
             grads[id(x)] = target if id(x) not in grads else grads[id(x)] + target
 
 
-def backward(head, head_grad=None, retain_graph=False):
-    """Gradients of `head` (summed, if it is not a scalar) into every attached `.grad`."""
+def backward(head, head_grad=None, retain_graph=False, on_gradient=None):
+    """Gradients of `head` (summed, if it is not a scalar) into every attached `.grad`.
+
+    `on_gradient(array)` is called as soon as the write of `array.grad` has been pushed, while
+    the rest of the backward pass is still being pushed: a trainer can start summing that
+    gradient over devices right away ("Parameter Servers")."""
     if head.node is None:
         raise RuntimeError('nothing to differentiate: compute the head inside autograd.record() '
                            'from arrays that called attach_grad()')
@@ -144,3 +153,5 @@ def backward(head, head_grad=None, retain_graph=False):
                     array.node = None
             elif array.grad is not None:
                 array.grad[...] = g          # `...`, not `:`, so that a 0-d leaf works too
+                if on_gradient is not None:
+                    on_gradient(array)

@@ -146,10 +146,10 @@ class NDArray:
         from .autograd import attach_grad
         return attach_grad(self)
 
-    def backward(self, head_grad=None, retain_graph=False):
+    def backward(self, head_grad=None, retain_graph=False, on_gradient=None):
         """Gradients of this array (summed, if it is not a scalar) into every `.grad`."""
         from .autograd import backward
-        backward(self, head_grad, retain_graph)
+        backward(self, head_grad, retain_graph, on_gradient)
 
     def __setitem__(self, key, value):
         assign(self, key, value)

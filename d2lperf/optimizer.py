@@ -31,6 +31,9 @@ class SGD:
 
     def update(self, key, weight, grad):
         """Apply one step to `weight` in place (engine operations on weight's device)."""
+        if not self.momentum and not self.wd:          # the common case: two operations
+            weight -= (self.learning_rate * self.rescale_grad) * grad
+            return
         g = grad * self.rescale_grad if self.rescale_grad != 1 else grad
         if self.wd:
             g = g + self.wd * weight

@@ -10,7 +10,8 @@ import d2lperf
 PACKAGE = pathlib.Path(d2lperf.__file__).parent
 # Modules the docstring names inside another's line, in their own order of imports.
 WITHIN = {'ndarray': ['ndarray', 'np', 'npx'], 'hardware': ['hardware_gpu', 'hardware', 'hardware_io']}
-REACHING_UP = {('ndarray', 'autograd')}       # NDArray.attach_grad and backward, when called
+REACHING_UP = {('ndarray', 'autograd'),       # NDArray.attach_grad and backward, when called
+               ('kvstore', 'kvstore_dist')}   # a distributed store, when one is created
 
 
 def stated_order():

@@ -349,3 +349,13 @@ def test_a_hybridized_block_compiles_training_and_prediction_apart():
     with autograd.record(train_mode=False):
         net(x)
     assert [n.kind for n in net.traced_graph().nodes] == ['input']
+
+
+def test_dense_flattens_images_as_gluon_does():
+    layer = nn.Dense(3)
+    layer.initialize()
+    x = np.ones((2, 4, 5, 5))
+    assert layer(x).shape == (2, 3) and layer.weight.shape == (3, 100)
+    flat = nn.Dense(3, flatten=False)
+    flat.initialize()
+    assert flat(x).shape == (2, 4, 5, 3)

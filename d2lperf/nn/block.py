@@ -175,16 +175,21 @@ def activation_function(name):
 
 
 class Dense(HybridBlock):
-    """A fully connected layer; its input size is learnt from the first batch it sees."""
+    """A fully connected layer; its input size is learnt from the first batch it sees.
 
-    def __init__(self, units, activation=None, in_units=0):
+    As in Gluon, `flatten=True` collapses every axis of the input but the first, so that a
+    Dense layer can follow a convolution directly."""
+
+    def __init__(self, units, activation=None, in_units=0, flatten=True):
         super().__init__()
         self.units, self.act = units, activation_function(activation)
-        self.activation = activation
+        self.activation, self.flatten = activation, flatten
         self.weight = Parameter('weight', (units, in_units))
         self.bias = Parameter('bias', (units,), init=Zero())
 
     def forward(self, x):
+        if self.flatten and len(x.shape) > 2:
+            x = x.reshape(x.shape[0], -1)
         if 0 in self.weight.shape:
             self.weight.infer_shape((self.units, x.shape[-1]))
         device = x.device
