@@ -14,7 +14,7 @@ Keys: `key_id` maps an int or str key to a 56-bit number by a stable hash (BLAKE
 key's type and text), the same in every process and in any order of `init`, so no process
 has to tell the others its keys. A store refuses two keys with the same id.
 
-D2LPERF_VERBOSE=1 logs every message on stderr: rank, command, key, bytes, milliseconds.
+`log` is the D2LPERF_VERBOSE=1 line the stores write for every push and pull.
 Taught in "Parameter Servers".
 """
 import hashlib
@@ -69,20 +69,16 @@ def header_for(command, key, array):
 
 def send(comm, dest, command, key=0, array=None):
     """Start sending one message; returns the MPI requests (wait on them, or keep them)."""
-    started = time.perf_counter()
     payload = numpy.empty(0, numpy.uint8) if array is None else numpy.ascontiguousarray(array)
     header = header_for(command, key, None if array is None else payload)
     requests = [comm.Isend(header, dest=dest, tag=HEADER_TAG),
                 comm.Isend(payload, dest=dest, tag=PAYLOAD_TAG)]
-    if verbose():
-        log(comm, f'send {command} key {key} to rank {dest}', payload.nbytes, started)
     return requests, (header, payload)       # the buffers must live until the sends finish
 
 
 def receive(comm, source):
     """(command, key, array or None, sender) of the next message from `source` (or ANY_SOURCE)."""
     from mpi4py import MPI
-    started = time.perf_counter()
     status = MPI.Status()
     comm.Probe(source=source, tag=HEADER_TAG, status=status)
     sender, size = status.Get_source(), status.Get_count(MPI.BYTE)
@@ -105,8 +101,6 @@ def receive(comm, source):
         comm.Recv(array, source=sender, tag=PAYLOAD_TAG)
     else:
         comm.Recv(numpy.empty(0, numpy.uint8), source=sender, tag=PAYLOAD_TAG)
-    if verbose():
-        log(comm, f'recv {command} key {key} from rank {sender}', nbytes, started)
     return command, key, array, sender
 
 
@@ -148,7 +142,10 @@ def drain_payload(comm, sender):
               tag=PAYLOAD_TAG)
 
 
-def log(comm, what, nbytes, started):
+def log(rank, what, nbytes, started):
+    """One line on stderr, when D2LPERF_VERBOSE=1: who did what, how many bytes, how long."""
+    if not verbose():
+        return
     milliseconds = (time.perf_counter() - started) * 1e3
-    print(f'[d2lperf rank {comm.Get_rank()}] {what}: {nbytes} bytes, {milliseconds:.3f} ms',
+    print(f'[d2lperf rank {rank}] {what}: {nbytes} bytes, {milliseconds:.3f} ms',
           file=sys.stderr, flush=True)
