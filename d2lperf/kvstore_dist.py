@@ -43,7 +43,7 @@ def create_dist(name):
         from mpi4py import MPI
     except ImportError as error:
         raise ImportError("the distributed key-value store needs mpi4py: pip install -e "
-                          "'.[dist]', and start the job with python -m d2lperf.launch") from error
+                          "'.[mpi]', and start the job with python -m d2lperf.launch") from error
     world = MPI.COMM_WORLD
     servers = num_servers(world.size)
     is_server = world.rank >= world.size - servers

@@ -87,7 +87,7 @@ def mpiexec_command(args, environment):
     mpiexec = pathlib.Path(sys.executable).parent / 'mpiexec'
     if not mpiexec.exists():
         raise SystemExit(f'd2lperf.launch: no mpiexec next to {sys.executable}; install '
-                         "MPICH with pip install -e '.[dist]' (mpi4py and the mpich wheel)")
+                         "MPICH with pip install -e '.[mpi]' (mpi4py and the mpich wheel)")
     words = [str(mpiexec), '-n', str(args.num_workers + args.num_servers), '-prepend-rank']
     if os.environ.get('D2LPERF_INTERFACE'):
         words += ['-iface', os.environ['D2LPERF_INTERFACE']]

@@ -8,7 +8,7 @@ import textwrap
 import pytest
 
 pytest.importorskip('mpi4py', reason='the distributed key-value store needs mpi4py '
-                                     "(pip install -e '.[dist]')")
+                                     "(pip install -e '.[mpi]')")
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MPIEXEC = pathlib.Path(sys.executable).parent / 'mpiexec'
