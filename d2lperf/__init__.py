@@ -48,8 +48,17 @@ Beside the layers, imported by none of them:
     data          Fashion-MNIST, downloaded, checked and cached, with an offline fallback.
     hardware      microbenchmarks of the reader's machine (hardware_gpu: its GPU,
                   hardware_io: cores, storage and network), imported on demand.
-    kvstore_dist  the distributed stores: workers and servers in one MPI job; kvstore
-                  imports it when one is created, as mpi4py is optional.
+    transport     messages between parameter-server processes: an int64 header and the
+                  array's raw bytes over MPI, never pickled; forged headers refused.
+    kvstore_server  the server's loop: a slice of every key, sync rounds or async updates,
+                  the optimizer run where the weights live.
+    kvstore_dist  the distributed store (dist_sync, dist_device_sync, dist_async): roles by
+                  MPI rank, workers push and pull, servers update; needs mpi4py, and
+                  kvstore imports it only when one is created.
+    launch        python -m d2lperf.launch: a job under mpiexec, here, on a hostfile or over
+                  ssh; a failed rank is named and ends the job.
+    train_mnist   python -m d2lperf.train_mnist: LeNet or an MLP with any store, one line
+                  an epoch.
 """
 from . import engine
 from .device import Device, cpu, gpu, num_gpus, try_all_gpus, try_devices, try_gpu

@@ -1,0 +1,310 @@
+"""The distributed key-value store: workers push gradients to parameter servers and pull weights.
+
+One MPI job holds every process; the rank decides the role. The last S ranks are servers
+(S = D2LPERF_NUM_SERVERS, which `d2lperf.launch -s` sets; 1 when unset), the others workers.
+`create_dist` never returns on a server: it runs the server loop (`kvstore_server`) and ends
+the process once every worker has said goodbye (`close`, called at exit). On a worker it
+returns the store, whose `rank` and `num_workers` count workers only.
+
+Every value is sliced across all servers (chunk s of the flattened array lives on server s).
+With an optimizer (`set_optimizer`), the servers run the update: the workers send only its
+hyperparameters, as numbers. In dist_sync a server applies a round once every worker has
+pushed the key, so n workers of batch b each take the step that one process would take at
+batch n·b: give the optimizer rescale_grad = 1/(n·b) (gradients are summed, not averaged).
+dist_device_sync first sums a worker's values on its first value's device, dist_sync on the
+host; dist_async applies each push as it arrives. Taught in "Parameter Servers".
+"""
+import atexit
+import time
+
+import numpy
+
+from . import np
+from .ndarray import NDArray
+from .optimizer import SGD
+from .transport import DTYPES, ProtocolError, key_id, log, receive, send
+from .utils import atomic_write
+
+TYPES = ('dist_sync', 'dist_device_sync', 'dist_async')
+_created = {}      # the one store of this process: creating a second would split MPI again
+
+
+def create_dist(name):
+    """The distributed store `name` on a worker; on a server, serve and exit."""
+    if name not in TYPES:
+        raise ValueError(f'unknown distributed key-value store {name!r}; choose one of {TYPES}')
+    if _created:
+        store = next(iter(_created.values()))
+        if store.type != name:
+            raise ValueError(f'this process already joined a {store.type!r} job; one '
+                             f'process runs one distributed store, not also {name!r}')
+        return store
+    try:
+        from mpi4py import MPI
+    except ImportError as error:
+        raise ImportError("the distributed key-value store needs mpi4py: pip install -e "
+                          "'.[mpi]', and start the job with python -m d2lperf.launch") from error
+    world = MPI.COMM_WORLD
+    servers = num_servers(world.size)
+    is_server = world.rank >= world.size - servers
+    workers = world.Split(1 if is_server else 0, world.rank)
+    if is_server:
+        from .kvstore_server import run_server
+        run_server(world, name != 'dist_async', world.size - servers)
+    _created[name] = store = DistKVStore(name, world, workers, servers)
+    atexit.register(store.close)
+    return store
+
+
+def num_servers(world_size):
+    import os
+    text = os.environ.get('D2LPERF_NUM_SERVERS', '1')
+    if not text.isdigit() or not 1 <= int(text) < world_size:
+        raise ValueError(f'D2LPERF_NUM_SERVERS={text!r}, but a job of {world_size} processes '
+                         f'needs between 1 and {world_size - 1} servers (and one worker at '
+                         'least): start it with python -m d2lperf.launch -n WORKERS -s SERVERS')
+    return int(text)
+
+
+class DistKVStore:
+    """The worker's side: checks every call, then talks to the servers."""
+
+    def __init__(self, type, world, workers, servers):
+        self.type, self.world, self.workers = type, world, workers
+        self.rank, self.num_workers = workers.Get_rank(), workers.Get_size()
+        self.servers = list(range(world.Get_size() - servers, world.Get_size()))
+        self.keys = {}            # key -> (key id, shape, dtype)
+        self.optimizer = None
+        self.closed = False
+
+    def init(self, key, value):
+        """Give `key` its first value; every worker calls it, worker 0's value is kept."""
+        for key, values in pairs(key, value):
+            identity = key_id(key)
+            if key in self.keys:
+                raise ValueError(f'key {key!r} is already initialized; init a key once, then '
+                                 'push and pull it')
+            if any(known[0] == identity for known in self.keys.values()):
+                raise ValueError(f'key {key!r} has the same id as another key; rename it')
+            host = host_copy(values[0])
+            if host.dtype not in DTYPES:
+                raise ValueError(f'the store holds {[d.name for d in DTYPES]}, not {host.dtype}'
+                                 f' (key {key!r}): cast the value with .astype first')
+            self.check_open()
+            self.keys[key] = (identity, host.shape, host.dtype)
+            if self.rank == 0:
+                self.to_servers('init', identity, host)
+                self.wait_for_acks()
+            self.barrier()
+
+    def push(self, key, value):
+        """Send `value` (an array or a list, one per device) to the servers, summed."""
+        checked = [(key, values, self.check(key, values)) for key, values in pairs(key, value)]
+        for key, values, (identity, shape, dtype) in checked:
+            started = time.perf_counter()
+            total = self.local_sum(values)
+            self.to_servers('push', identity, total)
+            log(self.rank, f'push key {key!r}', total.nbytes, started)
+
+    def pull(self, key, out):
+        """Copy the stored value of `key` into `out` (an array or a list of them)."""
+        checked = [(key, outs, self.check(key, outs)) for key, outs in pairs(key, out)]
+        for key, outs, (identity, shape, dtype) in checked:
+            started = time.perf_counter()
+            for server in self.servers:
+                self.request(server, 'pull', identity)
+            value = numpy.concatenate([self.receive_value(server, identity, shape, dtype)
+                                       for server in self.servers]).reshape(shape)
+            for target in outs:
+                target[...] = np.array(value, device=target.device)
+            log(self.rank, f'pull key {key!r}', value.nbytes, started)
+
+    def pushpull(self, key, value, out=None):
+        self.push(key, value)
+        self.pull(key, value if out is None else out)
+
+    def set_optimizer(self, optimizer):
+        """Have the servers update with `optimizer` (an SGD); only its numbers travel."""
+        if not isinstance(optimizer, SGD):
+            raise TypeError(f'the servers run d2lperf.optimizer.SGD, not {optimizer!r}')
+        self.check_open()
+        self.optimizer = optimizer
+        numbers = numpy.array([optimizer.learning_rate, optimizer.momentum, optimizer.wd,
+                               optimizer.rescale_grad], numpy.float64)
+        if self.rank == 0:
+            self.to_servers('optimizer', 0, numbers, sliced=False)
+            self.wait_for_acks()
+        self.barrier()
+
+    def barrier(self):
+        """Wait until every worker got here."""
+        self.workers.Barrier()
+
+    def save_optimizer_states(self, path):
+        """Worker 0 gathers the servers' momentum into one .npz (written atomically)."""
+        self.check_open()
+        self.barrier()                  # every worker's pulls are done: the rounds are complete
+        if self.rank == 0:
+            chunks = {}
+            for server in self.servers:
+                self.request(server, 'get_states', 0)
+                for identity, chunk in self.receive_states(server):
+                    chunks.setdefault(identity, []).append(chunk)
+            arrays = {name_of(key): numpy.concatenate(chunks[identity]).reshape(shape)
+                      for key, (identity, shape, _) in self.keys.items() if identity in chunks}
+            atomic_write(path, lambda file: numpy.savez(file, **arrays))
+        self.barrier()
+
+    def load_optimizer_states(self, path):
+        """Send the states of a .npz that save_optimizer_states wrote to the servers."""
+        self.check_open()
+        refusal = None
+        if self.rank == 0:
+            try:
+                states = self.read_states(path)
+            except (ValueError, OSError) as error:
+                refusal = error
+            else:
+                for index, server in enumerate(self.servers):
+                    for identity, state in states.items():
+                        self.request(server, 'set_state', identity,
+                                     self.slice_of(state, index))
+                    self.request(server, 'end', 0)
+                self.wait_for_acks()
+        if self.agree_on_failure(refusal is not None):
+            raise refusal or ValueError(f'worker 0 refused optimizer states {path!r}; '
+                                        'its error says why')
+
+    def close(self):
+        """Say goodbye to the servers (they exit when every worker has); called at exit."""
+        if not self.closed:
+            self.closed = True
+            for server in self.servers:
+                self.request(server, 'bye', 0)
+
+    # The checks every call makes before anything travels.
+
+    def check_open(self):
+        if self.closed:
+            raise RuntimeError('this key-value store is closed; its servers have left')
+
+    def check(self, key, arrays):
+        if key not in self.keys:
+            raise KeyError(f'key {key!r} was never initialized: call kv.init({key!r}, value) '
+                           'on every worker first')
+        self.check_open()
+        identity, shape, dtype = self.keys[key]
+        for array in arrays:
+            if tuple(array.shape) != shape or numpy.dtype(array.dtype) != dtype:
+                raise ValueError(f'key {key!r} holds shape {shape} {dtype}, not shape '
+                                 f'{tuple(array.shape)} {numpy.dtype(array.dtype)}')
+        return identity, shape, dtype
+
+    def read_states(self, path):
+        """{key id: state} of a states file, all checked against the keys and the optimizer."""
+        if self.optimizer is None:
+            raise ValueError('set an optimizer (kv.set_optimizer) before loading its states')
+        names = {name_of(key): key for key in self.keys}
+        states = {}
+        with numpy.load(path, allow_pickle=False) as saved:
+            for name in saved.files:
+                if name not in names:
+                    raise ValueError(f'{path} holds a state for {name!r}, which this store '
+                                     f'does not have (its keys: {sorted(names)})')
+                identity, shape, dtype = self.keys[names[name]]
+                state = saved[name]
+                if state.shape != shape or state.dtype != dtype:
+                    raise ValueError(f'{path}: the state for {name!r} is shape {state.shape} '
+                                     f'{state.dtype}; the key holds {shape} {dtype}')
+                states[identity] = state
+        if states and self.optimizer.momentum == 0:
+            raise ValueError(f'{path} holds momentum, but this SGD has momentum=0: set the '
+                             'optimizer the states were saved with')
+        return states
+
+    def agree_on_failure(self, failed):
+        """Whether worker 0 failed (told to every worker, so none waits for the others)."""
+        flag = numpy.array([int(failed)], numpy.int64)
+        self.workers.Bcast(flag, root=0)
+        return bool(flag[0])
+
+    # Messages.
+
+    def local_sum(self, values):
+        """One host array: the sum of this worker's values, on a device or on the host."""
+        if self.type == 'dist_device_sync' and isinstance(values[0], NDArray):
+            total = values[0].copy()
+            for value in values[1:]:
+                total += value.copyto(total.device)
+            return total.asnumpy()
+        total = host_copy(values[0]).copy()
+        for value in values[1:]:
+            total += host_copy(value)
+        return total
+
+    def slice_of(self, array, index):
+        return numpy.array_split(array.reshape(-1), len(self.servers))[index]
+
+    def to_servers(self, command, identity, array, sliced=True):
+        from mpi4py import MPI
+        pending = [send(self.world, server, command, identity,
+                        self.slice_of(array, index) if sliced else array)
+                   for index, server in enumerate(self.servers)]
+        MPI.Request.Waitall([request for requests, _ in pending for request in requests])
+
+    def request(self, server, command, identity, array=None):
+        from mpi4py import MPI
+        requests, _buffers = send(self.world, server, command, identity, array)
+        MPI.Request.Waitall(requests)
+
+    def expect(self, server, command, identity):
+        got, key, array, sender = receive(self.world, server)
+        if got != command or (identity is not None and key != identity):
+            raise ProtocolError(f'rank {sender} answered {got!r} for key id {key}; this worker '
+                                f'waited for {command!r} for key id {identity}')
+        return key, array
+
+    def receive_value(self, server, identity, shape, dtype):
+        each, extra = divmod(int(numpy.prod(shape)), len(self.servers))
+        expected = (each + (self.servers.index(server) < extra),)   # numpy.array_split's
+        _, value = self.expect(server, 'value', identity)
+        if value is None or value.shape != expected or value.dtype != dtype:
+            raise ProtocolError(f'rank {server} sent {describe(value)} for a slice of shape '
+                                f'{expected} {dtype}')
+        return value
+
+    def receive_states(self, server):
+        while True:
+            got, key, array, sender = receive(self.world, server)
+            if got == 'end':
+                return
+            if got != 'state' or array is None:
+                raise ProtocolError(f'rank {sender} sent {got!r} among optimizer states')
+            yield key, array
+
+    def wait_for_acks(self):
+        for server in self.servers:
+            self.expect(server, 'ack', None)
+
+
+def pairs(key, value):
+    """[(key, [arrays])] of one key or of a list of keys with a list of values (each an array
+    or a list of arrays, one a device)."""
+    if isinstance(key, (list, tuple)):
+        if not isinstance(value, (list, tuple)) or len(value) != len(key):
+            raise ValueError(f'{len(key)} keys need a list of {len(key)} values')
+        return [pair for k, v in zip(key, value) for pair in pairs(k, v)]
+    return [(key, list(value) if isinstance(value, (list, tuple)) else [value])]
+
+
+def describe(array):
+    return 'nothing' if array is None else f'shape {tuple(array.shape)} {array.dtype}'
+
+
+def host_copy(value):
+    return value.asnumpy() if isinstance(value, NDArray) else numpy.asarray(value)
+
+
+def name_of(key):
+    """The .npz name of a key: its type and text, so 3 and '3' stay apart."""
+    return f'{type(key).__name__}:{key}'

@@ -1,0 +1,259 @@
+"""Start a distributed job: `python -m d2lperf.launch -n WORKERS [-s SERVERS] COMMAND ...`.
+
+Every process of the job runs COMMAND under MPICH's `mpiexec` (the one next to this Python,
+which the `mpich` wheel installs); `kvstore_dist` gives the last SERVERS ranks the server role.
+`--launcher local` runs them all on this host, `mpi` on the hosts of a hostfile (`-H`, MPICH's
+`-f`), and `ssh` starts MPICH's per-host proxy on each host with our own `ssh HOST COMMAND`
+(`mpiexec -launcher manual` prints what to run; we quote each word, nothing is pasted into a
+shell unquoted). `--sync-dst-dir DIR` first copies this folder to DIR on every host with rsync,
+and the job runs there. D2LPERF_INTERFACE=eth0 picks the network interface (`-iface`).
+
+Each rank runs inside a small guard (`--rank-guard`) that names the rank when its command
+fails or is killed; the launcher then shows that rank's last lines, ends the whole job within
+seconds (process groups, and parent-death signals so no child outlives its guard) and exits
+non-zero. Taught in "Parameter Servers".
+"""
+import argparse
+import collections
+import os
+import pathlib
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+# glibc returns freed blocks above the mmap threshold (128 KiB, rising to 32 MiB) to the OS,
+# and every new one is page-faulted in and zeroed again; MPICH's and NumPy's buffers for a
+# large message are exactly such blocks, allocated afresh for each transfer. A high threshold
+# keeps them in the heap for the next message (the same reason as `host_memory`).
+ALLOCATOR_ENVIRONMENT = {'MALLOC_MMAP_THRESHOLD_': str(1 << 30),
+                         'MALLOC_TRIM_THRESHOLD_': str(1 << 31)}
+FAILED = 'd2lperf.launch: rank'
+GRACE_SECONDS = 10          # after a rank fails, how long mpiexec gets to end the rest
+TAIL_LINES = 20
+NAME = re.compile(r'[A-Za-z_][A-Za-z0-9_]*\Z')
+
+
+def parse(argv):
+    parser = argparse.ArgumentParser(prog='python -m d2lperf.launch',
+                                     description='Start a d2lperf distributed job.')
+    parser.add_argument('-n', '--num-workers', type=int, required=True)
+    parser.add_argument('-s', '--num-servers', type=int, default=1)
+    parser.add_argument('--launcher', choices=('local', 'mpi', 'ssh'), default='local')
+    parser.add_argument('-H', '--hostfile')
+    parser.add_argument('--sync-dst-dir')
+    parser.add_argument('--env', action='append', default=[], metavar='NAME=VALUE')
+    parser.add_argument('command', nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    if args.num_workers < 1 or args.num_servers < 1:
+        parser.error('a job needs one worker (-n) and one server (-s) at least')
+    if not args.command:
+        parser.error('give the COMMAND each process runs, e.g. python train.py')
+    if args.launcher != 'local' and not args.hostfile:
+        parser.error(f'--launcher {args.launcher} needs a hostfile: -H HOSTFILE')
+    if args.launcher == 'local' and (args.hostfile or args.sync_dst_dir):
+        parser.error('-H and --sync-dst-dir need --launcher mpi or ssh')
+    for item in args.env:
+        name, equals, _ = item.partition('=')
+        if not equals or not NAME.match(name):
+            parser.error(f'--env takes NAME=VALUE with NAME a variable name, not {item!r}')
+    return args
+
+
+def job_environment(args):
+    """{name: value} every rank gets: the server count, the allocator's, the user's."""
+    environment = {'D2LPERF_NUM_SERVERS': str(args.num_servers), **ALLOCATOR_ENVIRONMENT}
+    environment.update(item.split('=', 1) for item in args.env)
+    return environment
+
+
+def read_hosts(hostfile):
+    """The hosts of an MPICH hostfile (`host` or `host:slots` a line), in its order, which
+    is the order of mpiexec's proxies."""
+    hosts = []
+    for line in pathlib.Path(hostfile).read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith('#'):
+            hosts.append(line.split(':', 1)[0])
+    if not hosts:
+        raise SystemExit(f'd2lperf.launch: hostfile {hostfile} names no host')
+    return hosts
+
+
+def mpiexec_command(args, environment):
+    mpiexec = pathlib.Path(sys.executable).parent / 'mpiexec'
+    if not mpiexec.exists():
+        raise SystemExit(f'd2lperf.launch: no mpiexec next to {sys.executable}; install '
+                         "MPICH with pip install -e '.[mpi]' (mpi4py and the mpich wheel)")
+    words = [str(mpiexec), '-n', str(args.num_workers + args.num_servers), '-prepend-rank']
+    if os.environ.get('D2LPERF_INTERFACE'):
+        words += ['-iface', os.environ['D2LPERF_INTERFACE']]
+    if args.launcher != 'local':
+        words += ['-f', args.hostfile]
+    if args.launcher == 'ssh':
+        words += ['-launcher', 'manual']
+    if args.sync_dst_dir:
+        words += ['-wdir', args.sync_dst_dir]
+    for name, value in environment.items():
+        words += ['-genv', name, value]
+    return words + [sys.executable, '-m', 'd2lperf.launch', '--rank-guard', *args.command]
+
+
+def sync_to_hosts(hosts, destination):
+    """Copy this folder to `destination` on every host (rsync over ssh)."""
+    for host in dict.fromkeys(hosts):
+        command = ['rsync', '-a', '--exclude', '.git', f'{os.getcwd()}/',
+                   f'{host}:{destination}/']
+        if subprocess.run(command).returncode != 0:
+            raise SystemExit(f'd2lperf.launch: copying {os.getcwd()} to {host}:{destination} '
+                             f'failed ({shlex.join(command)})')
+
+
+def ssh_command(host, proxy_words, environment):
+    """`ssh HOST 'env NAME=VALUE ... PROXY ...'`, every word quoted for the remote shell."""
+    remote = ['env', *(f'{name}={value}' for name, value in environment.items()), *proxy_words]
+    return ['ssh', host, shlex.join(remote)]
+
+
+class Job:
+    """mpiexec and what it prints: echoed, the last lines of each rank kept."""
+
+    def __init__(self, words, hosts, environment):
+        self.hosts, self.environment = hosts, environment
+        self.tails = collections.defaultdict(lambda: collections.deque(maxlen=TAIL_LINES))
+        self.failures, self.proxies, self.launch_lines = [], [], []
+        self.failed_at = None
+        self.process = subprocess.Popen(words, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        stdin=subprocess.DEVNULL, text=True, bufsize=1,
+                                        start_new_session=True,
+                                        env={**os.environ, **environment})
+        self.readers = [threading.Thread(target=self.read, args=(stream, echo), daemon=True)
+                        for stream, echo in ((self.process.stdout, sys.stdout),
+                                             (self.process.stderr, sys.stderr))]
+        for reader in self.readers:
+            reader.start()
+
+    def read(self, stream, echo):
+        for line in stream:
+            if self.hosts is not None and self.launched(line):
+                continue
+            line = without_repeated_prefix(line.rstrip('\n'))
+            echo.write(line + '\n')
+            echo.flush()
+            found = re.match(r'\[(\d+)\] (.*)', line)
+            if found:
+                self.tails[int(found[1])].append(found[2])
+                if found[2].startswith(FAILED):
+                    self.failures.append((int(found[1]), found[2]))
+                    self.failed_at = self.failed_at or time.monotonic()
+
+    def launched(self, line):
+        """Start the proxies that `mpiexec -launcher manual` asks for, one a host, over ssh."""
+        if line.startswith('HYDRA_LAUNCH:'):
+            self.launch_lines.append(shlex.split(line.split(':', 1)[1]))
+            return True
+        if line.startswith('HYDRA_LAUNCH_END'):
+            for host, words in zip(self.hosts, self.launch_lines):
+                self.proxies.append(subprocess.Popen(
+                    ssh_command(host, words, self.environment), stdin=subprocess.DEVNULL,
+                    start_new_session=True))
+            return True
+        return False
+
+    def wait(self):
+        """mpiexec's exit code; a job a rank failed in ends within GRACE_SECONDS."""
+        try:
+            while self.process.poll() is None:
+                if self.failed_at and time.monotonic() - self.failed_at > GRACE_SECONDS:
+                    self.end()
+                time.sleep(0.1)
+        finally:
+            self.end()
+            for reader in self.readers:
+                reader.join(timeout=5)
+        return self.process.returncode
+
+    def end(self):
+        """Signal every process group of the job: mpiexec's and each ssh proxy's."""
+        for pid in [self.process.pid] + [proxy.pid for proxy in self.proxies]:
+            for signal_number in (signal.SIGTERM, signal.SIGKILL):
+                try:
+                    os.killpg(pid, signal_number)
+                except ProcessLookupError:
+                    break
+                time.sleep(0.2)
+        self.process.poll()
+        for proxy in self.proxies:
+            proxy.poll()
+
+    def report(self, code):
+        """What failed, and the failed rank's last lines, on stderr."""
+        if code == 0 and not self.failures:
+            return 0
+        rank, what = self.failures[0] if self.failures else (None, f'mpiexec exited {code}')
+        print(f'\nd2lperf.launch: the job failed: {what}', file=sys.stderr)
+        if rank is not None:
+            print(f'd2lperf.launch: the last lines of rank {rank}:', file=sys.stderr)
+            for line in self.tails[rank]:
+                print(f'    {line}', file=sys.stderr)
+        return code or 1
+
+
+def without_repeated_prefix(line):
+    """`[1] text` of a line that mpiexec's -prepend-rank cut as `[1] te[1] xt`: it prefixes
+    every piece it reads, not every line."""
+    found = re.match(r'(\[\d+\] )(.*)', line)
+    if not found:
+        return line
+    prefix, rest = found.groups()
+    return prefix + rest.replace(prefix, '')
+
+
+def rank_guard(command):
+    """Run one rank's command; if it fails, say which rank, and exit non-zero."""
+    set_parent_death_signal(signal.SIGTERM)            # mpiexec's proxy gone: so are we
+    rank = os.environ.get('PMI_RANK', '?')
+    try:
+        child = subprocess.Popen(command, close_fds=False,     # MPI's PMI socket is inherited
+                                 preexec_fn=lambda: set_parent_death_signal(signal.SIGKILL))
+    except OSError as error:
+        print(f'{FAILED} {rank} could not start {command[0]!r}: {error}', file=sys.stderr)
+        return 127
+    for forwarded in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(forwarded, lambda number, _: child.send_signal(number))
+    code = child.wait()
+    if code != 0:
+        how = f'was killed by {signal.Signals(-code).name}' if code < 0 else f'exited {code}'
+        sys.stderr.write(f'{FAILED} {rank} ({shlex.join(command)[:200]}) {how}\n')
+        sys.stderr.flush()
+    return code if code >= 0 else 128 - code
+
+
+def set_parent_death_signal(number):
+    """Linux's prctl(PR_SET_PDEATHSIG): get `number` when the parent process dies."""
+    import ctypes
+    try:
+        ctypes.CDLL(None).prctl(1, int(number), 0, 0, 0)
+    except (AttributeError, OSError):
+        pass                       # not Linux: the process groups still end the job
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ['--rank-guard']:
+        return rank_guard(argv[1:])
+    args = parse(argv)
+    environment = job_environment(args)
+    hosts = read_hosts(args.hostfile) if args.hostfile else None
+    if args.sync_dst_dir:
+        sync_to_hosts(hosts, args.sync_dst_dir)
+    job = Job(mpiexec_command(args, environment),
+              hosts if args.launcher == 'ssh' else None, environment)
+    return job.report(job.wait())
+
+
+if __name__ == '__main__':
+    sys.exit(main())

@@ -1,0 +1,179 @@
+"""Train LeNet or an MLP on Fashion-MNIST with a chosen key-value store, as MXNet's example did.
+
+    python -m d2lperf.train_mnist --network lenet --devices cpu0,cpu1 --kv-store device
+    python -m d2lperf.launch -n 2 python -m d2lperf.train_mnist --kv-store dist_sync
+
+With a dist_* store every worker trains on its own equal share of the training set (a
+worker's rank picks every num_workers-th example), pushes its gradients and pulls the
+weights the servers updated; the servers' SGD has rescale_grad = 1/(batch · num_workers),
+so dist_sync takes the steps of one process at the combined batch. With local or device the
+gradients are summed over this process's devices. Each epoch prints one line: test accuracy,
+images per second, and what ran. Taught in "Parameter Servers".
+"""
+import argparse
+import sys
+
+import numpy
+
+from . import autograd, comm, data, nn, np, npx
+from .device import cpu, gpu
+from .optimizer import SGD
+from .training import evaluate_accuracy_gpus
+from .utils import Timer
+
+KVSTORES = ('local', 'device', 'dist_sync', 'dist_device_sync', 'dist_async')
+
+
+def parse(argv):
+    parser = argparse.ArgumentParser(prog='python -m d2lperf.train_mnist',
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument('--network', choices=('lenet', 'mlp'), default='lenet')
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument('--devices', default='cpu0', help='e.g. cpu0,cpu1')
+    where.add_argument('--gpus', help='e.g. 0,2')
+    parser.add_argument('--kv-store', choices=KVSTORES, default='device')
+    parser.add_argument('--batch-size', type=int, default=64)
+    parser.add_argument('--lr', type=float, default=0.1)
+    parser.add_argument('--epochs', type=int, default=2)
+    parser.add_argument('--work-load-list', help='relative shares of the devices, e.g. 3,1')
+    parser.add_argument('--max-examples', type=int, help='train on the first N examples only')
+    parser.add_argument('--seed', type=int, default=0)
+    args = parser.parse_args(argv)
+    args.devices = devices_from(parser, args)
+    if args.work_load_list:
+        args.work_load_list = [float(share) for share in args.work_load_list.split(',')]
+        if len(args.work_load_list) != len(args.devices):
+            parser.error(f'--work-load-list gives {len(args.work_load_list)} shares for '
+                         f'{len(args.devices)} devices')
+    for name in ('batch_size', 'epochs', 'max_examples'):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f'--{name.replace("_", "-")} must be 1 or more')
+    return args
+
+
+def devices_from(parser, args):
+    try:
+        if args.gpus:
+            return [gpu(int(i)) for i in args.gpus.split(',')]
+        names = args.devices.split(',')
+        if not all(name.startswith('cpu') and name[3:].isdigit() for name in names):
+            raise ValueError(f'--devices takes cpu0,cpu1,..., not {args.devices!r}')
+        return [cpu(int(name[3:])) for name in names]
+    except ValueError as error:
+        parser.error(str(error))
+
+
+def build_net(network):
+    net = nn.HybridSequential()
+    if network == 'lenet':
+        net.add(nn.Conv2D(6, kernel_size=5, padding=2, activation='sigmoid'),
+                nn.AvgPool2D(pool_size=2, strides=2),
+                nn.Conv2D(16, kernel_size=5, activation='sigmoid'),
+                nn.AvgPool2D(pool_size=2, strides=2), nn.Flatten(),
+                nn.Dense(120, activation='sigmoid'), nn.Dense(84, activation='sigmoid'),
+                nn.Dense(10))
+    else:
+        net.add(nn.Flatten(), nn.Dense(256, activation='relu'), nn.Dense(128, activation='relu'),
+                nn.Dense(10))
+    return net
+
+
+class LocalUpdate:
+    """Sum each parameter's gradients over this process's devices, then step every copy."""
+
+    def __init__(self, params, learning_rate, batch_size, kvstore):
+        self.params = params
+        self.optimizer = SGD(learning_rate=learning_rate, rescale_grad=1 / batch_size)
+        self.rank, self.num_workers, self.type = 0, 1, kvstore
+
+    def step(self):
+        for index, param in enumerate(self.params):
+            comm.allreduce(param.list_grad())
+            for weight, grad in zip(param.list_data(), param.list_grad()):
+                self.optimizer.update((index, str(weight.device)), weight, grad)
+
+
+class StoreUpdate:
+    """Push the gradients to a distributed store, pull the weights its servers updated."""
+
+    def __init__(self, params, learning_rate, batch_size, store):
+        self.params, self.store = params, store
+        self.rank, self.num_workers, self.type = (self.store.rank, self.store.num_workers,
+                                                  self.store.type)
+        for index, param in enumerate(params):
+            self.store.init(index, param.data(param.list_device()[0]))
+            self.store.pull(index, out=param.list_data())       # worker 0's weights, everywhere
+        self.store.set_optimizer(SGD(learning_rate=learning_rate,
+                                     rescale_grad=1 / (batch_size * self.num_workers)))
+
+    def step(self):
+        for index, param in enumerate(self.params):
+            self.store.push(index, param.list_grad())
+        for index, param in enumerate(self.params):
+            self.store.pull(index, out=param.list_data())
+
+
+def make_updater(kvstore, params, learning_rate, batch_size):
+    if kvstore.startswith('dist'):
+        from .kvstore_dist import create_dist
+        return StoreUpdate(params, learning_rate, batch_size, create_dist(kvstore))
+    return LocalUpdate(params, learning_rate, batch_size, kvstore)
+
+
+def worker_share(train_iter, rank, num_workers, seed):
+    """This worker's equal share of the training set, shuffled by its own seed."""
+    each = len(train_iter.labels) // num_workers
+    if each == 0:
+        raise ValueError(f'{len(train_iter.labels)} training examples cannot feed '
+                         f'{num_workers} workers; raise --max-examples')
+    return data.DataIterator(train_iter.features[rank::num_workers][:each],
+                             train_iter.labels[rank::num_workers][:each],
+                             train_iter.batch_size, shuffle=True, seed=seed + rank,
+                             dataset_name=train_iter.dataset_name)
+
+
+def train(args):
+    if args.kv_store.startswith('dist'):
+        from .kvstore_dist import create_dist
+        create_dist(args.kv_store)           # a server process serves here and never returns
+    np.random.seed(args.seed)
+    train_iter, test_iter = data.load_data_fashion_mnist(
+        args.batch_size, seed=args.seed, max_train_examples=args.max_examples,
+        max_test_examples=args.max_examples)
+    net = build_net(args.network)
+    net.initialize(init=nn.init.Xavier(), device=args.devices)
+    net(np.array(train_iter.features[:1], device=args.devices[0]))     # infer the shapes
+    net.hybridize()
+    params = [p for p in net.collect_params().values() if p.grad_req == 'write']
+    updater = make_updater(args.kv_store, params, args.lr, args.batch_size)
+    train_iter = worker_share(train_iter, updater.rank, updater.num_workers, args.seed)
+    loss = nn.SoftmaxCrossEntropyLoss()
+    for epoch in range(args.epochs):
+        timer = Timer()
+        for features, labels in train_iter:
+            X_shards = comm.split_and_load(features, args.devices, even_split=False,
+                                           work_load_list=args.work_load_list)
+            y_shards = comm.split_and_load(labels, args.devices, even_split=False,
+                                           work_load_list=args.work_load_list)
+            with autograd.record():
+                losses = [loss(net(X), y) for X, y in zip(X_shards, y_shards)]
+            for shard_loss in losses:
+                shard_loss.backward()
+            updater.step()
+        npx.waitall()
+        seconds = timer.stop()
+        accuracy = evaluate_accuracy_gpus(net, test_iter)
+        print(f'epoch {epoch + 1}: test acc {accuracy:.3f}, '
+              f'{len(train_iter.labels) / seconds:.0f} images/s on '
+              f'{",".join(str(d) for d in args.devices)}, kvstore {updater.type}, '
+              f'{train_iter.dataset_name}, {len(train_iter.labels)} examples, '
+              f'worker {updater.rank} of {updater.num_workers}', flush=True)
+    return accuracy
+
+
+def main(argv=None):
+    train(parse(sys.argv[1:] if argv is None else argv))
+
+
+if __name__ == '__main__':
+    main()

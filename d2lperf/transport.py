@@ -1,0 +1,151 @@
+"""Messages between parameter-server processes: a fixed header, then the array's raw bytes.
+
+What travels is numbers only. A message is an int64 header (command, key id, dtype code,
+ndim, up to 8 dims, payload bytes) sent with MPI's buffer interface (mpi4py's upper-case
+`Isend`/`Recv` on NumPy arrays), then the payload as its own message; nothing is pickled, so
+a peer can send wrong numbers but never code. The receiver checks the header against what it
+can be before it takes the payload, and refuses (`ProtocolError`, naming the sender's rank)
+anything it cannot account for: an unknown command, a dtype outside `DTYPES`, a shape that
+cannot be, a payload whose size is not the header's, a truncated header. Every header comes
+with exactly one payload message (empty when there is nothing to carry), so even a refused
+message leaves the channel in step.
+
+Keys: `key_id` maps an int or str key to a 56-bit number by a stable hash (BLAKE2b of the
+key's type and text), the same in every process and in any order of `init`, so no process
+has to tell the others its keys. A store refuses two keys with the same id.
+
+`log` is the D2LPERF_VERBOSE=1 line the stores write for every push and pull.
+Taught in "Parameter Servers".
+"""
+import hashlib
+import math
+import os
+import sys
+import time
+
+import numpy
+
+COMMANDS = ('init', 'push', 'pull', 'value', 'ack', 'optimizer', 'get_states', 'state',
+            'set_state', 'end', 'bye')
+CODE = {name: i for i, name in enumerate(COMMANDS)}
+DTYPES = (numpy.dtype('float32'), numpy.dtype('float64'), numpy.dtype('int32'),
+          numpy.dtype('int64'))
+MAX_DIMS = 8
+HEADER_WORDS = 5 + MAX_DIMS          # command, key, dtype, ndim, dims..., nbytes
+HEADER_TAG, PAYLOAD_TAG = 1, 2
+
+
+class ProtocolError(RuntimeError):
+    """A message that breaks the protocol; nothing it asked for was done."""
+
+
+def key_id(key):
+    """The number every process gives `key` (an int or a str)."""
+    if isinstance(key, bool) or not isinstance(key, (int, str)):
+        raise TypeError(f'a key-value store key is an int or a str, not {type(key).__name__} '
+                        f'{key!r}')
+    digest = hashlib.blake2b(f'{type(key).__name__}:{key}'.encode(), digest_size=7).digest()
+    return int.from_bytes(digest, 'little')
+
+
+def verbose():
+    return os.environ.get('D2LPERF_VERBOSE') == '1'
+
+
+def header_for(command, key, array):
+    """The int64 header that announces `array` (a contiguous NumPy array or None)."""
+    header = numpy.zeros(HEADER_WORDS, numpy.int64)
+    header[0], header[1] = CODE[command], key
+    if array is not None:
+        if array.dtype not in DTYPES or array.ndim > MAX_DIMS:
+            raise ValueError(f'cannot send a {array.dtype} array of {array.ndim} dims: the '
+                             f'store carries {[d.name for d in DTYPES]} with at most '
+                             f'{MAX_DIMS} dims')
+        header[2], header[3] = DTYPES.index(array.dtype), array.ndim
+        header[4:4 + array.ndim] = array.shape
+        header[-1] = array.nbytes
+    return header
+
+
+def send(comm, dest, command, key=0, array=None):
+    """Start sending one message; returns the MPI requests (wait on them, or keep them)."""
+    payload = numpy.empty(0, numpy.uint8) if array is None else numpy.ascontiguousarray(array)
+    header = header_for(command, key, None if array is None else payload)
+    requests = [comm.Isend(header, dest=dest, tag=HEADER_TAG),
+                comm.Isend(payload, dest=dest, tag=PAYLOAD_TAG)]
+    return requests, (header, payload)       # the buffers must live until the sends finish
+
+
+def receive(comm, source):
+    """(command, key, array or None, sender) of the next message from `source` (or ANY_SOURCE)."""
+    from mpi4py import MPI
+    status = MPI.Status()
+    comm.Probe(source=source, tag=HEADER_TAG, status=status)
+    sender, size = status.Get_source(), status.Get_count(MPI.BYTE)
+    raw = numpy.empty(max(size, 1), numpy.uint8)
+    comm.Recv(raw[:size], source=sender, tag=HEADER_TAG)
+    try:
+        command, key, dtype, shape, expected = parse_header(raw[:size], sender)
+    except ProtocolError:
+        drain_payload(comm, sender)
+        raise
+    comm.Probe(source=sender, tag=PAYLOAD_TAG, status=status)
+    nbytes = status.Get_count(MPI.BYTE)
+    if nbytes != expected:
+        drain_payload(comm, sender)
+        raise ProtocolError(f'rank {sender} sent {nbytes} payload bytes for a {command} of '
+                            f'shape {shape} {dtype}, which takes {expected}')
+    array = None
+    if dtype is not None:
+        array = numpy.empty(shape, dtype)
+        comm.Recv(array, source=sender, tag=PAYLOAD_TAG)
+    else:
+        comm.Recv(numpy.empty(0, numpy.uint8), source=sender, tag=PAYLOAD_TAG)
+    return command, key, array, sender
+
+
+def parse_header(raw, sender):
+    """(command, key, dtype or None, shape, nbytes) of a header, or ProtocolError naming
+    `sender`."""
+    if raw.size != HEADER_WORDS * 8:
+        raise ProtocolError(f'rank {sender} sent a header of {raw.size} bytes; a header has '
+                            f'{HEADER_WORDS * 8}')
+    header = raw.view(numpy.int64)
+    code, key, dtype_code, ndim = (int(v) for v in header[:4])
+    if not 0 <= code < len(COMMANDS):
+        raise ProtocolError(f'rank {sender} sent unknown command {code}')
+    nbytes = int(header[-1])
+    if nbytes == 0 and dtype_code == 0 and ndim == 0 and not header[4:-1].any():
+        return COMMANDS[code], key, None, (), 0         # a message that carries no array
+    if not 0 <= dtype_code < len(DTYPES):
+        raise ProtocolError(f'rank {sender} sent dtype code {dtype_code}; the store carries '
+                            f'only {[d.name for d in DTYPES]}')
+    if not 0 <= ndim <= MAX_DIMS:
+        raise ProtocolError(f'rank {sender} sent an array of {ndim} dims; at most {MAX_DIMS}')
+    shape = tuple(int(d) for d in header[4:4 + ndim])
+    if any(d < 0 for d in shape) or header[4 + ndim:-1].any():
+        raise ProtocolError(f'rank {sender} sent impossible shape {list(header[4:-1])} '
+                            f'for {ndim} dims')
+    dtype = DTYPES[dtype_code]
+    if nbytes != math.prod(shape) * dtype.itemsize:      # Python ints: no overflow
+        raise ProtocolError(f'rank {sender} sent a header of {nbytes} bytes for shape '
+                            f'{shape} {dtype}')
+    return COMMANDS[code], key, dtype, shape, nbytes
+
+
+def drain_payload(comm, sender):
+    """Take the payload that follows a refused header, so the next message starts clean."""
+    from mpi4py import MPI
+    status = MPI.Status()
+    comm.Probe(source=sender, tag=PAYLOAD_TAG, status=status)
+    comm.Recv(numpy.empty(status.Get_count(MPI.BYTE), numpy.uint8), source=sender,
+              tag=PAYLOAD_TAG)
+
+
+def log(rank, what, nbytes, started):
+    """One line on stderr, when D2LPERF_VERBOSE=1: who did what, how many bytes, how long."""
+    if not verbose():
+        return
+    milliseconds = (time.perf_counter() - started) * 1e3
+    print(f'[d2lperf rank {rank}] {what}: {nbytes} bytes, {milliseconds:.3f} ms',
+          file=sys.stderr, flush=True)

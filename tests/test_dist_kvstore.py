@@ -1,0 +1,129 @@
+"""The distributed key-value store in real MPI jobs of at most 4 processes on this host."""
+import numpy
+
+from tests.dist_helpers import run_program
+
+ASYNC = '''
+import numpy, d2lperf as d2l
+from d2lperf.kvstore_dist import create_dist
+kv = create_dist('dist_async')
+kv.init(3, d2l.np.array(numpy.zeros((4, 3), numpy.float32)))
+kv.set_optimizer(d2l.optimizer.SGD(learning_rate=1))
+minus_one = d2l.np.array(-numpy.ones((4, 3), numpy.float32))
+for _ in range(200):
+    kv.push(3, minus_one)
+kv.barrier()
+out = d2l.np.array(numpy.zeros((4, 3), numpy.float32))
+kv.pull(3, out=out)
+print('RESULT', kv.rank, kv.num_workers, kv.type, sorted(set(out.asnumpy().ravel().tolist())))
+'''
+
+
+def test_async_pushes_are_each_applied_once(tmp_path):
+    result = run_program(tmp_path, ASYNC, 4, D2LPERF_NUM_SERVERS=1)
+    assert result.returncode == 0, result.stderr
+    lines = sorted(line for line in result.stdout.splitlines() if line.startswith('RESULT'))
+    assert lines == [f'RESULT {rank} 3 dist_async [600.0]' for rank in range(3)]
+
+
+SYNC = '''
+import numpy, d2lperf as d2l
+from d2lperf.kvstore_dist import create_dist
+kv = create_dist('dist_sync')
+rng = numpy.random.default_rng(0)
+features = rng.normal(size=(5, 2 * 8, 7)).astype(numpy.float32)     # 5 steps, 2 workers x 8
+labels = rng.normal(size=(5, 2 * 8, 1)).astype(numpy.float32)
+w = d2l.np.array(numpy.full((7, 1), 0.1, numpy.float32))
+kv.init('w', w)
+kv.set_optimizer(d2l.optimizer.SGD(learning_rate=0.05, momentum=0.9, wd=0.01,
+                                   rescale_grad=1 / 16))
+for step in range(5):
+    part = slice(8 * kv.rank, 8 * kv.rank + 8)
+    X, y = d2l.np.array(features[step, part]), d2l.np.array(labels[step, part])
+    w.attach_grad()
+    with d2l.autograd.record():
+        loss = ((d2l.np.dot(X, w) - y) ** 2).sum()
+    loss.backward()
+    kv.push('w', w.grad)
+    kv.pull('w', out=w)
+print('WEIGHTS', kv.rank, ' '.join(repr(float(v)) for v in w.asnumpy().ravel()))
+kv.save_optimizer_states('states.npz')
+'''
+
+
+def local_reference(steps=5, batch=16):
+    """The same five steps by one process at the combined batch, by MXNet's SGD rule."""
+    rng = numpy.random.default_rng(0)
+    features = rng.normal(size=(5, batch, 7)).astype(numpy.float32)
+    labels = rng.normal(size=(5, batch, 1)).astype(numpy.float32)
+    w = numpy.full((7, 1), 0.1, numpy.float64)
+    momentum = numpy.zeros_like(w)
+    for step in range(steps):
+        X, y = features[step].astype(numpy.float64), labels[step].astype(numpy.float64)
+        grad = 2 * X.T @ (X @ w - y) / batch + 0.01 * w
+        momentum = 0.9 * momentum - 0.05 * grad
+        w = w + momentum
+    return w.ravel(), momentum
+
+
+def test_sync_training_equals_one_process_at_the_combined_batch(tmp_path):
+    result = run_program(tmp_path, SYNC, 4, D2LPERF_NUM_SERVERS=2)    # 2 workers, 2 servers
+    assert result.returncode == 0, result.stderr
+    expected, momentum = local_reference()
+    weights = [line.split()[1:] for line in result.stdout.splitlines()
+               if line.startswith('WEIGHTS')]
+    assert sorted(rank for rank, *_ in weights) == ['0', '1']
+    for _, *values in weights:
+        numpy.testing.assert_allclose(numpy.array(values, float), expected, rtol=1e-5,
+                                      atol=1e-6)
+    with numpy.load(tmp_path / 'states.npz', allow_pickle=False) as saved:
+        assert saved.files == ['str:w']
+        numpy.testing.assert_allclose(saved['str:w'], momentum, rtol=1e-5, atol=1e-6)
+
+
+RULES = '''
+import numpy, d2lperf as d2l
+from d2lperf.kvstore_dist import create_dist
+kv = create_dist('dist_device_sync')
+def refused(call, error):
+    try:
+        call()
+    except error as caught:
+        print('REFUSED', type(caught).__name__, kv.rank)
+    else:
+        print('ACCEPTED', kv.rank)
+ones = numpy.ones((2, 3), numpy.float32)
+kv.init('g', d2l.np.array(ones))
+refused(lambda: kv.init('g', d2l.np.array(ones)), ValueError)
+refused(lambda: kv.push('nope', d2l.np.array(ones)), KeyError)
+refused(lambda: kv.push('g', d2l.np.array(numpy.ones((3, 2), numpy.float32))), ValueError)
+refused(lambda: kv.push('g', d2l.np.array(ones.astype(numpy.float64))), ValueError)
+devices = [d2l.cpu(0), d2l.cpu(1)]
+kv.push('g', [d2l.np.array(ones * (kv.rank + 1), device=d) for d in devices])
+outs = [d2l.np.zeros((2, 3), device=d) for d in devices]
+kv.pull('g', out=outs)
+print('SUM', kv.rank, [sorted(set(o.asnumpy().ravel().tolist())) for o in outs])
+kv.set_optimizer(d2l.optimizer.SGD(learning_rate=0.5, momentum=0.5))
+numpy.savez('bad.npz', **{'str:other': ones})
+refused(lambda: kv.load_optimizer_states('bad.npz'), ValueError)
+numpy.savez('good.npz', **{'str:g': ones})
+kv.load_optimizer_states('good.npz')
+kv.pushpull('g', d2l.np.array(ones), out=outs[0])
+print('STEP', kv.rank, sorted(set(outs[0].asnumpy().ravel().tolist())))
+'''
+
+
+def test_store_rules_and_refusals(tmp_path):
+    result = run_program(tmp_path, RULES, 3, D2LPERF_NUM_SERVERS=1)     # 2 workers, 1 server
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert 'ACCEPTED' not in result.stdout
+    assert sorted(line for line in lines if line.startswith('REFUSED')) == sorted(
+        [f'REFUSED {error} {rank}' for rank in (0, 1)
+         for error in ('ValueError', 'KeyError', 'ValueError', 'ValueError', 'ValueError')])
+    # dist_device_sync: each worker sums its two devices (2·(r+1)), the servers sum workers: 6
+    assert sorted(line for line in lines if line.startswith('SUM')) == [
+        'SUM 0 [[6.0], [6.0]]', 'SUM 1 [[6.0], [6.0]]']
+    # loaded momentum 1: m = 0.5·1 − 0.5·(1 + 1) = −0.5, weight 6 − 0.5 = 5.5
+    assert sorted(line for line in lines if line.startswith('STEP')) == [
+        'STEP 0 [5.5]', 'STEP 1 [5.5]']

@@ -1,0 +1,167 @@
+"""The launcher: a failed or killed rank ends the job, named, with nothing left running."""
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from hypothesis import given, strategies as st
+
+from tests.dist_helpers import MPIEXEC, environment, run_module
+from tests.strategies import checks
+from d2lperf import launch
+
+TRAINING = '''
+import os, sys, time, numpy, d2lperf as d2l
+from d2lperf.kvstore_dist import create_dist
+kv = create_dist('dist_sync')
+print(f'PID {kv.rank} {os.getpid()}', flush=True)
+kv.init(1, d2l.np.array(numpy.zeros(3, numpy.float32)))
+out = d2l.np.array(numpy.zeros(3, numpy.float32))
+for step in range(10 ** 9):
+    if step == 20:
+        print(f'STEP {step} of worker {kv.rank}', flush=True)
+    kv.push(1, out)
+    kv.pull(1, out=out)
+    time.sleep(0.001)
+'''
+
+
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return pathlib.Path(f'/proc/{pid}/stat').exists() and ' Z ' not in pathlib.Path(
+        f'/proc/{pid}/stat').read_text()
+
+
+def processes_running(marker):
+    """PIDs of this user's processes whose command line mentions `marker`."""
+    found = []
+    for entry in pathlib.Path('/proc').iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if marker in (entry / 'cmdline').read_bytes().decode(errors='replace'):
+                    found.append(int(entry.name))
+            except OSError:
+                pass
+    return [pid for pid in found if alive(pid)]
+
+
+@pytest.mark.skipif(not MPIEXEC.exists(), reason='no mpiexec next to this Python')
+def test_a_killed_worker_ends_the_job_naming_its_rank(tmp_path):
+    script = tmp_path / 'training.py'
+    script.write_text(TRAINING)
+    job = subprocess.Popen([sys.executable, '-m', 'd2lperf.launch', '-n', '2', '-s', '1',
+                            sys.executable, str(script)], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, env=environment(), cwd=tmp_path)
+    pids = {}
+    try:
+        for line in job.stdout:
+            if 'PID' in line:
+                rank, pid = line.split('PID')[1].split()
+                pids[int(rank)] = int(pid)
+            if 'STEP 20 of worker 1' in line:
+                break
+        killed_at = time.monotonic()
+        os.kill(pids[1], signal.SIGKILL)
+        job.wait(timeout=30)
+        seconds = time.monotonic() - killed_at
+        stderr = job.stderr.read()
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode != 0 and seconds < 30
+    assert 'd2lperf.launch: the job failed: d2lperf.launch: rank 1' in stderr
+    assert 'was killed by SIGKILL' in stderr and 'the last lines of rank 1' in stderr
+    time.sleep(1)
+    assert processes_running(str(script)) == []
+
+
+def test_a_failing_rank_is_named_with_its_last_lines(tmp_path):
+    script = tmp_path / 'fails.py'
+    script.write_text('import os, sys\n'
+                      'if os.environ["PMI_RANK"] == "2":\n'
+                      '    print("about to fail", file=sys.stderr, flush=True)\n'
+                      '    sys.exit(5)\n'
+                      'import time; time.sleep(60)\n')
+    started = time.monotonic()
+    result = run_module(tmp_path, ['d2lperf.launch', '-n', '2', sys.executable, str(script)],
+                        timeout=60)
+    assert result.returncode != 0 and time.monotonic() - started < 30
+    assert 'rank 2' in result.stderr and 'exited 5' in result.stderr
+    assert '    about to fail' in result.stderr
+    assert processes_running(str(script)) == []
+
+
+FAKE_SSH = '''#!/bin/sh
+host="$1"; shift
+echo "$host" >> "$FAKE_SSH_LOG"
+exec /bin/sh -c "$*"
+'''
+
+HELLO = '''
+import os, sys, numpy, d2lperf as d2l
+from d2lperf.kvstore_dist import create_dist
+kv = create_dist('dist_sync')
+kv.init('x', d2l.np.array(numpy.zeros(2)))
+kv.push('x', d2l.np.array(numpy.ones(2) * (kv.rank + 1)))
+out = d2l.np.array(numpy.zeros(2))
+kv.pull('x', out=out)
+print('SUM', kv.rank, out.asnumpy().tolist(), os.environ['GREETING'], flush=True)
+'''
+
+
+@pytest.mark.skipif(not MPIEXEC.exists(), reason='no mpiexec next to this Python')
+def test_ssh_launcher_starts_one_proxy_a_host(tmp_path):
+    bin_folder = tmp_path / 'bin'
+    bin_folder.mkdir()
+    (bin_folder / 'ssh').write_text(FAKE_SSH)
+    (bin_folder / 'ssh').chmod(0o755)
+    (tmp_path / 'hosts').write_text('# two hosts\nlocalhost:2\n127.0.0.1:1\n')
+    (tmp_path / 'hello.py').write_text(HELLO)
+    result = run_module(tmp_path, ['d2lperf.launch', '-n', '2', '-s', '1', '--launcher', 'ssh',
+                                   '-H', 'hosts', '--env', 'GREETING=hi there; rm -rf /',
+                                   sys.executable, 'hello.py'], timeout=90,
+                        PATH=f'{bin_folder}:{os.environ["PATH"]}',
+                        FAKE_SSH_LOG=tmp_path / 'ssh.log')
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / 'ssh.log').read_text().split() == ['localhost', '127.0.0.1']
+    sums = sorted(line.split('] ', 1)[1] for line in result.stdout.splitlines() if 'SUM' in line)
+    assert sums == ["SUM 0 [3.0, 3.0] hi there; rm -rf /", "SUM 1 [3.0, 3.0] hi there; rm -rf /"]
+
+
+@checks(50)
+@given(st.lists(st.text(st.characters(blacklist_categories=['Cs'], blacklist_characters='\0'),
+                        max_size=12), min_size=1, max_size=5))
+def test_ssh_commands_quote_every_word(words):
+    import shlex
+    ssh, host, remote = launch.ssh_command('node1', words, {'A': 'x y', 'B': "it's"})
+    assert (ssh, host) == ('ssh', 'node1')
+    assert shlex.split(remote) == ['env', 'A=x y', "B=it's", *words]
+
+
+@pytest.mark.parametrize('argv, message', [
+    (['-n', '0', 'python'], 'one worker'),
+    (['-n', '2'], 'COMMAND'),
+    (['-n', '2', '--launcher', 'ssh', 'python'], 'hostfile'),
+    (['-n', '2', '--env', '1A=2', 'python'], 'NAME=VALUE'),
+    (['-n', '2', '-H', 'hosts', 'python'], 'need --launcher mpi or ssh'),
+])
+def test_bad_arguments_are_refused(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        launch.parse(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_every_rank_gets_the_server_count_and_the_allocator_settings():
+    args = launch.parse(['-n', '3', '-s', '2', '--env', 'X=1=2', 'python', 'train.py'])
+    environment = launch.job_environment(args)
+    assert environment['D2LPERF_NUM_SERVERS'] == '2' and environment['X'] == '1=2'
+    assert int(environment['MALLOC_MMAP_THRESHOLD_']) >= 1 << 30
+    words = launch.mpiexec_command(args, environment)
+    assert words[1:3] == ['-n', '5'] and words[-2:] == ['python', 'train.py']
+    assert ['-genv', 'D2LPERF_NUM_SERVERS', '2'] == words[words.index('-genv'):][:3]
