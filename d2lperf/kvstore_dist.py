@@ -16,6 +16,7 @@ host; dist_async applies each push as it arrives. Taught in "Parameter Servers".
 """
 import atexit
 import time
+import zipfile
 
 import numpy
 
@@ -206,7 +207,15 @@ class DistKVStore:
             raise ValueError('set an optimizer (kv.set_optimizer) before loading its states')
         names = {name_of(key): key for key in self.keys}
         states = {}
-        with numpy.load(path, allow_pickle=False) as saved:
+        try:
+            saved = numpy.load(path, allow_pickle=False)
+        except (EOFError, zipfile.BadZipFile, ValueError) as error:
+            raise ValueError(f'{path} is not an .npz of optimizer states ({error}): write it '
+                             'with kv.save_optimizer_states') from error
+        if not hasattr(saved, 'files'):
+            raise ValueError(f'{path} holds one array, not the .npz of optimizer states that '
+                             'kv.save_optimizer_states writes')
+        with saved:
             for name in saved.files:
                 if name not in names:
                     raise ValueError(f'{path} holds a state for {name!r}, which this store '

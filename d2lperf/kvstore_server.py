@@ -45,8 +45,8 @@ class Server:
         """Handle messages until every worker said goodbye."""
         from mpi4py import MPI
         while self.goodbyes < self.num_workers:
-            started = time.perf_counter()
             command, key, array, sender = receive(self.world, MPI.ANY_SOURCE)
+            started = time.perf_counter()              # the handling, not the waiting
             handler = getattr(self, 'on_' + command, None)
             if handler is None:
                 raise ProtocolError(f'rank {sender} sent {command!r}, which a server does '

@@ -146,9 +146,10 @@ class Job:
             found = re.match(r'\[(\d+)\] (.*)', line)
             if found:
                 self.tails[int(found[1])].append(found[2])
-                if found[2].startswith(FAILED):
-                    self.failures.append((int(found[1]), found[2]))
-                    self.failed_at = self.failed_at or time.monotonic()
+            failed = re.search(FAILED + r' (\d+) .*', line)   # its own rank: lines get cut
+            if failed:
+                self.failures.append((int(failed[1]), failed[0]))
+                self.failed_at = self.failed_at or time.monotonic()
 
     def launched(self, line):
         """Start the proxies that `mpiexec -launcher manual` asks for, one a host, over ssh."""

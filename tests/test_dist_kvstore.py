@@ -1,4 +1,6 @@
 """The distributed key-value store in real MPI jobs of at most 4 processes on this host."""
+import re
+
 import numpy
 
 from tests.dist_helpers import run_program
@@ -20,10 +22,15 @@ print('RESULT', kv.rank, kv.num_workers, kv.type, sorted(set(out.asnumpy().ravel
 
 
 def test_async_pushes_are_each_applied_once(tmp_path):
-    result = run_program(tmp_path, ASYNC, 4, D2LPERF_NUM_SERVERS=1)
-    assert result.returncode == 0, result.stderr
-    lines = sorted(line for line in result.stdout.splitlines() if line.startswith('RESULT'))
-    assert lines == [f'RESULT {rank} 3 dist_async [600.0]' for rank in range(3)]
+    result = run_program(tmp_path, ASYNC, 4, D2LPERF_NUM_SERVERS=1, D2LPERF_VERBOSE=1)
+    assert result.returncode == 0, result.report()
+    assert result.lines('RESULT') == [f'RESULT {rank} 3 dist_async [600.0]' for rank in range(3)]
+    logged = re.findall(r'^\[d2lperf rank (\d)\] (push|pull) key 3: 48 bytes, [\d.]+ ms$',
+                        ''.join(result.stderr.values()), flags=re.MULTILINE)
+    assert sorted(set(logged)) == [(str(rank), what) for rank in range(3)
+                                   for what in ('pull', 'push')]
+    assert len(logged) == 3 * 201                       # every push and pull, on each worker
+    assert result.stderr[3].count('[d2lperf rank 3] push key') == 600     # and on the server
 
 
 SYNC = '''
@@ -68,10 +75,9 @@ def local_reference(steps=5, batch=16):
 
 def test_sync_training_equals_one_process_at_the_combined_batch(tmp_path):
     result = run_program(tmp_path, SYNC, 4, D2LPERF_NUM_SERVERS=2)    # 2 workers, 2 servers
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 0, result.report()
     expected, momentum = local_reference()
-    weights = [line.split()[1:] for line in result.stdout.splitlines()
-               if line.startswith('WEIGHTS')]
+    weights = [line.split()[1:] for line in result.lines('WEIGHTS')]
     assert sorted(rank for rank, *_ in weights) == ['0', '1']
     for _, *values in weights:
         numpy.testing.assert_allclose(numpy.array(values, float), expected, rtol=1e-5,
@@ -104,9 +110,13 @@ outs = [d2l.np.zeros((2, 3), device=d) for d in devices]
 kv.pull('g', out=outs)
 print('SUM', kv.rank, [sorted(set(o.asnumpy().ravel().tolist())) for o in outs])
 kv.set_optimizer(d2l.optimizer.SGD(learning_rate=0.5, momentum=0.5))
-numpy.savez('bad.npz', **{'str:other': ones})
+if kv.rank == 0:
+    numpy.savez('bad.npz', **{'str:other': ones})
+    numpy.savez('good.npz', **{'str:g': ones})
+    open('broken.npz', 'wb').write(b'PK not a zip')
+kv.barrier()
 refused(lambda: kv.load_optimizer_states('bad.npz'), ValueError)
-numpy.savez('good.npz', **{'str:g': ones})
+refused(lambda: kv.load_optimizer_states('broken.npz'), ValueError)
 kv.load_optimizer_states('good.npz')
 kv.pushpull('g', d2l.np.array(ones), out=outs[0])
 print('STEP', kv.rank, sorted(set(outs[0].asnumpy().ravel().tolist())))
@@ -115,15 +125,15 @@ print('STEP', kv.rank, sorted(set(outs[0].asnumpy().ravel().tolist())))
 
 def test_store_rules_and_refusals(tmp_path):
     result = run_program(tmp_path, RULES, 3, D2LPERF_NUM_SERVERS=1)     # 2 workers, 1 server
-    assert result.returncode == 0, result.stderr
-    lines = result.stdout.splitlines()
-    assert 'ACCEPTED' not in result.stdout
-    assert sorted(line for line in lines if line.startswith('REFUSED')) == sorted(
+    assert result.returncode == 0, result.report()
+    assert result.lines('ACCEPTED') == []
+    assert result.lines('REFUSED') == sorted(
         [f'REFUSED {error} {rank}' for rank in (0, 1)
-         for error in ('ValueError', 'KeyError', 'ValueError', 'ValueError', 'ValueError')])
+         for error in ('ValueError', 'KeyError', 'ValueError', 'ValueError', 'ValueError',
+                       'ValueError')])
     # dist_device_sync: each worker sums its two devices (2·(r+1)), the servers sum workers: 6
-    assert sorted(line for line in lines if line.startswith('SUM')) == [
+    assert result.lines('SUM') == [
         'SUM 0 [[6.0], [6.0]]', 'SUM 1 [[6.0], [6.0]]']
     # loaded momentum 1: m = 0.5·1 − 0.5·(1 + 1) = −0.5, weight 6 − 0.5 = 5.5
-    assert sorted(line for line in lines if line.startswith('STEP')) == [
+    assert result.lines('STEP') == [
         'STEP 0 [5.5]', 'STEP 1 [5.5]']

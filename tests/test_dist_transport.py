@@ -43,10 +43,10 @@ else:
 
 def test_forged_messages_are_refused_naming_the_sender(tmp_path):
     result = run_program(tmp_path, FORGER, 2, timeout=60)
-    assert result.returncode == 0, result.stderr
-    lines = result.stdout.splitlines()
+    assert result.returncode == 0, result.report()
+    lines = result.stdout[0].splitlines()
     refused = [line for line in lines if line.startswith('REFUSED')]
-    assert len(refused) == 6 and 'ACCEPTED' not in result.stdout
+    assert len(refused) == 6 and 'ACCEPTED' not in result.stdout[0]
     assert all('rank 1 sent' in line for line in refused)
     assert 'dtype code 9' in refused[0] and 'impossible shape' in refused[1]
     assert '12 dims' in refused[2] and '8 payload bytes' in refused[3]
