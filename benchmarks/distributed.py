@@ -65,7 +65,7 @@ def in_job(size_bytes, repeats):
         workers.Barrier()
         allreduce = best(lambda: workers.Allreduce(MPI.IN_PLACE, buffer), repeats)
     store = d2l.kvstore.create('dist_sync')                 # a server serves here, then exits
-    value = d2l.np.array(buffer)
+    value = d2l.np.ones(buffer.shape)            # the Allreduce above changed `buffer`
     out = d2l.np.zeros(value.shape)
     store.init('x', value)
 
@@ -77,7 +77,7 @@ def in_job(size_bytes, repeats):
     store.barrier()
     pushpull = best(lambda: (store_round(), store.barrier()), repeats)
     if store.rank == 0:
-        expected = float(store.num_workers)          # each round stores the sum of the pushes
+        expected = float(store.num_workers)      # each round stores the sum of the pushes
         wrong = int((out.asnumpy() != expected).sum())
         print(f'RESULT plain={plain} allreduce={allreduce} pushpull={pushpull} wrong={wrong}',
               flush=True)

@@ -18,6 +18,7 @@ import numpy
 from . import autograd, comm, data, nn, np, npx
 from .device import cpu, gpu
 from .optimizer import SGD
+from .trainer import Trainer
 from .training import evaluate_accuracy_gpus
 from .utils import Timer
 
@@ -64,33 +65,29 @@ def devices_from(parser, args):
 
 
 def build_net(network):
+    """The LeNet of "Training on Multiple GPUs" (ReLU, average pooling), or an MLP."""
     net = nn.HybridSequential()
     if network == 'lenet':
-        net.add(nn.Conv2D(6, kernel_size=5, padding=2, activation='sigmoid'),
-                nn.AvgPool2D(pool_size=2, strides=2),
-                nn.Conv2D(16, kernel_size=5, activation='sigmoid'),
-                nn.AvgPool2D(pool_size=2, strides=2), nn.Flatten(),
-                nn.Dense(120, activation='sigmoid'), nn.Dense(84, activation='sigmoid'),
-                nn.Dense(10))
+        net.add(nn.Conv2D(20, kernel_size=3, activation='relu'), nn.AvgPool2D(2),
+                nn.Conv2D(50, kernel_size=5, activation='relu'), nn.AvgPool2D(2),
+                nn.Dense(128, activation='relu'), nn.Dense(10))
     else:
-        net.add(nn.Flatten(), nn.Dense(256, activation='relu'), nn.Dense(128, activation='relu'),
+        net.add(nn.Dense(256, activation='relu'), nn.Dense(128, activation='relu'),
                 nn.Dense(10))
     return net
 
 
 class LocalUpdate:
-    """Sum each parameter's gradients over this process's devices, then step every copy."""
+    """A Trainer: sum the gradients over this process's devices through a 'local' or 'device'
+    store, then step every copy."""
 
     def __init__(self, params, learning_rate, batch_size, kvstore):
-        self.params = params
-        self.optimizer = SGD(learning_rate=learning_rate, rescale_grad=1 / batch_size)
+        self.trainer = Trainer(params, 'sgd', {'learning_rate': learning_rate}, kvstore=kvstore)
+        self.batch_size = batch_size
         self.rank, self.num_workers, self.type = 0, 1, kvstore
 
     def step(self):
-        for index, param in enumerate(self.params):
-            comm.allreduce(param.list_grad())
-            for weight, grad in zip(param.list_data(), param.list_grad()):
-                self.optimizer.update((index, str(weight.device)), weight, grad)
+        self.trainer.step(self.batch_size)
 
 
 class StoreUpdate:
@@ -113,61 +110,66 @@ class StoreUpdate:
             self.store.pull(index, out=param.list_data())
 
 
-def make_updater(kvstore, params, learning_rate, batch_size):
-    if kvstore.startswith('dist'):
-        from .kvstore_dist import create_dist
-        return StoreUpdate(params, learning_rate, batch_size, create_dist(kvstore))
+def make_updater(store, kvstore, params, learning_rate, batch_size):
+    if store is not None:
+        return StoreUpdate(params, learning_rate, batch_size, store)
     return LocalUpdate(params, learning_rate, batch_size, kvstore)
 
 
-def worker_share(train_iter, rank, num_workers, seed):
-    """This worker's equal share of the training set, shuffled by its own seed."""
-    each = len(train_iter.labels) // num_workers
-    if each == 0:
-        raise ValueError(f'{len(train_iter.labels)} training examples cannot feed '
-                         f'{num_workers} workers; raise --max-examples')
-    return data.DataIterator(train_iter.features[rank::num_workers][:each],
-                             train_iter.labels[rank::num_workers][:each],
-                             train_iter.batch_size, shuffle=True, seed=seed + rank,
-                             dataset_name=train_iter.dataset_name)
+def my_part(features, labels, rank, num_workers):
+    """This worker's rows of a global batch, or None if the batch is too small to share.
+
+    Every worker reads the same global batches (one seed, num_workers times the batch size)
+    and takes its own slice, so that together the workers see, step by step, exactly what one
+    process at the whole batch would: dist_sync with n workers at batch b trains like one
+    process at batch n·b, up to rounding.
+    """
+    if len(labels) < num_workers:
+        return None
+    sizes = comm.slice_sizes(len(labels), num_workers, even_split=False)
+    begin = sum(sizes[:rank])
+    return features[begin:begin + sizes[rank]], labels[begin:begin + sizes[rank]]
 
 
 def train(args):
+    store = None                             # one process, no servers: rank 0 of 1
     if args.kv_store.startswith('dist'):
         from .kvstore_dist import create_dist
-        create_dist(args.kv_store)           # a server process serves here and never returns
+        store = create_dist(args.kv_store)   # a server process serves here and never returns
     np.random.seed(args.seed)
+    rank, num_workers = (store.rank, store.num_workers) if store else (0, 1)
     train_iter, test_iter = data.load_data_fashion_mnist(
-        args.batch_size, seed=args.seed, max_train_examples=args.max_examples,
+        args.batch_size * num_workers, seed=args.seed, max_train_examples=args.max_examples,
         max_test_examples=args.max_examples)
     net = build_net(args.network)
     net.initialize(init=nn.init.Xavier(), device=args.devices)
     net(np.array(train_iter.features[:1], device=args.devices[0]))     # infer the shapes
     net.hybridize()
     params = [p for p in net.collect_params().values() if p.grad_req == 'write']
-    updater = make_updater(args.kv_store, params, args.lr, args.batch_size)
-    train_iter = worker_share(train_iter, updater.rank, updater.num_workers, args.seed)
+    updater = make_updater(store, args.kv_store, params, args.lr, args.batch_size)
     loss = nn.SoftmaxCrossEntropyLoss()
     for epoch in range(args.epochs):
-        timer = Timer()
-        for features, labels in train_iter:
-            X_shards = comm.split_and_load(features, args.devices, even_split=False,
-                                           work_load_list=args.work_load_list)
-            y_shards = comm.split_and_load(labels, args.devices, even_split=False,
-                                           work_load_list=args.work_load_list)
+        timer, seen = Timer(), 0
+        for batch in train_iter:
+            part = my_part(*batch, rank, num_workers)
+            if part is None:
+                continue
+            X_shards, y_shards = (comm.split_and_load(a, args.devices, even_split=False,
+                                                      work_load_list=args.work_load_list)
+                                  for a in part)
             with autograd.record():
                 losses = [loss(net(X), y) for X, y in zip(X_shards, y_shards)]
             for shard_loss in losses:
                 shard_loss.backward()
             updater.step()
+            seen += len(part[1])
         npx.waitall()
         seconds = timer.stop()
         accuracy = evaluate_accuracy_gpus(net, test_iter)
-        print(f'epoch {epoch + 1}: test acc {accuracy:.3f}, '
-              f'{len(train_iter.labels) / seconds:.0f} images/s on '
+        print(f'epoch {epoch + 1}: test acc {accuracy:.3f}, {seen / seconds:.0f} images/s on '
               f'{",".join(str(d) for d in args.devices)}, kvstore {updater.type}, '
-              f'{train_iter.dataset_name}, {len(train_iter.labels)} examples, '
-              f'worker {updater.rank} of {updater.num_workers}', flush=True)
+              f'{train_iter.dataset_name}, {seen} examples, '
+              f'worker {rank} of {num_workers}', flush=True)
     return accuracy
 
 
