@@ -48,6 +48,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/parallel.py
 	$(BIN)/python benchmarks/training.py
 	$(BIN)/python benchmarks/allreduce.py
+	$(BIN)/python benchmarks/distributed.py
 
 ## Redraw the schematic figures in images/ with the scripts beside them.
 figures: $(STAMP)
