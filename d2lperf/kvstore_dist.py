@@ -21,7 +21,7 @@ import zipfile
 import numpy
 
 from . import np
-from .ndarray import NDArray
+from .ndarray import NDArray, from_host
 from .optimizer import SGD
 from .transport import DTYPES, ProtocolError, key_id, log, receive, send
 from .utils import atomic_write
@@ -114,10 +114,11 @@ class DistKVStore:
             started = time.perf_counter()
             for server in self.servers:
                 self.request(server, 'pull', identity)
-            value = numpy.concatenate([self.receive_value(server, identity, shape, dtype)
-                                       for server in self.servers]).reshape(shape)
-            for target in outs:
-                target[...] = np.array(value, device=target.device)
+            parts = [self.receive_value(server, identity, shape, dtype)
+                     for server in self.servers]
+            value = (parts[0] if len(parts) == 1 else numpy.concatenate(parts)).reshape(shape)
+            for target in outs:     # the received buffer is ours: wrapped, not copied
+                target[...] = from_host(value, target.device)
             log(self.rank, f'pull key {key!r}', value.nbytes, started)
 
     def pushpull(self, key, value, out=None):
@@ -246,7 +247,9 @@ class DistKVStore:
             for value in values[1:]:
                 total += value.copyto(total.device)
             return total.asnumpy()
-        total = host_copy(values[0]).copy()
+        total = host_copy(values[0])
+        if not isinstance(values[0], NDArray):        # asnumpy copied already; this did not
+            total = total.copy()
         for value in values[1:]:
             total += host_copy(value)
         return total
