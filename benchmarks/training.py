@@ -180,10 +180,7 @@ def d2lperf_step_fn(devices, x_host, y_host, keep=None):
 
 
 def hybrid_lenet_step_fn(x_host, y_host):
-    net = d2l.nn.HybridSequential()
-    net.add(d2l.nn.Conv2D(20, kernel_size=3, activation='relu'), d2l.nn.AvgPool2D(2, 2),
-            d2l.nn.Conv2D(50, kernel_size=5, activation='relu'), d2l.nn.AvgPool2D(2, 2),
-            d2l.nn.Flatten(), d2l.nn.Dense(128, activation='relu'), d2l.nn.Dense(10))
+    net = d2l.lenet()
     net.initialize(d2l.nn.init.Normal(0.01))
     net.hybridize()
     trainer = d2l.Trainer(net.collect_params(), 'sgd', {'learning_rate': LR})

@@ -39,7 +39,7 @@ called.
 
 Beside the layers, imported by none of them:
 
-    models        the residual block and ResNet-18, as the multi-GPU chapters train them.
+    models        LeNet, the residual block and ResNet-18, as the training chapters use them.
     training      SGD, accuracy and evaluation written from scratch, for the chapters that
                   build multi-device training by hand.
     profiler      the engine's records of what ran where and when, as a Chrome trace, a
@@ -71,11 +71,11 @@ from .comm import split_and_load, split_batch
 from .comm import allreduce_on_first as allreduce        # the source's, "Multiple GPUs"
 from .training import accuracy, evaluate_accuracy_gpu, evaluate_accuracy_gpus, get_params, sgd
 from .data import load_data_fashion_mnist
-from .models import Residual, resnet18
+from .models import Residual, lenet, resnet18
 
 __all__ = ['engine', 'Device', 'cpu', 'gpu', 'num_gpus', 'try_all_gpus', 'try_devices', 'try_gpu', 'np', 'npx',
            'autograd', 'nn', 'L2Loss', 'SoftmaxCrossEntropyLoss', 'Trainer', 'Accumulator',
            'Animator', 'Benchmark', 'Timer', 'memory_in_use', 'quick_mode', 'workload', 'comm',
            'data', 'hybrid', 'kvstore', 'optimizer', 'profiler', 'allreduce', 'split_and_load', 'split_batch', 'accuracy',
            'evaluate_accuracy_gpu', 'evaluate_accuracy_gpus', 'get_params', 'sgd',
-           'load_data_fashion_mnist', 'Residual', 'resnet18']
+           'load_data_fashion_mnist', 'Residual', 'lenet', 'resnet18']

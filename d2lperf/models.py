@@ -1,9 +1,19 @@
-"""Networks the training chapters use: the residual block and the ResNet-18 variant for small
-images of the MXNet edition of Dive into Deep Learning. Taught in "Concise Implementation for
-Multiple GPUs"."""
+"""Networks the training chapters use: the LeNet of "Training on Multiple GPUs" as layers, and
+the residual block and the ResNet-18 variant for small images of the MXNet edition of Dive into
+Deep Learning. Taught in "Concise Implementation for Multiple GPUs"."""
 from . import npx
-from .nn import (Activation, BatchNorm, Conv2D, Dense, Flatten, GlobalAvgPool2D, HybridBlock,
-                 HybridSequential)
+from .nn import (Activation, AvgPool2D, BatchNorm, Conv2D, Dense, Flatten, GlobalAvgPool2D,
+                 HybridBlock, HybridSequential)
+
+
+def lenet(num_classes=10):
+    """The toy LeNet of "Training on Multiple GPUs": two ReLU convolutions with average
+    pooling, then two dense layers."""
+    net = HybridSequential()
+    net.add(Conv2D(20, kernel_size=3, activation='relu'), AvgPool2D(2),
+            Conv2D(50, kernel_size=5, activation='relu'), AvgPool2D(2),
+            Dense(128, activation='relu'), Dense(num_classes))
+    return net
 
 
 class Residual(HybridBlock):

@@ -18,6 +18,7 @@ import numpy
 from . import autograd, comm, data, nn, np, npx
 from .device import cpu, gpu
 from .optimizer import SGD
+from .models import lenet
 from .trainer import Trainer
 from .training import evaluate_accuracy_gpus
 from .utils import Timer
@@ -66,14 +67,10 @@ def devices_from(parser, args):
 
 def build_net(network):
     """The LeNet of "Training on Multiple GPUs" (ReLU, average pooling), or an MLP."""
-    net = nn.HybridSequential()
     if network == 'lenet':
-        net.add(nn.Conv2D(20, kernel_size=3, activation='relu'), nn.AvgPool2D(2),
-                nn.Conv2D(50, kernel_size=5, activation='relu'), nn.AvgPool2D(2),
-                nn.Dense(128, activation='relu'), nn.Dense(10))
-    else:
-        net.add(nn.Dense(256, activation='relu'), nn.Dense(128, activation='relu'),
-                nn.Dense(10))
+        return lenet()
+    net = nn.HybridSequential()
+    net.add(nn.Dense(256, activation='relu'), nn.Dense(128, activation='relu'), nn.Dense(10))
     return net
 
 
