@@ -14,7 +14,6 @@ Target (issue 10): ring busbw at 64 MiB on 2 devices ≥ 50 % of the floor's, #w
 """
 import os
 import platform
-import time
 
 import numpy
 
@@ -22,7 +21,7 @@ import d2lperf as d2l
 from d2lperf import comm, np, npx
 from d2lperf.comm.cost import bus_bandwidth
 from d2lperf.utils import median_seconds
-from parallel import cpu_seconds
+from parallel import report_other_load
 
 ALGORITHMS = ('naive', 'cpu', 'split', 'tree', 'ring', 'ring2')
 SIZES = [2 ** k for k in d2l.workload(range(10, 27, 2), [10, 16, 22])]
@@ -140,15 +139,11 @@ def main():
           f'{d2l.num_gpus()} GPUs; float32, median of {REPEATS} interleaved repeats')
     print(f'# {"size":>8s}  {"algorithm":>9s}  {"devices":>7s}  {"time (us)":>11s}  '
           f'{"algbw GB/s":>11s}  {"busbw GB/s":>11s}  {"#wrong":>6s}')
-    before, start = cpu_seconds(), time.perf_counter()
-    busbw = cpu_rows()
-    gpu_rows()
-    verdict(busbw)
-    after, wall = cpu_seconds(), time.perf_counter() - start
-    if before and after:
-        others = (after[0] - before[0]) - (after[1] - before[1])
-        print(f'# other processes kept {max(0.0, others) / wall:.2f} cores busy on average '
-              f'during the {wall:.0f} s of this run (0.00: an idle machine)')
+    def table():
+        busbw = cpu_rows()
+        gpu_rows()
+        verdict(busbw)
+    report_other_load(table, prefix='# ')
 
 
 if __name__ == '__main__':

@@ -105,21 +105,30 @@ def cpu_seconds():
     return (sum(fields) - fields[3] - fields[4]) / ticks, own.user + own.system
 
 
+def report_other_load(run, prefix=''):
+    """Run `run()`, then print how many cores other processes kept busy meanwhile."""
+    before, start = cpu_seconds(), time.perf_counter()
+    result = run()
+    after, wall = cpu_seconds(), time.perf_counter() - start
+    if before and after:
+        others = (after[0] - before[0]) - (after[1] - before[1])
+        print(f'{prefix}other processes kept {max(0.0, others) / wall:.2f} cores busy on average '
+              f'during the {wall:.0f} s of this run (0.00: an idle machine)')
+    return result
+
+
 def main():
     print(f'# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, '
           f'{d2l.num_gpus()} GPUs; median of {REPEATS} interleaved repeats, seconds')
     print('| experiment | workload | first alone | second alone | together | ratio |')
     print('|---|---|--:|--:|--:|--:|')
-    before, start = cpu_seconds(), time.perf_counter()
-    for kind, workload, first, second, both, ratio in rows():
-        print(f'| {kind} | {workload} | {first:.4f} | {second:.4f} | {both:.4f} | {ratio:.2f} |')
-    print('\nratio: two devices = together / slower alone; compute + copy = both / max(compute, '
-          'copy) (first alone = compute, second alone = copy)')
-    after, wall = cpu_seconds(), time.perf_counter() - start
-    if before and after:
-        others = (after[0] - before[0]) - (after[1] - before[1])
-        print(f'other processes kept {max(0.0, others) / wall:.2f} cores busy on average during '
-              f'the {wall:.0f} s of this run (0.00: an idle machine)')
+    def table():
+        for kind, workload, first, second, both, ratio in rows():
+            print(f'| {kind} | {workload} | {first:.4f} | {second:.4f} | {both:.4f} | '
+                  f'{ratio:.2f} |')
+        print('\nratio: two devices = together / slower alone; compute + copy = both / '
+              'max(compute, copy) (first alone = compute, second alone = copy)')
+    report_other_load(table)
 
 
 if __name__ == '__main__':
