@@ -28,12 +28,39 @@ def keep_freed_memory():
     return all([mallopt(option, value) == 1 for option, value in settings])
 
 
-def release_freed_memory():
-    """Give the blocks kept for reuse back to the OS (glibc's `malloc_trim`): resident memory
-    then counts live data only, which a measurement of what a program holds needs."""
+
+def returning_freed_memory():
+    """glibc's own thresholds for the duration of a `with` block: big blocks are mapped and
+    unmapped one by one again, so that resident memory follows live data, as a measurement of
+    what a program holds needs; the blocks kept so far are given back first."""
+    return _Thresholds()
+
+
+class _Thresholds:
+    DEFAULT = 128 * 1024         # glibc's starting mmap and trim thresholds, in bytes
+
+    def __enter__(self):
+        _set((M_MMAP_THRESHOLD, self.DEFAULT), (M_TRIM_THRESHOLD, self.DEFAULT))
+        _trim()
+
+    def __exit__(self, *exc):
+        _set((M_MMAP_THRESHOLD, NEVER), (M_TRIM_THRESHOLD, NEVER))
+
+
+def _set(*settings):
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    for option, value in settings:
+        mallopt(option, value)
+
+
+def _trim():
     try:
         trim = ctypes.CDLL(None).malloc_trim
     except (OSError, AttributeError):
-        return False
+        return
     trim.argtypes, trim.restype = (ctypes.c_size_t,), ctypes.c_int
-    return bool(trim(0))
+    trim(0)

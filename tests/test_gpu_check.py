@@ -101,7 +101,7 @@ def test_ipython_syntax_becomes_calls():
         "__ipython__.cell_magic('time', '', 'a = 1\\nb = 2')"
 
 
-python_lines = st.text(st.characters(codec='ascii', exclude_characters='\r\x0b\x0c\x1c\x1d\x1e'),
+python_lines = st.text(st.characters(codec='ascii', exclude_characters='\n\r\x0b\x0c\x1c\x1d\x1e'),
                        max_size=30).filter(lambda line: not line.lstrip().startswith(('%', '!')))
 
 

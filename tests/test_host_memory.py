@@ -41,3 +41,14 @@ def test_a_freed_block_is_reused_without_page_faults_on_any_thread():
 
 def test_asking_twice_gives_the_same_answer():
     assert host_memory.keep_freed_memory() == host_memory.keep_freed_memory()
+
+
+@pytest.mark.skipif(not host_memory.keep_freed_memory(), reason='needs glibc (mallopt)')
+def test_while_measuring_freed_blocks_go_back_and_after_it_they_are_kept_again():
+    pages = 64 * MIB // resource.getpagesize()
+    one_step()
+    with host_memory.returning_freed_memory():
+        returned = faults_while(one_step)         # unmapped when freed: every page is new
+    one_step()
+    kept = faults_while(one_step)
+    assert returned > 100 and kept < returned / 10, (returned, kept, pages)
