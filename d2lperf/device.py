@@ -54,6 +54,29 @@ def gpu(i=0):
     return Device('gpu', i)
 
 
+slowdowns = {}       # virtual CPU device -> the factor it is slowed down by (see slow_down)
+
+
+def slow_down(device, factor):
+    """Run the virtual CPU `device` at 1/`factor` of its speed, to stand for a slower device.
+
+    Virtual CPU devices are equally fast; a real pair often is not (an older GPU beside a newer
+    one, or the CPU beside a GPU). After each operation on a slowed device, its compute lane
+    idles for `factor - 1` times as long as the operation took, as a device shared with another
+    job would, so that dividing work between unequal devices can be measured on any machine.
+    `factor` 1 gives the device its full speed back.
+    """
+    if not isinstance(device, Device) or device.kind != 'cpu':
+        raise ValueError(f'only a virtual CPU device can be slowed down, not {device!r}: a GPU '
+                         'has the speed it has')
+    if not factor >= 1:
+        raise ValueError(f'a slowdown factor is 1 (full speed) or more, not {factor!r}')
+    if factor == 1:
+        slowdowns.pop(device, None)
+    else:
+        slowdowns[device] = float(factor)
+
+
 def available_cores():
     """The cores this process may run on (all of the machine's where the OS cannot tell):
     every virtual CPU device shares them."""

@@ -241,12 +241,15 @@ class DistKVStore:
     # Messages.
 
     def local_sum(self, values):
-        """One host array: the sum of this worker's values, on a device or on the host."""
+        """One host array: the sum of this worker's values, on a device or on the host. A lone
+        host value is sent from its own buffer (the send completes before push returns)."""
+        if len(values) == 1:
+            return host_view(values[0])
         if self.type == 'dist_device_sync' and isinstance(values[0], NDArray):
             total = values[0].copy()
             for value in values[1:]:
                 total += value.copyto(total.device)
-            return total.asnumpy()
+            return host_view(total)
         total = host_copy(values[0])
         if not isinstance(values[0], NDArray):        # asnumpy copied already; this did not
             total = total.copy()
@@ -315,6 +318,13 @@ def describe(array):
 
 def host_copy(value):
     return value.asnumpy() if isinstance(value, NDArray) else numpy.asarray(value)
+
+
+def host_view(value):
+    """The host values of `value`, without a copy where they already live on the host."""
+    if isinstance(value, NDArray) and value.device.kind == 'cpu':
+        return numpy.asarray(value.wait_to_read().data)
+    return host_copy(value)
 
 
 def name_of(key):

@@ -20,8 +20,8 @@ import time
 
 import numpy
 
-from . import np
 from .device import cpu
+from .ndarray import from_host
 from .optimizer import SGD
 from .transport import ProtocolError, log, receive, send
 
@@ -38,7 +38,7 @@ class Server:
         self.waiting = {}         # key id -> workers whose pull waits for a round
         self.optimizer = None
         self.staged_states = {}   # key id -> momentum chunk, until 'end' commits them
-        self.sending = []         # (requests, buffers) of replies still in flight
+        self.sending = []         # (key id, requests, buffers) of replies still in flight
         self.goodbyes = 0
 
     def serve(self):
@@ -54,12 +54,18 @@ class Server:
             handler(key, array, sender)
             log(self.world.rank, f'{command} key {key} from rank {sender}',
                 0 if array is None else array.nbytes, started)
-            self.sending = [item for item in self.sending if not MPI.Request.Testall(item[0])]
-        for requests, _ in self.sending:
+            self.sending = [item for item in self.sending if not MPI.Request.Testall(item[1])]
+        for _, requests, _ in self.sending:
             MPI.Request.Waitall(requests)
 
     def reply(self, worker, command, key=0, array=None):
-        self.sending.append(send(self.world, worker, command, key, array))
+        self.sending.append((key, *send(self.world, worker, command, key, array)))
+
+    def finish_replies(self, key):
+        """Wait until the values of `key` in flight have left: an update may then overwrite them."""
+        from mpi4py import MPI
+        for requests in [requests for sent, requests, _ in self.sending if sent == key]:
+            MPI.Request.Waitall(requests)
 
     def known(self, key, sender):
         if key not in self.values:
@@ -69,7 +75,7 @@ class Server:
     def on_init(self, key, array, sender):
         if key in self.values:
             raise ProtocolError(f'rank {sender} initialized key id {key} a second time')
-        self.values[key] = np.array(array, device=cpu(0))
+        self.values[key] = from_host(array, cpu(0))
         self.rounds[key], self.pushes[key], self.waiting[key] = 0, [0] * self.num_workers, []
         self.reply(sender, 'ack', key)
 
@@ -83,19 +89,24 @@ class Server:
             return
         round_ = self.pushes[key][sender]
         self.pushes[key][sender] += 1
-        total = self.sums.setdefault((key, round_), [numpy.zeros_like(array), 0])
-        total[0] += array
-        total[1] += 1
+        total = self.sums.get((key, round_))
+        if total is None:           # the received buffer is ours: it starts the sum
+            self.sums[key, round_] = [array, 1]
+        else:
+            total[0] += array
+            total[1] += 1
         while self.sums.get((key, self.rounds[key]), [None, 0])[1] == self.num_workers:
             self.apply(key, self.sums.pop((key, self.rounds[key]))[0])
             self.rounds[key] += 1
         self.answer_waiting_pulls(key)
 
     def apply(self, key, total):
+        """Update `key` with `total`, a buffer this server owns (wrapped, never copied)."""
+        self.finish_replies(key)
         if self.optimizer is None:
-            self.values[key] = np.array(total, device=cpu(0))
+            self.values[key] = from_host(total, cpu(0))
         else:
-            self.optimizer.update(key, self.values[key], np.array(total, device=cpu(0)))
+            self.optimizer.update(key, self.values[key], from_host(total, cpu(0)))
 
     def on_pull(self, key, array, sender):
         self.known(key, sender)
@@ -108,7 +119,7 @@ class Server:
             if self.synchronous and self.pushes[key][worker] > self.rounds[key]:
                 still_waiting.append(worker)
             else:
-                self.reply(worker, 'value', key, self.values[key].asnumpy())
+                self.reply(worker, 'value', key, self.values[key].wait_to_read().data)
         self.waiting[key] = still_waiting
 
     def on_optimizer(self, key, array, sender):

@@ -16,7 +16,7 @@ import sys
 import numpy
 
 from . import autograd, comm, data, nn, np, npx
-from .device import cpu, gpu
+from .device import cpu, gpu, slow_down
 from .optimizer import SGD
 from .models import lenet
 from .trainer import Trainer
@@ -39,6 +39,9 @@ def parse(argv):
     parser.add_argument('--epochs', type=int, default=2)
     parser.add_argument('--work-load-list', help='relative shares of the devices, e.g. 3,1')
     parser.add_argument('--max-examples', type=int, help='train on the first N examples only')
+    parser.add_argument('--slow-down', metavar='DEVICE=FACTOR',
+                        help='run a virtual CPU device FACTOR times slower, to stand for an '
+                             'unequal pair of devices, e.g. cpu1=3')
     parser.add_argument('--seed', type=int, default=0)
     args = parser.parse_args(argv)
     args.devices = devices_from(parser, args)
@@ -47,6 +50,8 @@ def parse(argv):
         if len(args.work_load_list) != len(args.devices):
             parser.error(f'--work-load-list gives {len(args.work_load_list)} shares for '
                          f'{len(args.devices)} devices')
+    if args.slow_down:
+        args.slow_down = slowdown_from(parser, args.slow_down, args.devices)
     for name in ('batch_size', 'epochs', 'max_examples'):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f'--{name.replace("_", "-")} must be 1 or more')
@@ -63,6 +68,22 @@ def devices_from(parser, args):
         return [cpu(int(name[3:])) for name in names]
     except ValueError as error:
         parser.error(str(error))
+
+
+def slowdown_from(parser, text, devices):
+    """(device, factor) of a --slow-down value such as cpu1=3."""
+    name, _, factor = text.partition('=')
+    chosen = [device for device in devices if f'{device.kind}{device.index}' == name]
+    try:
+        factor = float(factor)
+    except ValueError:
+        parser.error(f'--slow-down takes DEVICE=FACTOR, e.g. cpu1=3, not {text!r}')
+    if not chosen:
+        parser.error(f'--slow-down names {name!r}, which is not among --devices')
+    if chosen[0].kind != 'cpu' or not factor >= 1:
+        parser.error(f'--slow-down slows a virtual CPU device by a factor of 1 or more, not '
+                     f'{text!r}')
+    return chosen[0], factor
 
 
 def build_net(network):
@@ -133,6 +154,8 @@ def train(args):
     if args.kv_store.startswith('dist'):
         from .kvstore_dist import create_dist
         store = create_dist(args.kv_store)   # a server process serves here and never returns
+    if args.slow_down:
+        slow_down(*args.slow_down)
     np.random.seed(args.seed)
     rank, num_workers = (store.rank, store.num_workers) if store else (0, 1)
     train_iter, test_iter = data.load_data_fashion_mnist(
@@ -164,10 +187,17 @@ def train(args):
         seconds = timer.stop()
         accuracy = evaluate_accuracy_gpus(net, test_iter)
         print(f'epoch {epoch + 1}: test acc {accuracy:.3f}, {seen / seconds:.0f} images/s on '
-              f'{",".join(str(d) for d in args.devices)}, kvstore {updater.type}, '
-              f'{train_iter.dataset_name}, {seen} examples, '
+              f'{",".join(str(d) for d in args.devices)}{slowed(args)}, '
+              f'kvstore {updater.type}, {train_iter.dataset_name}, {seen} examples, '
               f'worker {rank} of {num_workers}', flush=True)
     return accuracy
+
+
+def slowed(args):
+    if not args.slow_down:
+        return ''
+    device, factor = args.slow_down
+    return f' ({device} slowed {factor:g}×)'
 
 
 def main(argv=None):

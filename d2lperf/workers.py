@@ -18,7 +18,7 @@ import time
 import weakref
 
 from .blas import SharedCores
-from .device import cpu
+from .device import cpu, slowdowns
 from .host_memory import keep_freed_memory
 
 COMPUTE, COPY_IN, COPY_OUT = 'compute', 'copy in', 'copy out'
@@ -62,11 +62,35 @@ def synchronize(var):
             event.synchronize()
 
 
+def run_at_speed(device, op):
+    """Run `op` on a CPU device; on one slowed down (`device.slow_down`), also idle for the time
+    the slower device would have taken longer. The idle time is owed and paid in sleeps of a
+    millisecond or more, as the OS cannot sleep for the few microseconds one operation takes."""
+    factor = slowdowns.get(device)
+    if factor is None:
+        op.fn()
+        return
+    start = time.perf_counter()
+    op.fn()
+    owed = idle_owed.get(device, 0.0) + (factor - 1) * (time.perf_counter() - start)
+    if owed >= 1e-3:
+        start = time.perf_counter()
+        time.sleep(owed)
+        owed -= time.perf_counter() - start
+    idle_owed[device] = owed
+
+
+idle_owed = {}          # slowed device -> idle time it still owes (one thread per device)
+
+
 def run_now(op):
     """Run `op` on the caller's thread and wait for it, on a GPU too: the naive engine's way."""
     device = running.device = op.device
-    if device is None or device.kind == 'cpu':
+    if device is None:
         op.fn()
+        return
+    if device.kind == 'cpu':
+        run_at_speed(device, op)
         return
     cupy = device.xp
     with cupy.cuda.Device(device.index):
@@ -103,6 +127,8 @@ class Worker:
         if self.device.kind == 'gpu':
             self.stream, self.launch = use_gpu_stream(self.device), self.run_on_stream
             gpu_lanes.append(self.name)
+        elif self.lane == COMPUTE:
+            self.launch = self.run_at_device_speed
         started.set()
         get, cores = self.ready.get, self.cores
         while True:
@@ -139,6 +165,9 @@ class Worker:
         """End the thread once the operations queued before this call have run."""
         self.ready.put(STOP)
         self.thread.join()
+
+    def run_at_device_speed(self, op):
+        run_at_speed(self.device, op)
 
     def run_on_stream(self, op):
         """Launch `op` on this lane's stream: after the kernels that wrote what it reads.

@@ -45,8 +45,17 @@ def test_dist_sync_workers_hold_the_same_weights(tmp_path):
     (['--devices', 'cpu0,cpu1', '--work-load-list', '1'], '1 shares for 2 devices'),
     (['--batch-size', '0'], '--batch-size must be 1 or more'),
     (['--kv-store', 'nccl'], 'invalid choice'),
+    (['--devices', 'cpu0,cpu1', '--slow-down', 'cpu2=3'], 'not among --devices'),
+    (['--devices', 'cpu0,cpu1', '--slow-down', 'cpu1=0.5'], 'factor of 1 or more'),
+    (['--slow-down', 'cpu0'], 'DEVICE=FACTOR'),
 ])
 def test_bad_arguments_are_refused(argv, message, capsys):
     with pytest.raises(SystemExit):
         train_mnist.parse(argv)
     assert message in capsys.readouterr().err
+
+
+def test_slow_down_names_a_device_and_its_factor():
+    args = train_mnist.parse(['--devices', 'cpu0,cpu1', '--slow-down', 'cpu1=3'])
+    assert args.slow_down == (train_mnist.cpu(1), 3.0)
+    assert train_mnist.slowed(args) == ' (cpu(1) slowed 3×)'

@@ -6,8 +6,10 @@ program must respect every dependency: no operation starts before the operations
 on have ended. Overlap is checked with gates, not timings: an operation held on one worker
 must not stop an independent one on another worker.
 """
+import re
 import sys
 import threading
+import time
 
 import numpy
 import pytest
@@ -369,3 +371,66 @@ def test_a_conv_net_trains_the_same_on_a_fake_gpu_as_on_the_cpu(fake_gpus, hybri
                                            if p.grad_req != 'null'])
     for cpu, gpu in zip(*results):
         numpy.testing.assert_allclose(gpu, cpu, rtol=1e-5, atol=1e-6)
+
+
+# -- a virtual device slowed down, to stand for an unequal pair ---------------------------------
+
+class FakeClock:
+    """perf_counter and sleep of a clock that moves only when told to."""
+
+    def __init__(self):
+        self.now, self.slept = 0.0, []
+
+    def perf_counter(self):
+        return self.now
+
+    def sleep(self, seconds):
+        if seconds == 0:                  # an engine thread yielding the GIL (PoliteLock)
+            time.sleep(0)
+            return
+        self.slept.append(round(seconds, 9))
+        self.now += seconds
+
+
+class TimedOp:
+    def __init__(self, clock, seconds):
+        self.fn = lambda: setattr(clock, 'now', clock.now + seconds)
+
+
+def test_a_slowed_device_idles_factor_minus_one_times_each_operation(monkeypatch):
+    from d2lperf import workers
+    clock = FakeClock()
+    monkeypatch.setattr(workers, 'time', clock)
+    monkeypatch.setattr(workers, 'idle_owed', {})
+    device_module.slow_down(d2l.cpu(7), 3)
+    try:
+        for _ in range(4):                      # 0.4 ms each: 0.8 ms owed after each
+            workers.run_at_speed(d2l.cpu(7), TimedOp(clock, 4e-4))
+        workers.run_at_speed(d2l.cpu(6), TimedOp(clock, 4e-4))      # not slowed
+    finally:
+        device_module.slow_down(d2l.cpu(7), 1)
+    # Owed time is paid in sleeps of a millisecond or more: after the 2nd and 4th operation.
+    assert clock.slept == [1.6e-3, 1.6e-3]
+    assert clock.now == pytest.approx(4 * 4e-4 * 3 + 4e-4)
+    assert d2l.cpu(7) not in device_module.slowdowns
+
+
+def test_a_slowed_device_computes_the_same_values():
+    x = numpy.arange(12.0, dtype=numpy.float32).reshape(3, 4)
+    device_module.slow_down(CPU1, 2)
+    try:
+        got = (np.array(x, device=CPU1) @ np.array(x.T, device=CPU1) + 1).asnumpy()
+    finally:
+        device_module.slow_down(CPU1, 1)
+    numpy.testing.assert_array_equal(got, x @ x.T + 1)
+
+
+@pytest.mark.parametrize('device, factor, message', [
+    (d2l.gpu(0), 2, 'only a virtual CPU device'),
+    ('cpu1', 2, 'only a virtual CPU device'),
+    (d2l.cpu(1), 0.5, '1 (full speed) or more'),
+    (d2l.cpu(1), float('nan'), '1 (full speed) or more'),
+])
+def test_slow_down_refuses_what_it_cannot_do(device, factor, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        device_module.slow_down(device, factor)
