@@ -363,6 +363,14 @@ def wait_all():
     _engine.wait_all()
 
 
+def wait_to_write(var):
+    """Block until no operation reads or writes `var`, so that code outside the engine (an MPI
+    receive) may fill in its buffer. The caller must not push operations on `var` meanwhile."""
+    done = threading.Event()
+    push(done.set, [], [var], None, 'wait_to_write')
+    done.wait()
+
+
 def in_flight():
     """How many pushed operations have not finished yet (0 for the naive engine)."""
     return _engine.in_flight

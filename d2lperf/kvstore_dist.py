@@ -20,7 +20,7 @@ import zipfile
 
 import numpy
 
-from . import np
+from . import engine, np
 from .ndarray import NDArray, from_host
 from .optimizer import SGD
 from .transport import DTYPES, ProtocolError, key_id, log, receive, send
@@ -114,11 +114,14 @@ class DistKVStore:
             started = time.perf_counter()
             for server in self.servers:
                 self.request(server, 'pull', identity)
-            parts = [self.receive_value(server, identity, shape, dtype)
-                     for server in self.servers]
-            value = (parts[0] if len(parts) == 1 else numpy.concatenate(parts)).reshape(shape)
-            for target in outs:     # the received buffer is ours: wrapped, not copied
-                target[...] = from_host(value, target.device)
+            own = writable_buffer(outs[0], shape, dtype) if len(outs) == 1 else None
+            value = own if own is not None else numpy.empty(shape, dtype)
+            slices = numpy.array_split(value.reshape(-1), len(self.servers))
+            for server, part in zip(self.servers, slices):
+                self.receive_value(server, identity, part)
+            if own is None:          # the received buffer is ours: wrapped, not copied
+                for target in outs:
+                    target[...] = from_host(value, target.device)
             log(self.rank, f'pull key {key!r}', value.nbytes, started)
 
     def pushpull(self, key, value, out=None):
@@ -279,14 +282,15 @@ class DistKVStore:
                                 f'waited for {command!r} for key id {identity}')
         return key, array
 
-    def receive_value(self, server, identity, shape, dtype):
-        each, extra = divmod(int(numpy.prod(shape)), len(self.servers))
-        expected = (each + (self.servers.index(server) < extra),)   # numpy.array_split's
-        _, value = self.expect(server, 'value', identity)
-        if value is None or value.shape != expected or value.dtype != dtype:
+    def receive_value(self, server, identity, part):
+        """Receive `server`'s slice of a value into `part`, a slice of the pull's buffer."""
+        got, key, value, sender = receive(self.world, server, into=part)
+        if got != 'value' or key != identity:
+            raise ProtocolError(f'rank {sender} answered {got!r} for key id {key}; this worker '
+                                f'waited for a value of key id {identity}')
+        if value is not part:
             raise ProtocolError(f'rank {server} sent {describe(value)} for a slice of shape '
-                                f'{expected} {dtype}')
-        return value
+                                f'{part.shape} {part.dtype}')
 
     def receive_states(self, server):
         while True:
@@ -318,6 +322,18 @@ def describe(array):
 
 def host_copy(value):
     return value.asnumpy() if isinstance(value, NDArray) else numpy.asarray(value)
+
+
+def writable_buffer(target, shape, dtype):
+    """The host buffer of `target`, free to be received into, or None where it has none (a GPU
+    array, an output that is not one C-contiguous block)."""
+    if not isinstance(target, NDArray) or target.device.kind != 'cpu':
+        return None
+    target.wait_to_read()                 # raises the failure of what wrote it, if any
+    engine.wait_to_write(target.var)
+    data = target.data
+    fits = data.shape == shape and data.dtype == dtype
+    return data if fits and data.flags.c_contiguous and data.flags.writeable else None
 
 
 def host_view(value):

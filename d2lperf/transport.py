@@ -76,8 +76,11 @@ def send(comm, dest, command, key=0, array=None):
     return requests, (header, payload)       # the buffers must live until the sends finish
 
 
-def receive(comm, source):
-    """(command, key, array or None, sender) of the next message from `source` (or ANY_SOURCE)."""
+def receive(comm, source, into=None):
+    """(command, key, array or None, sender) of the next message from `source` (or ANY_SOURCE).
+
+    The payload lands in `into` where the header's shape and dtype match it (a pull into its
+    output, with no copy after), else in a new array."""
     from mpi4py import MPI
     status = MPI.Status()
     comm.Probe(source=source, tag=HEADER_TAG, status=status)
@@ -97,7 +100,8 @@ def receive(comm, source):
                             f'shape {shape} {dtype}, which takes {expected}')
     array = None
     if dtype is not None:
-        array = numpy.empty(shape, dtype)
+        fits = into is not None and into.shape == tuple(shape) and into.dtype == dtype
+        array = into if fits else numpy.empty(shape, dtype)
         comm.Recv(array, source=sender, tag=PAYLOAD_TAG)
     else:
         comm.Recv(numpy.empty(0, numpy.uint8), source=sender, tag=PAYLOAD_TAG)

@@ -120,6 +120,14 @@ refused(lambda: kv.load_optimizer_states('broken.npz'), ValueError)
 kv.load_optimizer_states('good.npz')
 kv.pushpull('g', d2l.np.array(ones), out=outs[0])
 print('STEP', kv.rank, sorted(set(outs[0].asnumpy().ravel().tolist())))
+out = d2l.np.array(ones * 7)
+queued = out + 0                    # pushed before the pull, which lands in out's own buffer
+buffer = out.wait_to_read().data
+kv.pull('g', out=out)
+transposed = d2l.np.zeros((3, 2)).T     # not one C-contiguous block: received, then copied
+kv.pull('g', out=transposed)
+print('INPLACE', kv.rank, out.data is buffer, sorted(set(queued.asnumpy().ravel().tolist())),
+      sorted(set(out.asnumpy().ravel().tolist())), transposed.asnumpy().tolist())
 '''
 
 
@@ -137,3 +145,7 @@ def test_store_rules_and_refusals(tmp_path):
     # loaded momentum 1: m = 0.5·1 − 0.5·(1 + 1) = −0.5, weight 6 − 0.5 = 5.5
     assert result.lines('STEP') == [
         'STEP 0 [5.5]', 'STEP 1 [5.5]']
+    # a lone host output receives in place, after what was queued on it read the old values
+    assert result.lines('INPLACE') == [
+        f'INPLACE {rank} True [7.0] [5.5] [[5.5, 5.5, 5.5], [5.5, 5.5, 5.5]]'
+        for rank in (0, 1)]

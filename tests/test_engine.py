@@ -144,6 +144,20 @@ def test_wait_for_does_not_wait_for_other_vars():
     engine.wait_for(busy)
 
 
+def test_wait_to_write_waits_for_the_readers_too():
+    var, log = engine.Var(), []
+    engine.push(lambda: log.append('write'), [], [var], CPU0, 'write')
+    for device in (CPU0, CPU1):
+        engine.push(lambda: (time.sleep(0.05), log.append('read')), [var], [], device, 'read')
+    engine.wait_to_write(var)
+    assert log == ['write', 'read', 'read']
+    later = []
+    engine.push(lambda: later.append('read'), [var], [], CPU1, 'read')   # the var is free again
+    engine.wait_for(var)
+    engine.wait_all()
+    assert later == ['read']
+
+
 def test_wait_for_an_untouched_var_returns_at_once():
     run_with_timeout(lambda: engine.wait_for(engine.Var()), 5)
 
