@@ -16,7 +16,11 @@ class SharedCores:
 
     While switched on and k > 1 CPU devices compute, the count drops to cores // k, so k
     devices run k products with fewer threads each instead of k × cores threads sharing the
-    cores; when at most one is busy again, the count in force before comes back. It is off
+    cores; once no device is busy, the count in force before comes back. Not as soon as one
+    is left: devices that work in step (data parallelism) each idle for a moment between
+    operations, and giving every thread back then lets the next product of the other device
+    start on all of them, beside this device's own; on 2 cores that made a two-device LeNet
+    step 1.4× slower than keeping the division until both were done. It is off
     by default because on the 2-core machine this course is tested on, dividing made two
     concurrent 1000 × 1000 products about 1.2× slower than letting them share every thread
     (benchmarks/parallel.py).
@@ -69,7 +73,7 @@ class SharedCores:
             if self.saved is None:
                 self.saved = self.get()
             self.set(max(1, min(self.saved, self.cores // self.busy)))
-        elif self.saved is not None:
+        elif not self.busy and self.saved is not None:
             self.set(self.saved)
             self.saved = self.current = None
 

@@ -205,6 +205,18 @@ def test_busy_devices_divide_the_threads_and_give_them_back(cores, threads, busy
     assert blas.threads == threads and shared_cores.busy == 0
 
 
+def test_the_division_lasts_until_no_device_is_busy():
+    shared_cores, blas = shared(2, 2)
+    shared_cores.enter()
+    shared_cores.enter()
+    shared_cores.leave()                 # one device waits for its next operation
+    assert blas.threads == 1             # the other's products do not get every thread
+    shared_cores.enter()
+    shared_cores.leave()
+    shared_cores.leave()
+    assert blas.threads == 2 and blas.history == [1, 2]
+
+
 def test_an_unchanged_count_is_not_set_again():
     shared_cores, blas = shared(2, 2)
     for _ in range(3):
