@@ -219,21 +219,25 @@ def apply(name, *inputs, **attrs):
         raise TypeError(f"operation '{name}' needs at least one NDArray input")
     device = arrays[0].device if len(arrays) == 1 else common_device(name, arrays)
     shape, dtype = infer(op, inputs, attrs)
-    out = NDArray(shape, dtype, device)
     compute, xp = op.compute, device.xp
-    if len(arrays) == len(inputs):
-        def run():
-            out.data = as_array(xp, compute(xp, *[x.data for x in inputs], **attrs))
+    if op.kind == 'view':
+        out = alias(arrays[0], shape, dtype,
+                    lambda data: as_array(xp, compute(xp, data, **attrs)), name)
     else:
-        def run():
-            out.data = as_array(xp, compute(
-                xp, *[x.data if type(x) is NDArray else x for x in inputs], **attrs))
-    if op.writes:
-        written = [inputs[i].var for i in op.writes]
-        engine.push(run, [x.var for x in arrays if x.var not in written], [out.var] + written,
-                    device, name)
-    else:
-        engine.push(run, [x.var for x in arrays], [out.var], device, name)
+        out = NDArray(shape, dtype, device)
+        if len(arrays) == len(inputs):
+            def run():
+                out.data = as_array(xp, compute(xp, *[x.data for x in inputs], **attrs))
+        else:
+            def run():
+                out.data = as_array(xp, compute(
+                    xp, *[x.data if type(x) is NDArray else x for x in inputs], **attrs))
+        if op.writes:
+            written = [inputs[i].var for i in op.writes]
+            engine.push(run, [x.var for x in arrays if x.var not in written],
+                        [out.var] + written, device, name)
+        else:
+            engine.push(run, [x.var for x in arrays], [out.var], device, name)
     if TAPE.recording and any(map(needs_grad, arrays)):
         out.node = TapeNode(op, inputs, attrs)
     return out
@@ -269,7 +273,10 @@ def update_in_place(target, name, other):
 
 def reads_besides(target, source):
     """What an update of `target` reads: `source`'s variable, unless it is target's own
-    (`x += x`, or a view of x): an operation never both reads and writes one variable."""
+    (`x += x`, `x += x.T`, `v[:] = x[0]` for a view v of x): an operation never both reads
+    and writes one variable, and the write already orders it. Overlapping memory is then
+    NumPy's (and CuPy's) to handle: their ufuncs and assignments copy an input that overlaps
+    the output before writing."""
     if isinstance(source, NDArray) and source.var is not target.var:
         return [source.var]
     return []
@@ -286,19 +293,30 @@ def check_basic_key(key):
     return key
 
 
+def alias(base, shape, dtype, make, name):
+    """An array whose data `make(base.data)` may share base's memory: it gets base's engine
+    variable, so every write through either array is ordered with every read of the other.
+
+    Sharing is safe whether or not `make` copies (NumPy's reshape copies a non-contiguous
+    array): the engine then orders a little more than it must, never less. Filling the alias
+    in counts as a write of the shared variable, so that its readers, queued on that same
+    variable, run only once its `data` exists."""
+    out = NDArray(shape, dtype, base.device, base.var)
+
+    def run():
+        out.data = make(base.data)
+    engine.push(run, [], [base.var], base.device, name)
+    return out
+
+
 def view(base, key):
     """`base[key]`: a view that shares base's memory and so its engine variable."""
     check_basic_key(key)
-    out = NDArray(index_shape(base.shape, base.dtype, key), base.dtype, base.device, base.var)
-
     element_key = key if isinstance(key, tuple) else (key,)
     if Ellipsis not in element_key:
         element_key += (Ellipsis,)      # x[1, 2, ...] is a 0-d view; x[1, 2] a copied scalar
-
-    def run():
-        out.data = base.data[element_key]
-    # Filling in the view counts as a write of the shared variable: it orders with both.
-    engine.push(run, [], [base.var], base.device, 'view')
+    out = alias(base, index_shape(base.shape, base.dtype, key), base.dtype,
+                lambda data: data[element_key], 'view')
     if TAPE.recording and needs_grad(base):
         out.node = TapeNode(REGISTRY['getitem'], (base,), {'key': key})
     return out

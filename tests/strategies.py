@@ -247,11 +247,15 @@ _span = st.tuples(st.integers(0, SHAPE[0] - 1), st.integers(1, SHAPE[0])).map(
     lambda t: (min(t), max(t)) if t[0] != t[1] else (t[0] - 1, t[1]) if t[0] else (0, 1))
 _scalar = st.sampled_from([-1.0, 0.5, 2.0, 3.0])
 _update_op = st.sampled_from(['+=', '-=', '*='])
+_view_shape = st.sampled_from([(16,), (2, 8), (8, 2), (2, 2, 4), (4, 4)])
+_view_of_view = st.sampled_from(['T', 'flat', 'head', 'reversed'])
 
 
 def programs(device_count=2):
     """(a device index per named array, instructions): arithmetic, in-place updates, slice
-    assignments, views and updates through them, products, and copies between devices."""
+    assignments, views (indexing, reshape, transpose, views of views) and updates and
+    assignments through them, updates that read their own target through a view, products,
+    and copies between devices."""
     device = st.integers(0, device_count - 1)
     instructions = st.one_of(
         st.tuples(st.just('binary'), _name, _name, _name,
@@ -269,6 +273,13 @@ def programs(device_count=2):
         st.tuples(st.just('view_update'), _slot, _update_op, _scalar),
         st.tuples(st.just('view_update_row'), _slot, _name, _row),
         st.tuples(st.just('view_fill'), _slot, _scalar),
+        st.tuples(st.just('reshape_view'), _slot, _name, _view_shape),
+        st.tuples(st.just('transpose_view'), _slot, _name),
+        st.tuples(st.just('view_of_view'), _slot, _slot, _view_of_view),
+        st.tuples(st.just('view_update_from'), _slot, _update_op, _name),
+        st.tuples(st.just('view_set_from'), _slot, _name),
+        st.tuples(st.just('update_from_own_view'), _name, _update_op,
+                  st.sampled_from(['T', 'reversed'])),
         st.tuples(st.just('move'), _name, _name, device),
         st.tuples(st.just('snapshot'), _name, device),
         st.tuples(st.just('snapshot_sum'), _name, st.sampled_from([None, 0, 1])),
@@ -397,13 +408,44 @@ class Interpreter:
             update_in_place(self.views[slot], op, scalar)
 
     def do_view_update_row(self, slot, src, j):
-        if slot in self.views:
-            view = self.views[slot]
+        """`view += a row`, for views whose rows are as long (a row broadcasts over them)."""
+        view = self.views.get(slot)
+        if view is not None and view.shape[-1:] == SHAPE[1:]:
             view += self.be.on(self.arrays[src][j], view)
 
     def do_view_fill(self, slot, scalar):
         if slot in self.views:
             self.views[slot][:] = scalar
+
+    def do_reshape_view(self, slot, base, shape):
+        self.views[slot] = self.arrays[base].reshape(shape)
+
+    def do_transpose_view(self, slot, base):
+        self.views[slot] = self.arrays[base].T
+
+    def do_view_of_view(self, slot, source, how):
+        if source in self.views:
+            self.views[slot] = view_of(self.views[source], how)
+
+    def do_view_update_from(self, slot, op, src):
+        if slot in self.views:
+            view = self.views[slot]
+            update_in_place(view, op, self.shaped_like(view, src))
+
+    def do_view_set_from(self, slot, src):
+        if slot in self.views:
+            view = self.views[slot]
+            view[...] = self.shaped_like(view, src)
+
+    def do_update_from_own_view(self, name, op, how):
+        """`x op= x.T` and the like: an update that reads memory it writes."""
+        target = self.arrays[name]
+        update_in_place(target, op, view_of(target, how).reshape(target.shape))
+
+    def shaped_like(self, view, src):
+        """The first values of `src`, through views of it, shaped like `view`."""
+        flat = self.be.on(self.arrays[src], view).reshape(-1)
+        return flat[:view.size].reshape(view.shape)
 
     def do_move(self, dst, src, device):
         self.arrays[dst] = self.be.move(self.arrays[src], device)
@@ -417,6 +459,18 @@ class Interpreter:
     def do_snapshot_view(self, slot):
         if slot in self.views:
             self.snapshots.append(self.views[slot].copy())
+
+
+def view_of(x, how):
+    """A view of a view (or, where NumPy's layout rules say so, a copy), the same way on
+    NumPy and on d2lperf."""
+    if how == 'T':
+        return x.T
+    if how == 'flat':
+        return x.reshape(-1)
+    if how == 'head':
+        return x[:1]
+    return x.reshape(-1)[::-1]
 
 
 def update_in_place(target, op, value):

@@ -179,11 +179,26 @@ def generate(graph, plan, xp, fused_kernel=None, copy_outputs=True):
     for index, node in enumerate(graph.nodes):
         if node.kind not in ARGUMENT_KINDS and node.kind != 'constant':
             emit_node(w, index, node, plan.slots.get(node), fused_kernel)
-    results = [w.names[n] + ('.copy()' if copy_outputs and (
-        n not in plan.slots or plan.slots[n].kind == 'buffer') else '') for n in graph.outputs]
+    results = [w.names[n] + ('.copy()' if copy else '')
+               for n, copy in zip(graph.outputs, outputs_to_copy(graph, plan, copy_outputs))]
     w.emit(f'return ({", ".join(results)},)')
     source = f'def forward({", ".join(arguments)}):\n' + '\n'.join(w.lines) + '\n'
     return Program(source, w.namespace, describe(graph, arguments, plan), w.kernels)
+
+
+def outputs_to_copy(graph, plan, copy_outputs=True):
+    """Which outputs the program must copy: every output is an array of its own, which the
+    caller may keep and write into. One kept in a workspace buffer (or a view of one) would
+    be overwritten by the next call; one that is an argument, a constant or a view of them
+    would share their memory; one whose slot an earlier output already returns (`y, y` or
+    `y, y.T`) would share that output's."""
+    copies, returned = [], []
+    for node in graph.outputs:
+        slot = plan.slots.get(node)
+        shared = slot is None or slot.kind == 'buffer' or any(s is slot for s in returned)
+        copies.append(copy_outputs and shared)
+        returned.append(slot)
+    return copies
 
 
 def describe(graph, arguments, plan):

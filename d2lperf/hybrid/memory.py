@@ -4,8 +4,11 @@ The generated code computes into buffers allocated once, when the program is com
 on every call. A buffer is reused as soon as every value stored in it is dead (its lifetime
 does not overlap the next value's), and an elementwise step writes over its input when that
 input dies at this very step (in place). Outputs get a fresh array on every call: the caller
-keeps them. Values an operation allocates by itself (a sum, say) are "owned"; reshapes are
-views that keep their source's buffer alive. Taught in "Compilers and Interpreters".
+keeps them. Values an operation allocates by itself (a sum, say) are "owned"; reshapes and
+transposes are views that keep their source's buffer alive, and a buffer read through a
+view in a step is never written over in that step. An output that may share memory with a
+buffer, an argument or another output is copied (`codegen.outputs_to_copy`,
+`aliased_outputs`). Taught in "Compilers and Interpreters".
 """
 import math
 
@@ -83,7 +86,10 @@ def last_uses(graph):
 
 
 def _in_place_source(node, index, plan):
-    """An input of `node` that dies at `node` and has its shape and dtype, or None."""
+    """An input of `node` that dies at `node` and has its shape and dtype, or None.
+
+    Its buffer must be read through no other name in this step: a view of it (`a.T` in
+    `a * 2 + a.T`) read later in a fused chain would see the values written over it."""
     step = first_step(node)
     if step.op_kind != 'elementwise':
         return None
@@ -92,9 +98,35 @@ def _in_place_source(node, index, plan):
         slot = plan.slots.get(x)
         if (slot is not None and slot.kind != 'fresh' and slot.free_at <= index
                 and x.shape == node.shape and x.dtype == node.dtype and x not in later
-                and x.op_kind != 'view'):
+                and x.op_kind != 'view' and not _read_elsewhere(node, x, slot, plan)):
             return x
     return None
+
+
+def _read_elsewhere(node, x, slot, plan):
+    """Does `node` read `slot` through some input other than `x` (a view sharing it)?"""
+    steps = node.body if node.kind == 'fused' else [node]
+    return any(plan.slots.get(y) is slot for step in steps for y in step.input_nodes()
+               if y is not x)
+
+
+def viewed_value(node):
+    """The value `node` is a view of (following views of views), or `node` itself."""
+    while node.kind == 'call' and node.op_kind == 'view':
+        node = node.inputs[0]
+    return node
+
+
+def aliased_outputs(graph):
+    """For each output, whether it may share memory with an argument or an earlier output
+    (`return x.T`, `return y, y.reshape(-1)`): the reference interpreter returns NumPy's
+    views as they are, so a caller that hands out arrays must copy these."""
+    seen, aliased = set(), []
+    for node in graph.outputs:
+        root = viewed_value(node)
+        aliased.append(root.kind in ARGUMENT_KINDS or root in seen)
+        seen.add(root)
+    return aliased
 
 
 def _free_buffer(plan, node, index):

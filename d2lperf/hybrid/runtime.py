@@ -15,7 +15,7 @@ from ..ops import REGISTRY, Op
 from ..tape import TAPE, TapeNode
 from .codegen import generate
 from .graph import Node, evaluate, gradients
-from .memory import plan_memory
+from .memory import aliased_outputs, plan_memory
 from .passes import fuse_elementwise, simplify
 from .trace import trace
 
@@ -43,7 +43,9 @@ class Executable:
         self.param_arrays, self.recording = param_arrays, recording
         self.simplified = simplify(traced)      # one op per node: export and autograd use it
         self.graph = fuse_elementwise(self.simplified)
-        if not recording:
+        if recording:
+            self.aliased = aliased_outputs(self.simplified)
+        else:
             self.plan = plan_memory(self.graph)
             self.program = build_program(self.graph, self.plan, device)
             self.runner = self.program.runner
@@ -94,11 +96,12 @@ class Executable:
         arrays = args + self.params()
         graph, xp, saved = self.simplified, self.device.xp, {}
         outs = [NDArray(s, d, self.device) for s, d in self.output_types]
+        aliased = self.aliased
 
         def run():
             results, saved['values'] = evaluate(graph, xp, [a.data for a in arrays], keep=True)
-            for out, value in zip(outs, results):
-                out.data = value
+            for out, value, shared in zip(outs, results, aliased):
+                out.data = value.copy() if shared else value       # each output its own
         engine.push(run, [a.var for a in args] + self._param_vars,
                     [o.var for o in outs] + self._written_vars, self.device,
                     f'{self.name}_recorded')

@@ -15,7 +15,9 @@ the one place the kinds are defined:
     compare      elementwise, but the result is boolean: written into a buffer, never fused
     contraction  a product (matmul, dot, a dense layer): written into a buffer, and may head
                  a fused chain of elementwise ops, never sit inside one
-    view         the result shares the input's memory (reshape, transpose)
+    view         the result may share the input's memory (reshape, transpose): the engine
+                 gives it the input's variable, the memory plan keeps the input's buffer
+                 alive while it lives, and a compiled program copies it before returning it
     reduction    fewer values out than in (sum, max, ...): allocates its own result
     random       the result is not a function of the inputs: never merged, never folded
     opaque       anything else: the compiler calls `compute` as it is and never fuses it

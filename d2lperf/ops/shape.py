@@ -1,7 +1,15 @@
 """Shapes, copies and selection: reshape, transpose, broadcast, cast, copy, index, join, where.
 
-`reshape` and `transpose` are views (their result shares the input's memory); the rest make
-new arrays. Each gradient puts the output's gradient back where its values came from.
+`reshape` and `transpose` are views, as in NumPy and MXNet: no data moves, and a write
+through the result changes the input (`x.reshape(2, 2)[:] = 0` zeroes x). Because the two
+arrays share memory, they share one engine variable (`ndarray.alias`), so the engine orders
+every write through either with every read of the other. Sharing was chosen over copying
+because a view is free (flattening before a Dense layer moves nothing) and keeps NumPy's
+meaning; where NumPy must copy instead (reshaping a non-contiguous array), the shared
+variable only orders a little more than needed. Indexing is a view too (`ndarray.view`);
+`getitem` here is the op the tape and the compiler use for it, and copies. Every other op
+in this file makes a new array (`astype` copies even to the same dtype). Each gradient puts
+the output's gradient back where its values came from. Taught in "Asynchronous Computation".
 """
 import numpy
 
