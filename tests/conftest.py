@@ -2,7 +2,7 @@
 
 Tests of the engine leave it as they found it: the threaded engine, no bound on operations
 in flight, no error waiting to surface at the next `wait_all`. `engine_kind` runs a test once
-under each engine.
+under each engine; `fake_gpus` gives a test two GPUs backed by NumPy (tests/fakes/cupy.py).
 """
 import subprocess
 import sys
@@ -11,7 +11,10 @@ import threading
 
 import pytest
 
-from d2lperf import engine
+import d2lperf as d2l
+from d2lperf import device as device_module, engine
+from d2lperf.ops import random as random_module
+from fakes import cupy as fake_cupy
 
 
 def drain_engine():
@@ -71,3 +74,19 @@ def run_in_subprocess(code, seconds=30):
         pytest.fail(f'the program did not finish in {seconds} s (deadlock):\n{code}')
     assert done.returncode == 0, done.stderr
     return done.stdout
+
+
+@pytest.fixture
+def fake_gpus(monkeypatch):
+    """Two 'GPUs' backed by NumPy (tests/fakes/cupy.py), on a fresh engine, for one test."""
+    if d2l.num_gpus():
+        pytest.skip('a real GPU is here: the tests marked needs_gpu run instead')
+    monkeypatch.setitem(sys.modules, 'cupy', fake_cupy.make_module(gpus=2))
+    monkeypatch.setattr(random_module, 'generators', {})
+    device_module._cupy.cache_clear()
+    device_module.num_gpus.cache_clear()
+    engine.use('threaded')            # workers made here (with fake streams) end with the test
+    yield
+    engine.use('threaded')
+    device_module._cupy.cache_clear()
+    device_module.num_gpus.cache_clear()

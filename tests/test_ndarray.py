@@ -1,7 +1,8 @@
 """Tests of NDArray, d2lperf.np and d2lperf.ops: values, shapes, dtypes, devices, ordering.
 
 The ordering property runs random programs (reads, writes, in-place updates, slice
-assignments, views, copies across cpu(0) and cpu(1)) once on d2lperf and once sequentially
+assignments, views by indexing, reshape and transpose and writes through them, copies
+across cpu(0) and cpu(1); `strategies.programs`) once on d2lperf and once sequentially
 on NumPy, and compares every array element for element only at the end, so the engine is
 free to reorder whatever it may.
 """

@@ -7,7 +7,6 @@ on have ended. Overlap is checked with gates, not timings: an operation held on 
 must not stop an independent one on another worker.
 """
 import re
-import sys
 import threading
 import time
 
@@ -17,7 +16,6 @@ from hypothesis import given
 
 import d2lperf as d2l
 from d2lperf import autograd, device as device_module, engine, np
-from d2lperf.ops import random as random_module
 from d2lperf.blas import SharedCores
 from d2lperf.workers import COMPUTE, COPY_IN, COPY_OUT, copy_lane
 from fakes import cupy as fake_cupy
@@ -301,22 +299,6 @@ def test_a_gpu_copy_overlaps_a_held_cpu_and_gpu_compute_lane():
 # -- the GPU paths, on a stand-in for CuPy where there is no GPU --------------------------------
 
 FAKE_DEVICES = [CPU0, CPU1, d2l.gpu(0), d2l.gpu(1)]
-
-
-@pytest.fixture
-def fake_gpus(monkeypatch):
-    """Two 'GPUs' backed by NumPy (tests/fakes/cupy.py), on a fresh engine, for one test."""
-    if d2l.num_gpus():
-        pytest.skip('a real GPU is here: the tests marked needs_gpu run instead')
-    monkeypatch.setitem(sys.modules, 'cupy', fake_cupy.make_module(gpus=2))
-    monkeypatch.setattr(random_module, 'generators', {})
-    device_module._cupy.cache_clear()
-    device_module.num_gpus.cache_clear()
-    engine.use('threaded')            # workers made here (with fake streams) end with the test
-    yield
-    engine.use('threaded')
-    device_module._cupy.cache_clear()
-    device_module.num_gpus.cache_clear()
 
 
 @pytest.mark.filterwarnings('ignore::RuntimeWarning')
