@@ -1,4 +1,5 @@
 """The distributed key-value store in real MPI jobs of at most 4 processes on this host."""
+import json
 import re
 
 import numpy
@@ -149,3 +150,46 @@ def test_store_rules_and_refusals(tmp_path):
     assert result.lines('INPLACE') == [
         f'INPLACE {rank} True [7.0] [5.5] [[5.5, 5.5, 5.5], [5.5, 5.5, 5.5]]'
         for rank in (0, 1)]
+
+
+PULL_INTO_VIEWS = '''
+import json, threading, time, numpy, d2lperf as d2l
+from d2lperf.kvstore_dist import create_dist
+kv = create_dist('dist_sync')
+value = numpy.arange(12, dtype=numpy.float32).reshape(3, 4)
+kv.init('w', d2l.np.array(value))
+flat = d2l.np.ones(12)
+flat.wait_to_read()
+gate, seen = threading.Event(), {}
+
+def slow_read():                            # queued before the pull: must see the old values
+    gate.wait(30)
+    seen['before'] = flat.data.tolist()
+
+def open_once_the_pull_waits():             # for the reader, on the base's own variable
+    deadline = time.monotonic() + 10
+    while not flat.var.pending and time.monotonic() < deadline:
+        time.sleep(0.001)
+    gate.set()
+
+d2l.engine.push(slow_read, [flat.var], [], d2l.cpu(1), 'slow_read')
+threading.Thread(target=open_once_the_pull_waits, daemon=True).start()
+kv.pull('w', out=flat.reshape(3, 4))        # one C-contiguous view: received in place
+d2l.npx.waitall()
+before, after = d2l.np.array(seen['before']), flat + 0
+rows = d2l.np.ones((5, 4))
+kv.pull('w', out=rows[1:4])                 # rows of a bigger array
+wide = d2l.np.ones((4, 3))
+kv.pull('w', out=wide.T)                    # not one C-contiguous block: received, then copied
+print('VIEWS', kv.rank, json.dumps([a.asnumpy().tolist() for a in (before, after, rows, wide)]))
+'''
+
+
+def test_a_pull_into_a_view_writes_its_base(tmp_path):
+    result = run_program(tmp_path, PULL_INTO_VIEWS, 3, D2LPERF_NUM_SERVERS=1)  # 2 workers
+    assert result.returncode == 0, result.report()
+    value = numpy.arange(12.0).reshape(3, 4)
+    rows = numpy.ones((5, 4))
+    rows[1:4] = value
+    expected = json.dumps([[1.0] * 12, value.ravel().tolist(), rows.tolist(), value.T.tolist()])
+    assert result.lines('VIEWS') == [f'VIEWS {rank} {expected}' for rank in (0, 1)]
