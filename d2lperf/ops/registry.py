@@ -17,7 +17,8 @@ the one place the kinds are defined:
                  a fused chain of elementwise ops, never sit inside one
     view         the result may share the input's memory (reshape, transpose): the engine
                  gives it the input's variable, the memory plan keeps the input's buffer
-                 alive while it lives, and a compiled program copies it before returning it
+                 alive while it lives, and a compiled program returns a copy of it where it
+                 would share memory with an argument, a workspace buffer or another output
     reduction    fewer values out than in (sum, max, ...): allocates its own result
     random       the result is not a function of the inputs: never merged, never folded
     opaque       anything else: the compiler calls `compute` as it is and never fuses it
