@@ -86,10 +86,9 @@ class Server:
         """Refuse a message from a rank that is not a worker (workers are ranks 0 to W-1)."""
         if not 0 <= sender < self.num_workers:
             raise ProtocolError(
-                f'rank {sender} sent {command!r}, but it is not a worker: this server counts '
-                f'{self.num_workers} workers (ranks 0 to {self.num_workers - 1}). Every rank '
-                'must see the same D2LPERF_NUM_SERVERS: start the job with python -m '
-                'd2lperf.launch -s SERVERS')
+                f"rank {sender} sent {command!r}, but it is not a worker: this server's "
+                f'workers are ranks 0 to {self.num_workers - 1}. Every rank must see the same '
+                'D2LPERF_NUM_SERVERS: start the job with python -m d2lperf.launch -s SERVERS')
 
     def known(self, key, sender, command):
         """The key's chunk, after checking that a worker sent `command` for a known key."""

@@ -62,8 +62,8 @@ def test_the_forger_speaks_the_protocol(tmp_path):
 
 
 @pytest.mark.parametrize('case, refusal', [
-    ('push', "rank 1 sent 'push', but it is not a worker: this server counts 1 workers "
-             '(ranks 0 to 0). Every rank must see the same D2LPERF_NUM_SERVERS'),
+    ('push', "rank 1 sent 'push', but it is not a worker: this server's workers are ranks "
+             '0 to 0. Every rank must see the same D2LPERF_NUM_SERVERS'),
     ('pull', "rank 1 sent 'pull', but it is not a worker"),
     ('init without a value', 'rank 0 sent init of key id {v} without a value'),
     ('state of a wrong size', 'rank 0 sent an optimizer state of shape (3,) float32 for key '
