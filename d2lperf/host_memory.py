@@ -8,25 +8,30 @@ Training section of benchmarks/RESULTS.md says what that cost a LeNet step). MXN
 freed CPU memory in a pool (its pooled storage manager) for the same reason. Here three
 `mallopt` settings make glibc do it: one heap for every thread (no per-thread arenas whose
 heaps come and go), no block served by `mmap`, and no trimming. The price: the process keeps
-its peak heap until it exits. Only glibc has `mallopt`; elsewhere this does nothing. The
-engine's workers ask for it when they are imported, before any of their threads allocates.
+its peak heap until it exits. Only glibc has `mallopt`; elsewhere this does nothing.
+
+The setting belongs to the process that runs the work, so it is made in one place, once: when
+the engine starts its first worker thread (`workers.Workers.start`; the naive engine, when it
+runs its first operation), before any of those threads allocates. Importing d2lperf leaves
+the C library as it was. A distributed job gets it the same way, in every rank whose engine
+starts: MPICH's and NumPy's buffers for a large message are such blocks too, allocated afresh
+for each transfer (RESULTS.md, "Allocator settings", measured what keeping them saves).
 """
 import ctypes
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8
 NEVER = 1 << 30         # bytes: larger than any block a chapter frees
 
+kept = None             # keep_freed_memory's answer once asked (None: the C library untouched)
+
 
 def keep_freed_memory():
-    """Ask the C library to keep freed blocks for reuse; True if it took every setting."""
-    try:
-        mallopt = ctypes.CDLL(None).mallopt      # the C library this process already uses
-    except (OSError, AttributeError):            # not glibc (macOS, Windows)
-        return False
-    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-    settings = ((M_ARENA_MAX, 1), (M_MMAP_THRESHOLD, NEVER), (M_TRIM_THRESHOLD, NEVER))
-    return all([mallopt(option, value) == 1 for option, value in settings])
-
+    """Ask the C library to keep freed blocks for reuse, once a process; True if it took
+    every setting (the answer of the first call, which made the settings)."""
+    global kept
+    if kept is None:
+        kept = _set((M_ARENA_MAX, 1), (M_MMAP_THRESHOLD, NEVER), (M_TRIM_THRESHOLD, NEVER))
+    return kept
 
 
 def returning_freed_memory():
@@ -40,6 +45,7 @@ class _Thresholds:
     DEFAULT = 128 * 1024         # glibc's starting mmap and trim thresholds, in bytes
 
     def __enter__(self):
+        keep_freed_memory()      # decided now, so an engine starting inside cannot undo this
         _set((M_MMAP_THRESHOLD, self.DEFAULT), (M_TRIM_THRESHOLD, self.DEFAULT))
         _trim()
 
@@ -48,13 +54,13 @@ class _Thresholds:
 
 
 def _set(*settings):
+    """mallopt each (option, value); True if the C library took them all."""
     try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return
+        mallopt = ctypes.CDLL(None).mallopt      # the C library this process already uses
+    except (OSError, AttributeError):            # not glibc (macOS, Windows)
+        return False
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-    for option, value in settings:
-        mallopt(option, value)
+    return all([mallopt(option, value) == 1 for option, value in settings])
 
 
 def _trim():

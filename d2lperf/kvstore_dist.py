@@ -108,17 +108,21 @@ class DistKVStore:
             log(self.rank, f'push key {key!r}', total.nbytes, started)
 
     def pull(self, key, out):
-        """Copy the stored value of `key` into `out` (an array or a list of them)."""
+        """Copy the stored value of `key` into `out` (an array or a list of them).
+
+        Each output gets the whole value or keeps its own: a refused answer (ProtocolError)
+        never leaves it half-written. With one server the answer is one message, checked
+        before it lands, so it is received straight into a lone host output; with several,
+        their slices land in a buffer of our own, copied out once every slice has arrived."""
         checked = [(key, outs, self.check(key, outs)) for key, outs in pairs(key, out)]
         for key, outs, (identity, shape, dtype) in checked:
             started = time.perf_counter()
             for server in self.servers:
                 self.request(server, 'pull', identity)
-            own = writable_buffer(outs[0], shape, dtype) if len(outs) == 1 else None
+            direct = len(outs) == 1 and len(self.servers) == 1
+            own = writable_buffer(outs[0], shape, dtype) if direct else None
             value = own if own is not None else numpy.empty(shape, dtype)
-            slices = numpy.array_split(value.reshape(-1), len(self.servers))
-            for server, part in zip(self.servers, slices):
-                self.receive_value(server, identity, part)
+            self.receive_slices(identity, value)
             if own is None:          # the received buffer is ours: wrapped, not copied
                 for target in outs:
                     target[...] = from_host(value, target.device)
@@ -282,9 +286,23 @@ class DistKVStore:
                                 f'waited for {command!r} for key id {identity}')
         return key, array
 
+    def receive_slices(self, identity, value):
+        """Every server's slice of `identity` into `value`; after a refused slice the others
+        are still taken, so each channel stays in step, and the first refusal is raised."""
+        slices = numpy.array_split(value.reshape(-1), len(self.servers))
+        refusal = None
+        for server, part in zip(self.servers, slices):
+            try:
+                self.receive_value(server, identity, part)
+            except ProtocolError as error:
+                refusal = refusal or error
+        if refusal is not None:
+            raise refusal
+
     def receive_value(self, server, identity, part):
         """Receive `server`'s slice of a value into `part`, a slice of the pull's buffer."""
-        got, key, value, sender = receive(self.world, server, into=part)
+        got, key, value, sender = receive(self.world, server, into=part,
+                                          for_message=('value', identity))
         if got != 'value' or key != identity:
             raise ProtocolError(f'rank {sender} answered {got!r} for key id {key}; this worker '
                                 f'waited for a value of key id {identity}')

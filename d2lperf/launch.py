@@ -25,16 +25,11 @@ import sys
 import threading
 import time
 
-# glibc returns freed blocks above the mmap threshold (128 KiB, rising to 32 MiB) to the OS,
-# and every new one is page-faulted in and zeroed again; MPICH's and NumPy's buffers for a
-# large message are exactly such blocks, allocated afresh for each transfer. A high threshold
-# keeps them in the heap for the next message (the same reason as `host_memory`).
-ALLOCATOR_ENVIRONMENT = {'MALLOC_MMAP_THRESHOLD_': str(1 << 30),
-                         'MALLOC_TRIM_THRESHOLD_': str(1 << 31)}
 FAILED = 'd2lperf.launch: rank'
 GRACE_SECONDS = 10          # after a rank fails, how long mpiexec gets to end the rest
 TAIL_LINES = 20
 NAME = re.compile(r'[A-Za-z_][A-Za-z0-9_]*\Z')
+HOST = re.compile(r'[A-Za-z0-9][A-Za-z0-9._-]*\Z')     # never an option: no leading '-'
 
 
 def parse(argv):
@@ -64,23 +59,36 @@ def parse(argv):
 
 
 def job_environment(args):
-    """{name: value} every rank gets: the server count, the allocator's, the user's."""
-    environment = {'D2LPERF_NUM_SERVERS': str(args.num_servers), **ALLOCATOR_ENVIRONMENT}
+    """{name: value} every rank gets: the server count and the user's. (How a rank's malloc
+    keeps freed memory is the engine's to set, when it starts: see `host_memory`.)"""
+    environment = {'D2LPERF_NUM_SERVERS': str(args.num_servers)}
     environment.update(item.split('=', 1) for item in args.env)
     return environment
 
 
 def read_hosts(hostfile):
     """The hosts of an MPICH hostfile (`host` or `host:slots` a line), in its order, which
-    is the order of mpiexec's proxies."""
+    is the order of mpiexec's proxies. Each is checked before it reaches an ssh or rsync
+    command line, where a word starting with '-' would be read as an option."""
     hosts = []
-    for line in pathlib.Path(hostfile).read_text().splitlines():
+    lines = pathlib.Path(hostfile).read_text().splitlines()
+    for number, line in enumerate(lines, start=1):
         line = line.strip()
         if line and not line.startswith('#'):
-            hosts.append(line.split(':', 1)[0])
+            hosts.append(checked_host(line, f'{hostfile} line {number}'))
     if not hosts:
         raise SystemExit(f'd2lperf.launch: hostfile {hostfile} names no host')
     return hosts
+
+
+def checked_host(line, where):
+    """The host of a hostfile line `host` or `host:slots`, or SystemExit naming the line."""
+    host, colon, slots = line.partition(':')
+    if not HOST.match(host) or (colon and not slots.isdigit()):
+        raise SystemExit(f'd2lperf.launch: {where}: {line!r} is not `host` or `host:slots`; a '
+                         "host name has letters, digits, '.', '-' and '_' and starts with a "
+                         'letter or digit, slots is a number')
+    return host
 
 
 def mpiexec_command(args, environment):
@@ -105,8 +113,8 @@ def mpiexec_command(args, environment):
 def sync_to_hosts(hosts, destination):
     """Copy this folder to `destination` on every host (rsync over ssh)."""
     for host in dict.fromkeys(hosts):
-        command = ['rsync', '-a', '--exclude', '.git', f'{os.getcwd()}/',
-                   f'{host}:{destination}/']
+        command = ['rsync', '-a', '--protect-args', '--exclude', '.git', f'{os.getcwd()}/',
+                   f'{host}:{destination}/']     # the remote path is not split by its shell
         if subprocess.run(command).returncode != 0:
             raise SystemExit(f'd2lperf.launch: copying {os.getcwd()} to {host}:{destination} '
                              f'failed ({shlex.join(command)})')

@@ -5,6 +5,8 @@ that holds the weight, or on a server process. What the update is lives here, so
 store applies the same rule. An optimizer keeps one state per key (SGD's momentum); the states
 travel as plain NumPy arrays, so a store saves them to `.npz` and never to pickle.
 """
+import math
+
 import numpy
 
 from . import np
@@ -15,13 +17,15 @@ class SGD:
 
     g = rescale_grad · grad + wd · weight;  momentum m ← momentum · m − learning_rate · g;
     weight ← weight + m. Without momentum: weight ← weight − learning_rate · g.
+
+    Works on float16 weights as on any other: the update runs in the weight's dtype (as
+    MXNet's SGD without multi_precision), and the momentum has the weight's dtype.
     """
 
     def __init__(self, learning_rate=0.01, momentum=0.0, wd=0.0, rescale_grad=1.0):
         for name, value in (('learning_rate', learning_rate), ('momentum', momentum),
                             ('wd', wd), ('rescale_grad', rescale_grad)):
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
-                raise ValueError(f'SGD needs a number >= 0 for {name}, not {value!r}')
+            check_setting(name, value)
         if momentum >= 1:
             raise ValueError(f'SGD momentum must be below 1 (or the steps grow without bound), '
                              f'not {momentum}')
@@ -59,6 +63,15 @@ class SGD:
                              'states were saved with')
         self.states = {key: np.array(numpy.asarray(value), device=device_of(key))
                        for key, value in states.items()}
+
+
+def check_setting(name, value):
+    """Refuse a hyperparameter that is not a finite number >= 0: NaN slips through `< 0` (every
+    comparison with NaN is false) and would turn every weight into NaN at the first step."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise ValueError(f'SGD needs a number for {name}, not {value!r}')
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f'SGD needs a finite number >= 0 for {name}, not {value!r}')
 
 
 def create(name, **params):

@@ -18,6 +18,7 @@ import contextlib
 import json
 
 from . import engine
+from .utils import atomic_write
 
 _last = []          # the records of the last profile, for dump() and plot() without arguments
 
@@ -137,9 +138,10 @@ def chrome_trace(records=None):
 
 
 def dump(path='trace.json', records=None):
-    """Write the profile as a Chrome trace (open it in Perfetto or chrome://tracing)."""
-    with open(path, 'w') as f:
-        json.dump(chrome_trace(records), f)
+    """Write the profile as a Chrome trace (open it in Perfetto or chrome://tracing),
+    atomically: a reader, or a crash, never sees half a trace."""
+    text = json.dumps(chrome_trace(records))
+    atomic_write(path, lambda file: file.write(text.encode()))
     return path
 
 

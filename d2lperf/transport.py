@@ -28,8 +28,9 @@ import numpy
 COMMANDS = ('init', 'push', 'pull', 'value', 'ack', 'optimizer', 'get_states', 'state',
             'set_state', 'end', 'bye')
 CODE = {name: i for i, name in enumerate(COMMANDS)}
+# A dtype's code is its place here: a new dtype goes at the end, so old codes keep their meaning.
 DTYPES = (numpy.dtype('float32'), numpy.dtype('float64'), numpy.dtype('int32'),
-          numpy.dtype('int64'))
+          numpy.dtype('int64'), numpy.dtype('float16'))
 MAX_DIMS = 8
 HEADER_WORDS = 5 + MAX_DIMS          # command, key, dtype, ndim, dims..., nbytes
 HEADER_TAG, PAYLOAD_TAG = 1, 2
@@ -76,11 +77,12 @@ def send(comm, dest, command, key=0, array=None):
     return requests, (header, payload)       # the buffers must live until the sends finish
 
 
-def receive(comm, source, into=None):
+def receive(comm, source, into=None, for_message=None):
     """(command, key, array or None, sender) of the next message from `source` (or ANY_SOURCE).
 
-    The payload lands in `into` where the header's shape and dtype match it (a pull into its
-    output, with no copy after), else in a new array."""
+    The payload lands in `into` (a pull into its output, with no copy after) only when the
+    header is `for_message`, a (command, key), with `into`'s shape and dtype; anything else
+    lands in a new array, so a message the caller will refuse never overwrites its buffer."""
     from mpi4py import MPI
     status = MPI.Status()
     comm.Probe(source=source, tag=HEADER_TAG, status=status)
@@ -100,7 +102,8 @@ def receive(comm, source, into=None):
                             f'shape {shape} {dtype}, which takes {expected}')
     array = None
     if dtype is not None:
-        fits = into is not None and into.shape == tuple(shape) and into.dtype == dtype
+        fits = (into is not None and (command, key) == for_message
+                and into.shape == tuple(shape) and into.dtype == dtype)
         array = into if fits else numpy.empty(shape, dtype)
         comm.Recv(array, source=sender, tag=PAYLOAD_TAG)
     else:

@@ -36,8 +36,6 @@ def copy_lane(source, target):
     return target, COPY_IN
 
 
-keep_freed_memory()              # before any worker thread allocates (see host_memory)
-
 running = threading.local()      # .device: the device whose operations this thread runs
 
 
@@ -85,6 +83,7 @@ idle_owed = {}          # slowed device -> idle time it still owes (one thread p
 
 def run_now(op):
     """Run `op` on the caller's thread and wait for it, on a GPU too: the naive engine's way."""
+    keep_freed_memory()         # once: the process runs work now (see host_memory)
     device = running.device = op.device
     if device is None:
         op.fn()
@@ -229,6 +228,7 @@ class Workers:
     def start(self, device, lane):
         with self.lock:
             if (device, lane) not in self.lanes:
+                keep_freed_memory()      # once, before the first worker allocates
                 shares_cores = device.kind == 'cpu' and lane == COMPUTE
                 if shares_cores:
                     self.cores.add_device()

@@ -1,6 +1,11 @@
 """Tests of d2lperf.host_memory: a large block freed by one step is reused by the next,
-without a page fault per page (counted by the kernel, not timed)."""
+without a page fault per page (counted by the kernel, not timed); and the setting is made
+once, when the engine starts, never by importing d2lperf."""
+import os
+import pathlib
 import resource
+import subprocess
+import sys
 import threading
 
 import numpy
@@ -9,6 +14,7 @@ import pytest
 from d2lperf import host_memory
 
 MIB = 2**20
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def faults_while(work):
@@ -52,3 +58,47 @@ def test_while_measuring_freed_blocks_go_back_and_after_it_they_are_kept_again()
     one_step()
     kept = faults_while(one_step)
     assert returned > 100 and kept < returned / 10, (returned, kept, pages)
+
+
+MALLOPT_CALLS = '''
+import ctypes, sys
+calls = []
+load = ctypes.CDLL
+
+class Recorded:
+    """The C library, with every mallopt call counted on its way through."""
+    def __init__(self, *args, **kwargs):
+        self.library = load(*args, **kwargs)
+    def __getattr__(self, name):
+        real = getattr(self.library, name)
+        if name != 'mallopt':
+            return real
+        def mallopt(option, value):
+            calls.append(option)
+            return real(option, value)
+        return mallopt
+
+ctypes.CDLL = Recorded
+import d2lperf as d2l
+print('import', len(calls), d2l.host_memory.kept)
+d2l.np.ones(3).wait_to_read()
+print('start', len(calls), d2l.host_memory.kept)
+d2l.np.ones(3, device=d2l.cpu(1)).wait_to_read()
+(d2l.np.ones(3) + 1).wait_to_read()
+print('later', len(calls))
+'''
+
+
+@pytest.mark.parametrize('engine', ['threaded', 'naive'])
+def test_import_leaves_malloc_alone_and_the_engine_start_sets_it_once(engine):
+    env = dict(os.environ, D2LPERF_ENGINE=engine, PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, '-c', MALLOPT_CALLS], capture_output=True,
+                          text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == 'import 0 None'                      # importing changed nothing
+    kept = host_memory.keep_freed_memory()
+    if kept:                                                # glibc: three settings, once
+        assert lines[1:] == ['start 3 True', 'later 3']
+    else:
+        assert lines[1].startswith('start') and lines[1].endswith('False')

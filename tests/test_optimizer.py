@@ -48,7 +48,9 @@ def test_states_round_trip_as_plain_arrays_on_their_device():
 
 @pytest.mark.parametrize('params, words', [
     ({'learning_rate': -1}, 'learning_rate'), ({'momentum': 1.0}, 'below 1'),
-    ({'wd': 'x'}, 'wd')])
+    ({'wd': 'x'}, 'wd'), ({'learning_rate': float('nan')}, 'finite.*learning_rate.*nan'),
+    ({'momentum': float('nan')}, 'finite.*momentum'), ({'wd': float('inf')}, 'finite.*wd.*inf'),
+    ({'rescale_grad': float('-inf')}, 'finite.*rescale_grad')])
 def test_bad_hyperparameters_are_named(params, words):
     with pytest.raises(ValueError, match=words):
         optimizer.SGD(**params)
@@ -63,3 +65,31 @@ def test_create_names_what_it_offers():
     assert isinstance(optimizer.create('sgd', learning_rate=0.5), optimizer.SGD)
     with pytest.raises(ValueError, match="'adam'.*sgd"):
         optimizer.create('adam')
+
+
+def float16_sgd(weight, grads, lr, momentum, wd):
+    """MXNet's rule in float16, rounded after every operation as d2lperf's engine computes it."""
+    half = numpy.float16
+    velocity = numpy.zeros_like(weight)
+    for grad in grads:
+        g = grad + half(wd) * weight
+        velocity = velocity * half(momentum) - half(lr) * g
+        weight = weight + velocity
+    return weight, velocity
+
+
+def test_sgd_updates_float16_weights_in_float16():
+    rng = numpy.random.default_rng(3)
+    weight0 = rng.normal(size=(5,)).astype(numpy.float16)
+    grads = [rng.normal(size=(5,)).astype(numpy.float16) for _ in range(3)]
+    sgd = optimizer.SGD(learning_rate=0.1, momentum=0.9, wd=0.01)
+    weight = np.array(weight0)
+    for grad in grads:
+        sgd.update('w', weight, np.array(grad))
+    expected, velocity = float16_sgd(weight0, grads, 0.1, 0.9, 0.01)
+    assert weight.dtype == numpy.float16 and sgd.get_states()['w'].dtype == numpy.float16
+    numpy.testing.assert_array_equal(weight.asnumpy(), expected)
+    numpy.testing.assert_array_equal(sgd.get_states()['w'], velocity)
+    fresh = optimizer.SGD(learning_rate=0.1, momentum=0.9, wd=0.01)
+    fresh.set_states(sgd.get_states(), lambda key: d2l.cpu())
+    assert fresh.states['w'].dtype == numpy.float16

@@ -4,6 +4,7 @@ It reads the engine's own trace, so it is tested through real engine operations;
 arithmetic (busy time, overlap, GPU event alignment) is also tested on records made by hand.
 """
 import json
+import os
 import threading
 import types
 
@@ -140,6 +141,23 @@ def test_dump_without_records_writes_the_last_profile(tmp_path):
         np.ones(2).wait_to_read()
     trace = json.loads(profiler.dump(tmp_path / 't.json').read_text())
     assert [e['name'] for e in trace['traceEvents'] if e['ph'] == 'X'] == ['ones']
+
+
+def test_dump_replaces_a_trace_whole_or_leaves_the_old_one(tmp_path, monkeypatch):
+    with profiler.profile():
+        np.ones(2).wait_to_read()
+    path = profiler.dump(tmp_path / 'trace.json')
+    first = path.read_text()
+
+    def disk_fails(descriptor):
+        raise OSError('disk full')
+    with profiler.profile():
+        (np.ones(2) * 3).wait_to_read()
+    monkeypatch.setattr(os, 'fsync', disk_fails)
+    with pytest.raises(OSError, match='disk full'):
+        profiler.dump(path)
+    assert path.read_text() == first and json.loads(first)['traceEvents']
+    assert [p.name for p in tmp_path.iterdir()] == ['trace.json']          # no leftovers
 
 
 # -- the timeline ------------------------------------------------------------------------------
