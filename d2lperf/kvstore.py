@@ -13,8 +13,12 @@ The distributed stores (`'dist_sync'`, `'dist_device_sync'`, `'dist_async'`) kee
 in server processes; they live in `kvstore_dist`, which needs MPI.
 
 A refused call (unknown key, second init, wrong shape or dtype) raises before anything is
-pushed, so it leaves the store as it was.
+pushed, so it leaves the store as it was. As in MXNet, a store's keys are all ints or all
+strings: the first key decides. Saved optimizer states name each key by `state_name`, the one
+encoding every store writes and reads, so states saved by one store load into another.
 """
+import re
+
 import numpy
 
 from . import comm
@@ -53,30 +57,32 @@ class KVStore:
         self.homed = set()                    # keys whose home is settled ('device')
         self.placed = {}                      # device -> bytes of the values homed there
         self.optimizer = None
+        self.first_key = None                 # its type is the type of every key
         # How pushpull sums in place when there is nothing to update ("Parameter Servers").
         self.algorithm = 'cpu' if type == 'local' else 'ring'
 
     # -- the interface ---------------------------------------------------------------------
 
     def init(self, key, value):
-        """Store a first value for `key` (or for each of a list of keys)."""
-        pairs = [(k, _single(k, v)) for k, v in _pairs(key, value)]
-        for k, _ in pairs:
-            if k in self.values:
-                raise ValueError(f'key {k!r} is already initialized (shape '
-                                 f'{self.values[k].shape}); init each key once')
+        """Store a first value for `key` (or for each of a list of keys): all, or none."""
+        pairs = [(k, _single(k, v)) for k, v in self._typed_pairs(key, value)]
+        for index, (k, _) in enumerate(pairs):
+            if k in self.values or k in [other for other, _ in pairs[:index]]:
+                raise ValueError(f'key {k!r} is already initialized; init each key once')
         for k, v in pairs:
             self.values[k] = v.copyto(cpu(0) if self.type == 'local' else v.device)
+        if self.first_key is None and pairs:
+            self.first_key = pairs[0][0]
 
     def push(self, key, value):
         """Reduce `value` (an array, or a list of them, one a device) into `key`'s value."""
-        pairs = [(k, self._check(k, v)) for k, v in _pairs(key, value)]
+        pairs = [(k, self._check(k, v)) for k, v in self._typed_pairs(key, value)]
         for k, values in pairs:
             self._apply(k, self._sum(k, values))
 
     def pull(self, key, out):
         """Copy `key`'s value into `out` (an array, or a list of them on any devices)."""
-        pairs = [(k, self._check(k, o)) for k, o in _pairs(key, out)]
+        pairs = [(k, self._check(k, o)) for k, o in self._typed_pairs(key, out)]
         for k, outs in pairs:
             for o in outs:
                 o[...] = self.values[k] if o.device == self.values[k].device else \
@@ -85,14 +91,19 @@ class KVStore:
     def pushpull(self, key, value, out=None):
         """Push, then pull into `out` (by default into the pushed arrays themselves).
 
-        Without an optimizer, summing arrays in place is an allreduce: the store runs one of
-        `comm`'s algorithms over them ('cpu' for 'local', 'ring' for 'device') and keeps the sum.
+        A list of keys pushes every key before it pulls any (MXNet's rule): an array that
+        serves several keys is summed for each before a pull overwrites it. Without an
+        optimizer, summing arrays in place is an allreduce: the store runs one of `comm`'s
+        algorithms over them ('cpu' for 'local', 'ring' for 'device') and keeps the sum.
         """
-        if self.optimizer is not None or out is not None:
+        groups = [(k, self._check(k, v)) for k, v in self._typed_pairs(key, value)]
+        for k, o in self._typed_pairs(key, out) if out is not None else ():
+            self._check(k, o)                   # a refused output is refused before the push
+        if self.optimizer is not None or out is not None or _share_memory(groups):
             self.push(key, value)
             self.pull(key, value if out is None else out)
             return
-        for k, values in [(k, self._check(k, v)) for k, v in _pairs(key, value)]:
+        for k, values in groups:
             if len({v.device for v in values}) < len(values):
                 self.push(k, values)
                 self.pull(k, values)
@@ -114,7 +125,7 @@ class KVStore:
 
     def save_optimizer_states(self, path):
         """The optimizer's states (SGD's momentum) to an .npz file, written atomically."""
-        states = {_encode(k): v for k, v in self._optimizer_or_error().get_states().items()}
+        states = {state_name(k): v for k, v in self._optimizer_or_error().get_states().items()}
         atomic_write(path, lambda file: numpy.savez(file, **states))
 
     def load_optimizer_states(self, path):
@@ -122,7 +133,7 @@ class KVStore:
         optimizer = self._optimizer_or_error()
         try:
             with numpy.load(path, allow_pickle=False) as saved:
-                states = {_decode(name): saved[name] for name in saved.files}
+                states = {key_of_state(name): saved[name] for name in saved.files}
         except (ValueError, OSError) as error:
             raise ValueError(f'{path} is not an optimizer-state file written by '
                              f'save_optimizer_states (.npz of plain arrays): {error}') from error
@@ -131,9 +142,10 @@ class KVStore:
             raise ValueError(f'{path} holds states for keys this store never initialized: '
                              f'{unknown}; load it into the store that saved it')
         for k, state in states.items():
-            if state.shape != self.values[k].shape:
-                raise ValueError(f'{path} holds a state of shape {state.shape} for key {k!r}, '
-                                 f'whose value has shape {self.values[k].shape}')
+            value = self.values[k]
+            if state.shape != value.shape or state.dtype != value.dtype:
+                raise ValueError(f'{path} holds a state of {state.dtype}{list(state.shape)} '
+                                 f'for key {k!r}, whose value is {value.dtype}{list(value.shape)}')
         optimizer.set_states(states, lambda k: self.values[k].device)
 
     # -- where values live and sums happen ------------------------------------------------
@@ -169,6 +181,12 @@ class KVStore:
 
     # -- checks -----------------------------------------------------------------------------
 
+    def _typed_pairs(self, key, value):
+        """_pairs(key, value), after checking the keys' types against the store's."""
+        pairs = _pairs(key, value)
+        check_key_types([k for k, _ in pairs], self.first_key)
+        return pairs
+
     def _check(self, key, value):
         """The arrays of one push or pull for `key`, after checking them against its value."""
         if key not in self.values:
@@ -199,13 +217,39 @@ def _pairs(key, value):
         if not isinstance(value, (list, tuple)) or len(value) != len(key):
             raise ValueError(f'{len(key)} keys need a list of {len(key)} values, got '
                              f'{type(value).__name__} of length {len(value) if hasattr(value, "__len__") else 1}')
-        pairs = list(zip(key, value))
-    else:
-        pairs = [(key, value)]
-    for k, _ in pairs:
-        if not isinstance(k, (int, str)) or isinstance(k, bool):
-            raise TypeError(f'keys are ints or strings, not {k!r}')
-    return pairs
+        return list(zip(key, value))
+    return [(key, value)]
+
+
+def check_key_types(keys, first_key=None):
+    """Refuse keys that are not ints or strings, or not all of the type of the store's first
+    key (`first_key`, None while the store is empty; then the call's first key decides)."""
+    for key in keys:
+        if not isinstance(key, (int, str)) or isinstance(key, bool):
+            raise TypeError(f'keys are ints or strings, not {key!r}')
+        first_key = key if first_key is None else first_key
+        if type(key) is not type(first_key):
+            raise TypeError(f'mixed key types are not allowed: key {key!r} is a '
+                            f'{type(key).__name__}, but this store\'s keys are '
+                            f'{type(first_key).__name__}s (key {first_key!r} came first); '
+                            'a store takes int keys or str keys, not both, as in MXNet')
+
+
+def state_name(key):
+    """A key as the name of its entry in a states file: its type and its text, so that 3 and
+    '3' stay apart ('int:3', 'str:3'). Every store writes and reads this one encoding."""
+    return f'{type(key).__name__}:{key}'
+
+
+def key_of_state(name):
+    """The key whose states `name` holds: state_name undone."""
+    kind, _, text = name.partition(':')
+    if kind == 'int' and re.fullmatch(r'-?[0-9]+', text):
+        return int(text)
+    if kind == 'str':
+        return text
+    raise ValueError(f'{name!r} is not a key written by save_optimizer_states (it writes '
+                     "'int:3' for key 3 and 'str:w' for key 'w')")
 
 
 def _single(key, value):
@@ -216,20 +260,12 @@ def _single(key, value):
     return value
 
 
+def _share_memory(groups):
+    """Whether arrays of [(key, arrays)] share memory: the same array twice, or views of one
+    array (a view shares its base's engine variable)."""
+    variables = [id(a.var) for _, arrays in groups for a in arrays]
+    return len(set(variables)) < len(variables)
+
+
 def _nbytes(array):
     return array.size * array.dtype.itemsize
-
-
-def _encode(key):
-    """A key as an .npz entry name: ints and strings never collide ('i:3' against 's:3')."""
-    return f'i:{key}' if isinstance(key, int) else f's:{key}'
-
-
-def _decode(name):
-    kind, _, text = name.partition(':')
-    if kind == 'i' and text.lstrip('-').isdigit():
-        return int(text)
-    if kind == 's':
-        return text
-    raise ValueError(f'{name!r} is not a key written by save_optimizer_states')
-

@@ -10,7 +10,9 @@ Every value is sliced across all servers (chunk s of the flattened array lives o
 With an optimizer (`set_optimizer`), the servers run the update: the workers send only its
 hyperparameters, as numbers. In dist_sync a server applies a round once every worker has
 pushed the key, so n workers of batch b each take the step that one process would take at
-batch n·b: give the optimizer rescale_grad = 1/(n·b) (gradients are summed, not averaged).
+batch n·b: give the optimizer rescale_grad = 1/(n·b) (gradients are summed, not averaged;
+`Trainer` does). Every worker makes the same calls: one that any worker refuses is refused
+on every worker (`agree_on_failure`), so none is left waiting for the others.
 dist_device_sync first sums a worker's values on its first value's device, dist_sync on the
 host; dist_async applies each push as it arrives. Taught in "Parameter Servers".
 """
@@ -21,6 +23,7 @@ import zipfile
 import numpy
 
 from . import engine, np
+from .kvstore import check_key_types, state_name
 from .ndarray import NDArray, from_host
 from .optimizer import SGD
 from .transport import DTYPES, ProtocolError, key_id, log, receive, send
@@ -75,32 +78,56 @@ class DistKVStore:
         self.rank, self.num_workers = workers.Get_rank(), workers.Get_size()
         self.servers = list(range(world.Get_size() - servers, world.Get_size()))
         self.keys = {}            # key -> (key id, shape, dtype)
+        self.first_key = None     # its type is the type of every key
         self.optimizer = None
         self.closed = False
 
     def init(self, key, value):
-        """Give `key` its first value; every worker calls it, worker 0's value is kept."""
-        for key, values in pairs(key, value):
+        """Give each key its first value; every worker calls it, worker 0's values are kept.
+
+        All or nothing: if any worker refuses any key, every worker raises (none is left
+        waiting for the others) and the store is left as it was."""
+        self.check_open()
+        refusal, new = None, []
+        try:
+            new = self.new_keys(self.typed_pairs(key, value))
+        except Exception as error:      # noqa: BLE001 - every worker must learn of it, below
+            refusal = error
+        if self.agree_on_failure(refusal is not None):
+            raise refusal or ValueError('another worker refused this init; its error says why')
+        if self.rank == 0:
+            for _, identity, value in new:
+                self.to_servers('init', identity, value)
+                self.wait_for_acks()
+        for key, identity, value in new:
+            self.keys[key] = (identity, value.shape, value.dtype)
+        if self.first_key is None and new:
+            self.first_key = new[0][0]
+        self.barrier()
+
+    def new_keys(self, pairs):
+        """[(key, key id, host value)] of an init, once every key passed every check. Only
+        worker 0 sends values: the others keep an empty array of the value's shape and dtype."""
+        new = []
+        for key, values in pairs:
             identity = key_id(key)
-            if key in self.keys:
+            if key in self.keys or key in [known for known, _, _ in new]:
                 raise ValueError(f'key {key!r} is already initialized; init a key once, then '
                                  'push and pull it')
-            if any(known[0] == identity for known in self.keys.values()):
+            if identity in [known[0] for known in self.keys.values()] + [i for _, i, _ in new]:
                 raise ValueError(f'key {key!r} has the same id as another key; rename it')
-            host = host_copy(values[0])
+            host = host_copy(values[0]) if self.rank == 0 else \
+                numpy.empty(values[0].shape, values[0].dtype)
             if host.dtype not in DTYPES:
                 raise ValueError(f'the store holds {[d.name for d in DTYPES]}, not {host.dtype}'
                                  f' (key {key!r}): cast the value with .astype first')
-            self.check_open()
-            self.keys[key] = (identity, host.shape, host.dtype)
-            if self.rank == 0:
-                self.to_servers('init', identity, host)
-                self.wait_for_acks()
-            self.barrier()
+            new.append((key, identity, host))
+        return new
 
     def push(self, key, value):
         """Send `value` (an array or a list, one per device) to the servers, summed."""
-        checked = [(key, values, self.check(key, values)) for key, values in pairs(key, value)]
+        checked = [(key, values, self.check(key, values))
+                   for key, values in self.typed_pairs(key, value)]
         for key, values, (identity, shape, dtype) in checked:
             started = time.perf_counter()
             total = self.local_sum(values)
@@ -114,7 +141,7 @@ class DistKVStore:
         never leaves it half-written. With one server the answer is one message, checked
         before it lands, so it is received straight into a lone host output; with several,
         their slices land in a buffer of our own, copied out once every slice has arrived."""
-        checked = [(key, outs, self.check(key, outs)) for key, outs in pairs(key, out)]
+        checked = [(key, outs, self.check(key, outs)) for key, outs in self.typed_pairs(key, out)]
         for key, outs, (identity, shape, dtype) in checked:
             started = time.perf_counter()
             for server in self.servers:
@@ -129,6 +156,10 @@ class DistKVStore:
             log(self.rank, f'pull key {key!r}', value.nbytes, started)
 
     def pushpull(self, key, value, out=None):
+        """Push every key, then pull every key into `out` (by default into the pushed arrays):
+        an array that serves several keys is pushed for each before a pull overwrites it."""
+        for one_key, outs in self.typed_pairs(key, out) if out is not None else ():
+            self.check(one_key, outs)           # a refused output is refused before the push
         self.push(key, value)
         self.pull(key, value if out is None else out)
 
@@ -150,19 +181,33 @@ class DistKVStore:
         self.workers.Barrier()
 
     def save_optimizer_states(self, path):
-        """Worker 0 gathers the servers' momentum into one .npz (written atomically)."""
+        """Worker 0 gathers the servers' momentum into one .npz (written atomically); if it
+        cannot, every worker raises."""
         self.check_open()
+        if self.optimizer is None:
+            raise ValueError('this store has no optimizer, hence no states: call '
+                             'set_optimizer first')
         self.barrier()                  # every worker's pulls are done: the rounds are complete
+        refusal = None
         if self.rank == 0:
-            chunks = {}
-            for server in self.servers:
-                self.request(server, 'get_states', 0)
-                for identity, chunk in self.receive_states(server):
-                    chunks.setdefault(identity, []).append(chunk)
-            arrays = {name_of(key): numpy.concatenate(chunks[identity]).reshape(shape)
-                      for key, (identity, shape, _) in self.keys.items() if identity in chunks}
-            atomic_write(path, lambda file: numpy.savez(file, **arrays))
-        self.barrier()
+            try:
+                arrays = self.gather_states()
+                atomic_write(path, lambda file: numpy.savez(file, **arrays))
+            except Exception as error:  # noqa: BLE001 - every worker must learn of it, below
+                refusal = error
+        if self.agree_on_failure(refusal is not None):
+            raise refusal or OSError(f'worker 0 could not save optimizer states to {path!r}; '
+                                     'its error says why')
+
+    def gather_states(self):
+        """{state name: momentum} of every key, each put together from the servers' slices."""
+        chunks = {}
+        for server in self.servers:
+            self.request(server, 'get_states', 0)
+            for identity, chunk in self.receive_states(server):
+                chunks.setdefault(identity, []).append(chunk)
+        return {state_name(key): numpy.concatenate(chunks[identity]).reshape(shape)
+                for key, (identity, shape, _) in self.keys.items() if identity in chunks}
 
     def load_optimizer_states(self, path):
         """Send the states of a .npz that save_optimizer_states wrote to the servers."""
@@ -193,6 +238,12 @@ class DistKVStore:
 
     # The checks every call makes before anything travels.
 
+    def typed_pairs(self, key, value):
+        """pairs(key, value), after checking the keys' types against the store's."""
+        checked = pairs(key, value)
+        check_key_types([one_key for one_key, _ in checked], self.first_key)
+        return checked
+
     def check_open(self):
         if self.closed:
             raise RuntimeError('this key-value store is closed; its servers have left')
@@ -213,7 +264,7 @@ class DistKVStore:
         """{key id: state} of a states file, all checked against the keys and the optimizer."""
         if self.optimizer is None:
             raise ValueError('set an optimizer (kv.set_optimizer) before loading its states')
-        names = {name_of(key): key for key in self.keys}
+        names = {state_name(key): key for key in self.keys}
         states = {}
         try:
             saved = numpy.load(path, allow_pickle=False)
@@ -240,9 +291,10 @@ class DistKVStore:
         return states
 
     def agree_on_failure(self, failed):
-        """Whether worker 0 failed (told to every worker, so none waits for the others)."""
+        """Whether any worker failed (told to every worker, so none waits for the others)."""
+        from mpi4py import MPI
         flag = numpy.array([int(failed)], numpy.int64)
-        self.workers.Bcast(flag, root=0)
+        self.workers.Allreduce(MPI.IN_PLACE, flag, op=MPI.MAX)
         return bool(flag[0])
 
     # Messages.
@@ -359,8 +411,3 @@ def host_view(value):
     if isinstance(value, NDArray) and value.device.kind == 'cpu':
         return numpy.asarray(value.wait_to_read().data)
     return host_copy(value)
-
-
-def name_of(key):
-    """The .npz name of a key: its type and text, so 3 and '3' stay apart."""
-    return f'{type(key).__name__}:{key}'

@@ -1,5 +1,7 @@
 """The key-value store against a plain Python model of MXNet's rules, its refusals, its saved
-states, and the Trainer that goes through it."""
+states, and the Trainer that goes through it. MXNet's own unit tests of its local store
+(tests/python/unittest/test_kvstore.py, tests/nightly/test_kvstore.py) are ported below, where
+they test what d2lperf has: dense arrays, no row_sparse, no gradient compression."""
 import numpy
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -28,15 +30,17 @@ class ModelStore:
             self.values[key] = self.values[key] - self.lr * total
 
 
-commands = st.lists(st.tuples(
-    st.sampled_from(['init', 'push', 'pull', 'pushpull', 'optimizer']),
-    st.sampled_from([0, 1, 'w']),
-    st.integers(1, len(DEVICES)),
-    st.integers(0, 2 ** 16)), min_size=1, max_size=12)
+def commands(keys):
+    return st.lists(st.tuples(
+        st.sampled_from(['init', 'push', 'pull', 'pushpull', 'optimizer']),
+        st.sampled_from(keys),
+        st.integers(1, len(DEVICES)),
+        st.integers(0, 2 ** 16)), min_size=1, max_size=12)
 
 
 @settings(max_examples=30, deadline=None)
-@given(kind=st.sampled_from(['local', 'device']), program=commands)
+@given(kind=st.sampled_from(['local', 'device']),
+       program=commands([0, 1, 2]) | commands(['w', 'b', '0']))
 def test_a_store_follows_mxnets_rules(kind, program):
     store, model = kvstore.create(kind), ModelStore()
     for command, key, copies, seed in program:
@@ -108,21 +112,38 @@ def test_device_store_spreads_keys_over_the_pushing_devices():
     assert kvstore.create('local').values == {} and kvstore.create('local').type == 'local'
 
 
-def test_optimizer_states_round_trip_as_npz(tmp_path):
-    store = kvstore.create('device')
-    store.init([3, '3'], [np.zeros(SHAPE, device=DEVICES[1]), np.zeros(SHAPE)])
+def trained_store(kind, keys, path=None):
+    """A store with momentum after one push of 1 and 2 into `keys`, saving to `path`."""
+    store = kvstore.create(kind)
+    store.init(keys, [np.zeros(SHAPE, device=DEVICES[1]), np.zeros(SHAPE)])
     store.set_optimizer(optimizer.SGD(learning_rate=0.1, momentum=0.9))
-    store.push([3, '3'], [np.ones(SHAPE, device=DEVICES[1]), np.full(SHAPE, 2.0)])
-    path = tmp_path / 'states.npz'
-    store.save_optimizer_states(path)
-    with numpy.load(path, allow_pickle=False) as saved:
-        assert sorted(saved.files) == ['i:3', 's:3']          # 3 and '3' do not collide
-    fresh = kvstore.create('device')
-    fresh.init([3, '3'], [np.zeros(SHAPE, device=DEVICES[1]), np.zeros(SHAPE)])
-    fresh.set_optimizer(optimizer.SGD(learning_rate=0.1, momentum=0.9))
-    fresh.load_optimizer_states(path)
-    assert fresh.optimizer.states[3].device == DEVICES[1]
-    numpy.testing.assert_allclose(fresh.optimizer.states['3'].asnumpy(), -0.2)
+    store.push(keys, [np.ones(SHAPE, device=DEVICES[1]), np.full(SHAPE, 2.0)])
+    if path is not None:
+        store.save_optimizer_states(path)
+    return store
+
+
+def test_optimizer_states_round_trip_as_npz(tmp_path):
+    trained_store('device', [3, 5], tmp_path / 'ints.npz')
+    trained_store('local', ['3', 'w'], tmp_path / 'strs.npz')
+    with numpy.load(tmp_path / 'ints.npz', allow_pickle=False) as ints, \
+            numpy.load(tmp_path / 'strs.npz', allow_pickle=False) as strs:
+        assert sorted(ints.files) == ['int:3', 'int:5']       # the one encoding of every
+        assert sorted(strs.files) == ['str:3', 'str:w']       # store: 3 and '3' stay apart
+    assert [kvstore.key_of_state(kvstore.state_name(k)) for k in (3, -3, '3', 'a:b')] == \
+        [3, -3, '3', 'a:b']
+    for kind in ('local', 'device'):        # saved by one placement, loaded by the other
+        fresh = kvstore.create(kind)
+        fresh.init([3, 5], [np.zeros(SHAPE, device=DEVICES[1]), np.zeros(SHAPE)])
+        fresh.set_optimizer(optimizer.SGD(learning_rate=0.1, momentum=0.9))
+        fresh.load_optimizer_states(tmp_path / 'ints.npz')
+        assert fresh.optimizer.states[3].device == fresh.values[3].device
+        numpy.testing.assert_allclose(fresh.optimizer.states[5].asnumpy(), -0.2)
+    strings = kvstore.create('local')
+    strings.init(['3', '5'], [np.zeros(SHAPE), np.zeros(SHAPE)])
+    strings.set_optimizer(optimizer.SGD(learning_rate=0.1, momentum=0.9))
+    with pytest.raises(ValueError, match=r"never initialized: \[3, 5\]"):
+        strings.load_optimizer_states(tmp_path / 'ints.npz')    # int 3 is not '3'
 
 
 def test_a_pickled_or_foreign_state_file_is_refused(tmp_path):
@@ -130,12 +151,18 @@ def test_a_pickled_or_foreign_state_file_is_refused(tmp_path):
     store.init('w', np.zeros(SHAPE))
     store.set_optimizer(optimizer.SGD(learning_rate=0.1, momentum=0.9))
     pickled = tmp_path / 'pickled.npz'
-    numpy.savez(pickled, **{'s:w': numpy.array([{'evil': 1}], dtype=object)})
+    numpy.savez(pickled, **{'str:w': numpy.array([{'evil': 1}], dtype=object)})
     with pytest.raises(ValueError, match='not an optimizer-state file'):
         store.load_optimizer_states(pickled)
     foreign = tmp_path / 'foreign.npz'
-    numpy.savez(foreign, **{'s:other': numpy.zeros(SHAPE)})
+    numpy.savez(foreign, **{'str:other': numpy.zeros(SHAPE)})
     with pytest.raises(ValueError, match="never initialized: \\['other'\\]"):
+        store.load_optimizer_states(foreign)
+    numpy.savez(foreign, **{'s:w': numpy.zeros(SHAPE)})
+    with pytest.raises(ValueError, match="'s:w' is not a key written by"):
+        store.load_optimizer_states(foreign)
+    numpy.savez(foreign, **{'str:w': numpy.zeros(SHAPE, numpy.float64)})
+    with pytest.raises(ValueError, match=r"float64\[2, 3\] for key 'w', whose value is float32"):
         store.load_optimizer_states(foreign)
     with pytest.raises(ValueError, match='no optimizer'):
         kvstore.create('local').save_optimizer_states(tmp_path / 'x.npz')
@@ -144,6 +171,242 @@ def test_a_pickled_or_foreign_state_file_is_refused(tmp_path):
 def test_unknown_store_names_the_choices():
     with pytest.raises(ValueError, match="unknown kvstore 'nccl'.*'local', 'device', 'dist_sync'"):
         kvstore.create('nccl')
+
+
+# -- MXNet's unit tests of its store (tests/python/unittest/test_kvstore.py) ------------------
+
+MX_SHAPE, MX_KEYS, MX_STR_KEYS = (4, 4), [5, 7, 11], ['b', 'c', 'd']
+FOUR = [d2l.cpu(i) for i in range(4)]
+
+
+def mx_store(kind, str_keys):
+    """MXNet's init_kv and init_kv_with_str: one key, then a list, all zeros."""
+    store = kvstore.create(kind)
+    single, keys = ('a', MX_STR_KEYS) if str_keys else (3, MX_KEYS)
+    store.init(single, np.zeros(MX_SHAPE))
+    store.init(keys, [np.zeros(MX_SHAPE)] * len(keys))
+    return store, single, keys
+
+
+def assert_all(arrays, value):
+    for a in arrays:
+        assert numpy.array_equal(a.asnumpy(), numpy.full(MX_SHAPE, value)), (a.device, value)
+
+
+@pytest.mark.parametrize('kind', ['local', 'device'])
+@pytest.mark.parametrize('str_keys', [False, True])
+def test_mxnet_single_and_list_key_pairs(kind, str_keys):
+    store, single, keys = mx_store(kind, str_keys)
+    store.push(single, np.ones(MX_SHAPE))
+    out = np.zeros(MX_SHAPE)
+    store.pull(single, out=out)
+    assert_all([out], 1)
+    store.push(keys, [np.ones(MX_SHAPE) * 4] * len(keys))
+    outs = [np.zeros(MX_SHAPE)] * len(keys)           # one array, the output of every key
+    store.pull(keys, out=outs)
+    assert_all(outs, 4)
+
+
+@pytest.mark.parametrize('kind', ['local', 'device'])
+@pytest.mark.parametrize('key', [3, 'a'])
+def test_mxnet_init_and_pull(kind, key):
+    store = kvstore.create(kind)
+    store.init(key, np.ones(MX_SHAPE) * 4)
+    out = np.zeros(MX_SHAPE)
+    store.pull(key, out=out)
+    assert_all([out], 4)
+    ones = np.ones(MX_SHAPE)
+    fresh = kvstore.create(kind)
+    fresh.init('1', np.zeros(MX_SHAPE))
+    fresh.push('1', [ones, ones, ones, ones])          # one array pushed four times
+    fresh.pull('1', out)
+    assert_all([out], 4)
+    fresh.init('2', np.zeros(MX_SHAPE))
+    fresh.pull('2', out)
+    assert_all([out], 0)
+
+
+@pytest.mark.parametrize('kind', ['local', 'device'])
+@pytest.mark.parametrize('str_keys', [False, True])
+def test_mxnet_aggregator_sums_over_devices(kind, str_keys):
+    store, single, keys = mx_store(kind, str_keys)
+    store.push(single, [np.ones(MX_SHAPE, device=d) for d in FOUR])
+    outs = [np.zeros(MX_SHAPE, device=d) for d in FOUR]
+    store.pull(single, out=outs)
+    assert_all(outs, 4)
+    values = [[np.ones(MX_SHAPE, device=d) * 2 for d in FOUR]] * len(keys)
+    outs = [[np.zeros(MX_SHAPE, device=d) for d in FOUR]] * len(keys)
+    store.push(keys, values)
+    store.pull(keys, out=outs)
+    assert_all(outs[0], 8)
+
+
+class Accumulate:
+    """MXNet's test updater: the stored value grows by what is pushed; keys keep their type."""
+
+    def __init__(self, key_type):
+        self.key_type = key_type
+
+    def update(self, key, weight, grad):
+        assert type(key) is self.key_type
+        weight += grad
+
+
+@pytest.mark.parametrize('kind', ['local', 'device'])
+@pytest.mark.parametrize('str_keys', [False, True])
+def test_mxnet_updater(kind, str_keys):
+    store, single, keys = mx_store(kind, str_keys)
+    store.set_optimizer(Accumulate(str if str_keys else int))
+    store.push(single, [np.ones(MX_SHAPE, device=d) for d in FOUR])
+    outs = [np.zeros(MX_SHAPE, device=d) for d in FOUR]
+    store.pull(single, out=outs)
+    assert_all(outs, 4)
+    values = [[np.ones(MX_SHAPE, device=d) for d in FOUR]] * len(keys)
+    outs = [[np.zeros(MX_SHAPE, device=d) for d in FOUR]] * len(keys)
+    for _ in range(4):
+        store.push(keys, values)
+    store.pull(keys, out=outs)
+    assert_all(outs[0], 16)
+
+
+def test_mxnet_store_type():
+    assert [kvstore.create(kind).type for kind in ('local', 'device')] == ['local', 'device']
+
+
+@pytest.mark.parametrize('kind', ['local', 'device'])
+def test_mixed_key_types_are_refused(kind):
+    for str_keys in (False, True):
+        store, single, keys = mx_store(kind, str_keys)
+        other_single, other_keys = (3, MX_KEYS) if str_keys else ('a', MX_STR_KEYS)
+        kinds = ('str', 'int') if str_keys else ('int', 'str')
+        words = f'mixed key types.*key {other_single!r} is a {kinds[1]}.*keys are {kinds[0]}s'
+        values = [np.ones(MX_SHAPE)] * len(other_keys)
+        for call in (lambda: store.init(other_single, np.ones(MX_SHAPE)),
+                     lambda: store.push(other_single, np.ones(MX_SHAPE)),
+                     lambda: store.pull(other_single, out=np.ones(MX_SHAPE)),
+                     lambda: store.pushpull(other_single, np.ones(MX_SHAPE))):
+            with pytest.raises(TypeError, match=words):
+                call()
+        for call in (lambda: store.init(other_keys, values),
+                     lambda: store.push(other_keys, values),
+                     lambda: store.pull(other_keys, out=values)):
+            with pytest.raises(TypeError, match='mixed key types'):
+                call()
+        assert sorted(store.values) == sorted([single, *keys])
+    empty = kvstore.create(kind)
+    with pytest.raises(TypeError, match="key 'w' is a str, but this store's keys are ints "
+                                        r'\(key 1 came first\)'):
+        empty.init([1, 'w'], [np.zeros(SHAPE), np.zeros(SHAPE)])
+    assert empty.values == {} and empty.first_key is None       # all or nothing
+    empty.init(['w', 'b'], [np.zeros(SHAPE), np.zeros(SHAPE)])   # a str store, then
+    with pytest.raises(ValueError, match="key 'w' is already initialized"):
+        empty.init(['v', 'w'], [np.zeros(SHAPE), np.zeros(SHAPE)])
+    with pytest.raises(ValueError, match="key 'v' is already initialized"):
+        empty.init(['v', 'v'], [np.zeros(SHAPE), np.zeros(SHAPE)])
+    assert sorted(empty.values) == ['b', 'w']
+
+
+# -- MXNet's nightly test of the local store (tests/nightly/test_kvstore.py) -------------------
+
+@pytest.mark.parametrize('kind', ['local', 'device'])
+@pytest.mark.parametrize('grouped', [False, True])
+def test_mxnet_nightly_repeated_pushes_match_numpy(kind, grouped):
+    keys, shapes, repeats, lr = [3, 5, 7], [(4, 4), (100, 100), (600, 600)], 3, 0.25
+    rng = numpy.random.default_rng(0)
+    data = [[[rng.uniform(size=s).astype(numpy.float32) for _ in FOUR] for s in shapes]
+            for _ in range(repeats)]
+    store = kvstore.create(kind)
+    store.set_optimizer(optimizer.SGD(learning_rate=lr))
+    store.init(keys, [np.zeros(s) for s in shapes])
+    expected = [numpy.zeros(s) for s in shapes]
+    outs = [[np.zeros(s, device=d) for d in FOUR] for s in shapes]
+    for step in range(repeats):
+        pushed = [[np.array(v, device=d) for v, d in zip(per_key, FOUR)] for per_key in data[step]]
+        if grouped:
+            store.push(keys, pushed)
+        else:
+            for key, values in zip(keys, pushed):
+                store.push(key, values)
+        expected = [e - lr * sum(v.astype(numpy.float64) for v in per_key)
+                    for e, per_key in zip(expected, data[step])]
+        store.pull(keys, out=outs)
+        for want, got in zip(expected, outs):
+            for o in got:
+                assert numpy.abs(o.asnumpy() - want).sum() / numpy.abs(want).sum() < 1e-6
+
+
+# -- pushpull: every key pushed before any is pulled --------------------------------------
+
+def docstring_example(kind, devices):
+    """MXNet's pushpull docstring, in d2lperf's names: what each array holds afterwards."""
+    store = kvstore.create(kind)
+    store.init(['3', '4', '5', '6', '7', '8', '9'], [np.zeros(SHAPE)] * 7)
+    a = np.zeros(SHAPE)
+    store.pushpull('3', np.ones(SHAPE) * 8, out=a)
+    seen = {'one key': a.asnumpy().copy()}
+    store.pushpull('3', [np.ones(SHAPE, device=d) for d in devices], out=a)
+    seen['summed over devices'] = a.asnumpy().copy()
+    keys = ['4', '5', '6']
+    b = [np.zeros(SHAPE)] * len(keys)                       # one output for three keys
+    store.pushpull(keys, [np.ones(SHAPE)] * len(keys), out=b)
+    seen['keys, one device'] = b[1].asnumpy().copy()
+    b = [[np.ones(SHAPE, device=d) for d in devices]] * 3   # the same arrays for three keys
+    store.pushpull(['7', '8', '9'], b)
+    seen['keys, every device'] = [[a.asnumpy() for a in arrays] for arrays in b]
+    return seen
+
+
+def check_docstring_example(seen, devices):
+    n = len(devices)
+    assert seen['one key'].tolist() == numpy.full(SHAPE, 8.0).tolist()
+    assert seen['summed over devices'].tolist() == numpy.full(SHAPE, float(n)).tolist()
+    assert seen['keys, one device'].tolist() == numpy.ones(SHAPE).tolist()
+    for arrays in seen['keys, every device']:   # n, not n, n**2, n**3 key after key
+        assert [a.tolist() for a in arrays] == [numpy.full(SHAPE, float(n)).tolist()] * n
+
+
+@pytest.mark.parametrize('kind', ['local', 'device'])
+def test_pushpull_docstring_example_on_virtual_devices(kind):
+    check_docstring_example(docstring_example(kind, FOUR), FOUR)
+
+
+@pytest.mark.parametrize('kind', ['local', 'device'])
+def test_pushpull_docstring_example_on_fake_gpus(fake_gpus, kind):
+    devices = [d2l.gpu(0), d2l.gpu(1)]
+    check_docstring_example(docstring_example(kind, devices), devices)
+
+
+@pytest.mark.parametrize('kind', ['local', 'device'])
+def test_pushpull_of_keys_whose_arrays_are_views_of_one_array(kind):
+    store = kvstore.create(kind)
+    store.init([0, 1], [np.zeros((2, 3)), np.zeros((2, 3))])
+    bases = [np.ones((2, 2, 3), device=d) for d in DEVICES[:2]]
+    store.pushpull([0, 1], [[b[0] for b in bases], [b[0] for b in bases]])   # one row, twice
+    assert [b.asnumpy()[0].tolist() for b in bases] == [numpy.full((2, 3), 2.0).tolist()] * 2
+    separate = [[np.full((2, 3), float(k + 1), device=d) for d in DEVICES[:2]] for k in (0, 1)]
+    store.pushpull([0, 1], separate)                       # no sharing: an allreduce a key
+    assert [[a.asnumpy()[0, 0] for a in arrays] for arrays in separate] == [[2, 2], [4, 4]]
+
+
+@pytest.mark.parametrize('kind', ['local', 'device'])
+def test_pushpull_with_an_optimizer_pushes_every_key_first(kind):
+    store = kvstore.create(kind)
+    store.init([0, 1, 2], [np.zeros(SHAPE)] * 3)
+    store.set_optimizer(optimizer.SGD(learning_rate=1.0))
+    shared = [np.ones(SHAPE, device=d) for d in DEVICES[:2]]
+    store.pushpull([0, 1, 2], [shared] * 3)
+    assert [a.asnumpy().tolist() for a in shared] == [numpy.full(SHAPE, -2.0).tolist()] * 2
+
+
+@pytest.mark.parametrize('kind', ['local', 'device'])
+def test_pushpull_refuses_a_bad_output_before_it_pushes(kind):
+    store = kvstore.create(kind)
+    store.init(['a', 'b'], [np.ones(SHAPE), np.ones(SHAPE)])
+    with pytest.raises(ValueError, match=r"'b' holds float32\[2, 3\], got float32\[3, 2\]"):
+        store.pushpull(['a', 'b'], [np.zeros(SHAPE)] * 2, out=[np.zeros(SHAPE), np.zeros((3, 2))])
+    out = [np.zeros(SHAPE), np.zeros(SHAPE)]
+    store.pull(['a', 'b'], out=out)
+    assert [o.asnumpy().tolist() for o in out] == [numpy.ones(SHAPE).tolist()] * 2
 
 
 # -- the Trainer through the store ----------------------------------------------------------
