@@ -35,7 +35,9 @@ called.
                   key-value store applies, with their states as plain arrays.
     kvstore       the (key, value) store: push values, pull results; where the sums and
                   updates happen ('local', 'device'), and the way to the distributed stores.
-    trainer       minibatch SGD over a net's parameters on every device.
+    trainer       minibatch SGD over a net's parameters on every device, its gradients
+                  summed through a key-value store of any type (updated there, if it is
+                  distributed).
 
 Beside the layers, imported by none of them:
 
@@ -57,8 +59,8 @@ Beside the layers, imported by none of them:
                   kvstore imports it only when one is created.
     launch        python -m d2lperf.launch: a job under mpiexec, here, on a hostfile or over
                   ssh; a failed rank is named and ends the job.
-    train_mnist   python -m d2lperf.train_mnist: LeNet or an MLP with any store, one line
-                  an epoch.
+    train_mnist   python -m d2lperf.train_mnist: LeNet or an MLP trained by the Trainer with
+                  any store, one line an epoch.
 """
 from . import engine
 from .device import Device, cpu, gpu, num_gpus, try_all_gpus, try_devices, try_gpu

@@ -3,21 +3,18 @@
     python -m d2lperf.train_mnist --network lenet --devices cpu0,cpu1 --kv-store device
     python -m d2lperf.launch -n 2 python -m d2lperf.train_mnist --kv-store dist_sync
 
-With a dist_* store every worker trains on its own equal share of the training set (a
-worker's rank picks every num_workers-th example), pushes its gradients and pulls the
-weights the servers updated; the servers' SGD has rescale_grad = 1/(batch · num_workers),
-so dist_sync takes the steps of one process at the combined batch. With local or device the
-gradients are summed over this process's devices. Each epoch prints one line: test accuracy,
-images per second, and what ran. Taught in "Parameter Servers".
+Training goes through `Trainer`, whatever the store. With a dist_* store every worker reads
+the same global batches of batch · num_workers examples and trains on its own slice of each,
+pushes its gradients and pulls the weights the servers updated, so dist_sync takes the steps
+of one process at the combined batch. With local or device the gradients are summed over this
+process's devices. Each epoch prints one line: test accuracy, images per second, and what
+ran. Taught in "Parameter Servers".
 """
 import argparse
 import sys
 
-import numpy
-
-from . import autograd, comm, data, nn, np, npx
+from . import autograd, comm, data, kvstore, nn, np, npx
 from .device import cpu, gpu, slow_down
-from .optimizer import SGD
 from .models import lenet
 from .trainer import Trainer
 from .training import evaluate_accuracy_gpus
@@ -95,45 +92,6 @@ def build_net(network):
     return net
 
 
-class LocalUpdate:
-    """A Trainer: sum the gradients over this process's devices through a 'local' or 'device'
-    store, then step every copy."""
-
-    def __init__(self, params, learning_rate, batch_size, kvstore):
-        self.trainer = Trainer(params, 'sgd', {'learning_rate': learning_rate}, kvstore=kvstore)
-        self.batch_size = batch_size
-        self.rank, self.num_workers, self.type = 0, 1, kvstore
-
-    def step(self):
-        self.trainer.step(self.batch_size)
-
-
-class StoreUpdate:
-    """Push the gradients to a distributed store, pull the weights its servers updated."""
-
-    def __init__(self, params, learning_rate, batch_size, store):
-        self.params, self.store = params, store
-        self.rank, self.num_workers, self.type = (self.store.rank, self.store.num_workers,
-                                                  self.store.type)
-        for index, param in enumerate(params):
-            self.store.init(index, param.data(param.list_device()[0]))
-            self.store.pull(index, out=param.list_data())       # worker 0's weights, everywhere
-        self.store.set_optimizer(SGD(learning_rate=learning_rate,
-                                     rescale_grad=1 / (batch_size * self.num_workers)))
-
-    def step(self):
-        for index, param in enumerate(self.params):
-            self.store.push(index, param.list_grad())
-        for index, param in enumerate(self.params):
-            self.store.pull(index, out=param.list_data())
-
-
-def make_updater(store, kvstore, params, learning_rate, batch_size):
-    if store is not None:
-        return StoreUpdate(params, learning_rate, batch_size, store)
-    return LocalUpdate(params, learning_rate, batch_size, kvstore)
-
-
 def my_part(features, labels, rank, num_workers):
     """This worker's rows of a global batch, or None if the batch is too small to share.
 
@@ -150,14 +108,11 @@ def my_part(features, labels, rank, num_workers):
 
 
 def train(args):
-    store = None                             # one process, no servers: rank 0 of 1
-    if args.kv_store.startswith('dist'):
-        from .kvstore_dist import create_dist
-        store = create_dist(args.kv_store)   # a server process serves here and never returns
+    store = kvstore.create(args.kv_store)   # a server process serves here and never returns
     if args.slow_down:
         slow_down(*args.slow_down)
     np.random.seed(args.seed)
-    rank, num_workers = (store.rank, store.num_workers) if store else (0, 1)
+    rank, num_workers = store.rank, store.num_workers
     train_iter, test_iter = data.load_data_fashion_mnist(
         args.batch_size * num_workers, seed=args.seed, max_train_examples=args.max_examples,
         max_test_examples=args.max_examples)
@@ -165,8 +120,7 @@ def train(args):
     net.initialize(init=nn.init.Xavier(), device=args.devices)
     net(np.array(train_iter.features[:1], device=args.devices[0]))     # infer the shapes
     net.hybridize()
-    params = [p for p in net.collect_params().values() if p.grad_req == 'write']
-    updater = make_updater(store, args.kv_store, params, args.lr, args.batch_size)
+    trainer = Trainer(net.collect_params(), 'sgd', {'learning_rate': args.lr}, kvstore=store)
     loss = nn.SoftmaxCrossEntropyLoss()
     for epoch in range(args.epochs):
         timer, seen = Timer(), 0
@@ -181,14 +135,14 @@ def train(args):
                 losses = [loss(net(X), y) for X, y in zip(X_shards, y_shards)]
             for shard_loss in losses:
                 shard_loss.backward()
-            updater.step()
+            trainer.step(args.batch_size)
             seen += len(part[1])
         npx.waitall()
         seconds = timer.stop()
         accuracy = evaluate_accuracy_gpus(net, test_iter)
         print(f'epoch {epoch + 1}: test acc {accuracy:.3f}, {seen / seconds:.0f} images/s on '
               f'{",".join(str(d) for d in args.devices)}{slowed(args)}, '
-              f'kvstore {updater.type}, {train_iter.dataset_name}, {seen} examples, '
+              f'kvstore {store.type}, {train_iter.dataset_name}, {seen} examples, '
               f'worker {rank} of {num_workers}', flush=True)
     return accuracy
 

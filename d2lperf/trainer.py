@@ -1,8 +1,21 @@
-"""The Trainer: sum each parameter's gradients over its device copies, then update every copy.
+"""The Trainer: sum each parameter's gradients over its devices and workers, then update it.
 
-Taught in "Concise Implementation for Multiple GPUs" and "Parameter Servers". The sums go
-through a key-value store (one key a parameter), which decides where they happen; the update
-rule is an optimizer's, applied to every copy alike, so the copies stay identical.
+Taught in "Concise Implementation for Multiple GPUs", "Parameter Servers" and "Distributed
+Training". The sums go through a key-value store of any type, by name or as an object (one key
+a parameter: its index), which decides where they happen. Where the update runs follows
+Gluon's rule, `update_on_kvstore`:
+
+* on the devices (the in-process stores, and no store): the store sums the gradients, then the
+  Trainer applies the optimizer to every copy alike, so the copies stay identical;
+* in the store (a distributed store, unless told otherwise; dist_async always): the workers
+  push gradients, the servers run the optimizer, the workers pull the weights.
+
+`step(batch_size)` scales the summed gradient by 1/batch_size, batch_size being what this
+process computed. Under a synchronous distributed store the servers sum the gradients of
+num_workers such batches, so the scale is 1/(batch_size · num_workers): n workers at batch b
+step exactly as one process at batch n·b. (MXNet's Trainer scales by 1/batch_size alone, so
+its dist_sync steps are num_workers times larger; Horovod's divides by the workers, as here.)
+dist_async applies each push as a step of its own, scaled by 1/batch_size.
 """
 from . import comm, kvstore as kvstores, optimizer as optimizers
 from .nn.parameter import Parameter
@@ -11,18 +24,13 @@ from .nn.parameter import Parameter
 class Trainer:
     """Minibatch training over a dict of parameters (`net.collect_params()`).
 
-    A parameter initialized on several devices has a gradient on each, from that device's
-    slice of the batch. `step` sums them (`allreduce_grads`, through the store named by
-    `kvstore`: 'device', 'local', or None for a plain `comm.allreduce`), then updates every
-    copy (`update`), as one device with the whole batch would.
+    `kvstore`: a store's name (`kvstore.create`'s), a store, or None for a plain
+    `comm.allreduce` over the devices. `update_on_kvstore`: None for Gluon's choice (True for a
+    distributed store), or True or False.
     """
 
-    KVSTORES = ('device', 'local', None)
-
-    def __init__(self, params, optimizer='sgd', optimizer_params=None, kvstore='device'):
-        if kvstore not in self.KVSTORES:
-            raise ValueError(f'unknown kvstore {kvstore!r}; this Trainer sums gradients in this '
-                             f'process and takes one of {self.KVSTORES}')
+    def __init__(self, params, optimizer='sgd', optimizer_params=None, kvstore='device',
+                 update_on_kvstore=None):
         params = list(params.values()) if isinstance(params, dict) else list(params)
         if not all(isinstance(p, Parameter) for p in params):
             raise TypeError('Trainer takes net.collect_params() or a list of Parameters')
@@ -32,30 +40,60 @@ class Trainer:
             raise ValueError(f'optimizer {optimizer!r} does not take {optimizer_params}: '
                              f'{error}') from error
         self.params = [p for p in params if p.grad_req == 'write']    # not running statistics
-        self.kvstore = kvstore
-        self.store = None if kvstore is None else kvstores.create(kvstore)
+        self.store = store_from(kvstore)
+        self.kvstore = None if self.store is None else self.store.type
+        self.distributed = self.kvstore in kvstores.DIST_TYPES
+        self.update_on_kvstore = self._where_to_update(update_on_kvstore)
+        self.scale = self.optimizer.rescale_grad       # step(b) scales by scale / b
+        if self.distributed and self.kvstore != 'dist_async':
+            self.scale /= self.store.num_workers       # the servers sum every worker's batch
+        self.initialized = False         # whether the store holds the parameters
+        self.store_updates = False       # whether the store holds the optimizer
         self.reduced = set()             # parameters whose gradients are summed for this step
+
+    def _where_to_update(self, choice):
+        if self.store is None:
+            if choice:
+                raise ValueError('update_on_kvstore=True needs a kvstore to update in')
+            return False
+        if self.kvstore == 'dist_async':
+            if choice is False:
+                raise ValueError('dist_async updates on the store: each push is applied as it '
+                                 'arrives, so it takes update_on_kvstore=True (or None)')
+            return True
+        return self.distributed if choice is None else bool(choice)
 
     @property
     def learning_rate(self):
         return self.optimizer.learning_rate
 
     def step(self, batch_size):
-        """Sum the gradients over the devices, then update every copy with 1/batch_size of it."""
-        self.allreduce_grads()
-        self.update(batch_size)
+        """Sum the gradients over devices and workers, then update with 1/batch_size of it."""
+        self._rescale(batch_size)
+        self._init_store()
+        if self.update_on_kvstore and not self.store_updates:
+            self.store.set_optimizer(self.optimizer)        # with the scale of this step
+            self.store_updates = True
+        for index, param in enumerate(self.params):
+            self._reduce(index, param)
+        if self.update_on_kvstore:
+            self.store.pull(list(range(len(self.params))), [p.list_data() for p in self.params])
+        else:
+            self._update_copies()
+        self.reduced.clear()
 
     def allreduce_grads(self):
         """Sum each parameter's gradients over its devices (those not summed yet this step)."""
+        self._refuse_on_kvstore('allreduce_grads')
+        self._init_store()
         for index, param in enumerate(self.params):
             self._reduce(index, param)
 
     def update(self, batch_size):
         """Apply the optimizer to every copy of every parameter, from its (summed) gradient."""
-        self.optimizer.rescale_grad = 1 / batch_size
-        for index, param in enumerate(self.params):
-            for copy, weight in enumerate(param.list_data()):
-                self.optimizer.update((index, copy), weight, weight.grad)
+        self._refuse_on_kvstore('update')
+        self._rescale(batch_size)
+        self._update_copies()
         self.reduced.clear()
 
     def backward(self, losses):
@@ -67,6 +105,11 @@ class Trainer:
         backpropagation. The engine runs each sum as soon as the gradients it reads exist.
         """
         losses = list(losses)
+        self._init_store()
+        if self.update_on_kvstore and not self.store_updates:   # no optimizer there yet
+            for loss in losses:
+                loss.backward()
+            return
         for loss in losses[:-1]:
             loss.backward()
         index_of = {id(copy): i for i, p in enumerate(self.params) for copy in p.list_data()}
@@ -77,16 +120,61 @@ class Trainer:
                 self._reduce(index, self.params[index])
         losses[-1].backward(on_gradient=reduce_now)
 
+    def _rescale(self, batch_size):
+        scale = self.scale / batch_size
+        if self.update_on_kvstore and self.distributed and self.store_updates and \
+                scale != self.optimizer.rescale_grad:
+            raise ValueError(f'step({batch_size}) after steps of another batch size: the servers '
+                             'scale gradients by the 1/batch_size of the first step; keep the '
+                             'batch size, or scale the loss and call step(1)')
+        self.optimizer.rescale_grad = scale
+
+    def _init_store(self):
+        """Once, at the first backward or step (as Gluon does, so that creating a Trainer costs
+        nothing): every parameter into the store, under its index, and worker 0's weights into
+        every copy; no store where none is needed. Start every worker from the same weights
+        (one seed): the first gradients are computed before the copies agree."""
+        if self.initialized:
+            return
+        devices = max(len(p.list_data()) for p in self.params) if self.params else 1
+        if self.store is not None and not self.distributed and not self.update_on_kvstore \
+                and devices == 1:
+            self.store = None           # one device, one process: nothing to sum
+        if self.store is not None:
+            keys = list(range(len(self.params)))
+            self.store.init(keys, [p.list_data()[0] for p in self.params])
+            if self.distributed:
+                self.store.pull(keys, [p.list_data() for p in self.params])
+        self.initialized = True
+
     def _reduce(self, index, param):
         if index in self.reduced:
             return
         self.reduced.add(index)
-        grads = [weight.grad for weight in param.list_data()]
-        if len(grads) == 1:
-            return
-        if self.store is None:
+        grads = param.list_grad()
+        if self.update_on_kvstore:
+            self.store.push(index, grads)
+        elif self.store is not None and (len(grads) > 1 or self.distributed):
+            self.store.pushpull(index, grads)
+        elif self.store is None and len(grads) > 1:
             comm.allreduce(grads)
-            return
-        if index not in self.store.values:
-            self.store.init(index, grads[0])
-        self.store.pushpull(index, grads)
+
+    def _update_copies(self):
+        for index, param in enumerate(self.params):
+            for copy, weight in enumerate(param.list_data()):
+                self.optimizer.update((index, copy), weight, weight.grad)
+
+    def _refuse_on_kvstore(self, name):
+        if self.update_on_kvstore:
+            raise ValueError(f'{name}() runs on the devices, but this Trainer updates in the '
+                             f'{self.kvstore!r} store: call step(), or create the Trainer with '
+                             'update_on_kvstore=False')
+
+
+def store_from(kvstore):
+    """The store a Trainer was given: None, a name for `kvstore.create`, or a store itself."""
+    if isinstance(kvstore, str):
+        return kvstores.create(kvstore)
+    if kvstore is None or all(hasattr(kvstore, name) for name in ('init', 'push', 'pull', 'type')):
+        return kvstore
+    raise TypeError(f"kvstore is a store's name, a store or None, not {kvstore!r}")

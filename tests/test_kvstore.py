@@ -411,14 +411,15 @@ def test_pushpull_refuses_a_bad_output_before_it_pushes(kind):
 
 # -- the Trainer through the store ----------------------------------------------------------
 
-def train(kvstore_name, devices, overlap, momentum=0.0, steps=3):
+def train(store, devices, overlap, momentum=0.0, steps=3, update_on_kvstore=None):
     np.random.seed(0)
     net = nn.HybridSequential()
     net.add(nn.Dense(16, activation='relu'), nn.Dense(4))
     net.initialize(device=devices)
     rng = numpy.random.default_rng(1)
     trainer = d2l.Trainer(net.collect_params(), 'sgd',
-                          {'learning_rate': 0.3, 'momentum': momentum}, kvstore=kvstore_name)
+                          {'learning_rate': 0.3, 'momentum': momentum}, kvstore=store,
+                          update_on_kvstore=update_on_kvstore)
     loss = d2l.SoftmaxCrossEntropyLoss()
     for _ in range(steps):
         X = np.array(rng.normal(size=(12, 5)).astype(numpy.float32))
@@ -438,12 +439,44 @@ def train(kvstore_name, devices, overlap, momentum=0.0, steps=3):
 @pytest.mark.parametrize('momentum', [0.0, 0.9])
 def test_every_store_and_the_overlap_train_alike_and_keep_copies_identical(momentum):
     alone = train(None, [d2l.cpu(1)], overlap=False, momentum=momentum)
-    for name in ('device', 'local', None):
+    stores = [('device', None), ('local', None), (None, None), ('device', True),
+              (kvstore.create('local'), True), (kvstore.create('device'), None)]
+    for store, update_on_kvstore in stores:
         for overlap in (False, True):
-            got = train(name, DEVICES[:2], overlap, momentum=momentum)
+            if not isinstance(store, (str, type(None))):
+                store = kvstore.create(store.type)          # a fresh store for each run
+            got = train(store, DEVICES[:2], overlap, momentum, update_on_kvstore=update_on_kvstore)
             for copies, (reference,) in zip(got, alone):
                 numpy.testing.assert_allclose(copies[0], reference, rtol=1e-5, atol=1e-6)
                 numpy.testing.assert_array_equal(copies[0], copies[1])
+
+
+def test_trainer_takes_a_store_by_name_or_as_an_object_and_decides_where_to_update():
+    net = nn.Dense(2, in_units=3)
+    net.initialize(device=DEVICES[:2])
+    params = net.collect_params()
+    store = kvstore.create('local')
+    by_object = d2l.Trainer(params, 'sgd', kvstore=store)
+    assert (by_object.store, by_object.kvstore, by_object.update_on_kvstore) == (store, 'local',
+                                                                                False)
+    assert d2l.Trainer(params, 'sgd', kvstore='device').update_on_kvstore is False
+    on_store = d2l.Trainer(params, 'sgd', kvstore='device', update_on_kvstore=True)
+    for call in (on_store.allreduce_grads, lambda: on_store.update(1)):
+        with pytest.raises(ValueError, match="updates in the 'device' store: call step"):
+            call()
+    with pytest.raises(ValueError, match='update_on_kvstore=True needs a kvstore'):
+        d2l.Trainer(params, 'sgd', kvstore=None, update_on_kvstore=True)
+
+
+def test_a_trainer_on_one_device_needs_no_store():
+    net = nn.Dense(2, in_units=3)
+    net.initialize()
+    trainer = d2l.Trainer(net.collect_params(), 'sgd', {'learning_rate': 0.1}, kvstore='device')
+    with autograd.record():
+        loss = (net(np.ones((4, 3))) ** 2).sum()
+    loss.backward()
+    trainer.step(4)
+    assert trainer.store is None and trainer.kvstore == 'device'
 
 
 def test_trainer_refuses_unknown_optimizer_parameters():

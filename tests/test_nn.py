@@ -256,8 +256,10 @@ def test_trainer_takes_the_in_process_kvstores(kvstore):
 
 
 def test_unknown_kvstore():
-    with pytest.raises(ValueError, match=r"unknown kvstore 'nccl'.*'device', 'local', None"):
+    with pytest.raises(ValueError, match=r"unknown kvstore 'nccl'.*'local', 'device', 'dist_sync'"):
         d2l.Trainer(mlp().collect_params(), 'sgd', kvstore='nccl')
+    with pytest.raises(TypeError, match="a store's name, a store or None, not 42"):
+        d2l.Trainer(mlp().collect_params(), 'sgd', kvstore=42)
 
 
 def test_trainer_takes_parameters_only():
