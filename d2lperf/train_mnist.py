@@ -135,7 +135,7 @@ def train(args):
                 losses = [loss(net(X), y) for X, y in zip(X_shards, y_shards)]
             for shard_loss in losses:
                 shard_loss.backward()
-            trainer.step(args.batch_size)
+            trainer.step(args.batch_size * num_workers)     # the examples summed
             seen += len(part[1])
         npx.waitall()
         seconds = timer.stop()

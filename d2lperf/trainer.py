@@ -10,12 +10,11 @@ Gluon's rule, `update_on_kvstore`:
 * in the store (a distributed store, unless told otherwise; dist_async always): the workers
   push gradients, the servers run the optimizer, the workers pull the weights.
 
-`step(batch_size)` scales the summed gradient by 1/batch_size, batch_size being what this
-process computed. Under a synchronous distributed store the servers sum the gradients of
-num_workers such batches, so the scale is 1/(batch_size · num_workers): n workers at batch b
-step exactly as one process at batch n·b. (MXNet's Trainer scales by 1/batch_size alone, so
-its dist_sync steps are num_workers times larger; Horovod's divides by the workers, as here.)
-dist_async applies each push as a step of its own, scaled by 1/batch_size.
+`step(batch_size)` scales the summed gradient by 1/batch_size, as MXNet's Trainer does. Under
+a synchronous distributed store the servers sum the gradients of every worker, so for the step
+of one process on the combined batch each worker calls `step(batch_size · num_workers)`, the
+examples that went into the sum (train_mnist does); `step(batch_size)` takes a step
+num_workers times larger, MXNet's behaviour. dist_async applies each push as it arrives.
 """
 from . import comm, kvstore as kvstores, optimizer as optimizers
 from .nn.parameter import Parameter
@@ -45,8 +44,6 @@ class Trainer:
         self.distributed = self.kvstore in kvstores.DIST_TYPES
         self.update_on_kvstore = self._where_to_update(update_on_kvstore)
         self.scale = self.optimizer.rescale_grad       # step(b) scales by scale / b
-        if self.distributed and self.kvstore != 'dist_async':
-            self.scale /= self.store.num_workers       # the servers sum every worker's batch
         self.initialized = False         # whether the store holds the parameters
         self.store_updates = False       # whether the store holds the optimizer
         self.reduced = set()             # parameters whose gradients are summed for this step

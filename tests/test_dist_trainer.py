@@ -35,7 +35,7 @@ for step in range({STEPS}):
                   for X, y, d in zip(X_shards, y_shards, devices)]
     for loss in losses:
         loss.backward()
-    trainer.step({BATCH})
+    trainer.step({BATCH} * store.num_workers)      # the examples the servers sum
 copies = [[c.asnumpy().ravel().tolist() for c in p.list_data()] for p in (w, b)]
 print('WEIGHTS', store.rank, trainer.update_on_kvstore, json.dumps(copies))
 '''
@@ -110,9 +110,9 @@ def test_mxnet_nightly_gluon_trainer_type_and_step(tmp_path):
     assert result.lines('TYPE') == sorted(f'TYPE {rank} {choice} {on_store}' for rank in (0, 1)
                                           for choice, on_store in [('None', True), ('True', True),
                                                                    ('False', False)])
-    # MXNet: 1 − (1 + 2): the servers add the workers' gradients. Here the step is that of
-    # one process at both workers' batches, whose mean gradient is (1 + 2) / 2.
-    assert result.lines('STEP') == ['STEP 0 [-0.5]', 'STEP 1 [-0.5]']
+    # MXNet's expected value, 1 − (1 + 2): the servers add the workers' gradients, and
+    # step(1) scales their sum by 1.
+    assert result.lines('STEP') == ['STEP 0 [-2.0]', 'STEP 1 [-2.0]']
     assert result.lines('REFUSED') == sorted(
         f'REFUSED {rank} {words}' for rank in (0, 1) for words in (
             'step(2) after steps of another', "allreduce_grads() runs on the ",
