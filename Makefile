@@ -62,7 +62,15 @@ GPU_CHECK_PYTHON := $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
 gpu-check:
 	$(GPU_CHECK_PYTHON) tests/gpu_check.py $(GPU_CHECK_ARGS)
 
-.PHONY: figures gpu-check
+## Open every page of _build/html in headless Chromium, as a reader with no network would:
+## fails on a formula left as TeX, an image that did not load, a request off the machine or a
+## JavaScript error; saves _build/parameter_servers.png. Needs Chromium (apt-get install
+## chromium, or D2LPERF_BROWSER=/path/to/chrome); without one it says how to get it, exits 2.
+check-html: $(STAMP)
+	$(BIN)/python tests/check_html.py _build/html \
+		--screenshot chapters/parameter_servers.html=_build/parameter_servers.png
+
+.PHONY: figures gpu-check check-html
 
 clean:
 	rm -rf _build

@@ -3,7 +3,8 @@
 Fashion-MNIST (Xiao et al., 2017) is fetched from its authors' mirror, each file checked
 against its published MD5 sum and written to a cache atomically, so an interrupted download
 never leaves a half file behind. Machines without internet fall back to a small real
-dataset that scikit-learn ships (8×8 handwritten digits), and say so.
+dataset that scikit-learn ships (8×8 handwritten digits), and say so in one line (the reason
+too under D2LPERF_VERBOSE=1).
 `load_data_fashion_mnist` serves either as minibatches of d2lperf arrays, the digits resized
 to 28×28 so that a network written for Fashion-MNIST runs on them unchanged.
 """
@@ -26,8 +27,6 @@ FASHION_MNIST_FILES = {
     'test_images': ('t10k-images-idx3-ubyte.gz', 'bef4ecab320f06d8554ea6380940ec79'),
     'test_labels': ('t10k-labels-idx1-ubyte.gz', 'bb300cfdad3c16e7a12a480ee83cd310'),
 }
-FASHION_MNIST_CLASSES = ['t-shirt', 'trouser', 'pullover', 'dress', 'coat', 'sandal', 'shirt',
-                         'sneaker', 'bag', 'ankle boot']
 FASHION_MNIST_SIDE = 28
 TIMEOUT_SECONDS = 5
 
@@ -92,21 +91,11 @@ def digits(test_fraction=0.2, seed=0):
 
 
 def download_or_fallback(root=None):
-    """(name, arrays): Fashion-MNIST if it can be had, else the digits, saying why."""
+    """(name, arrays, why): Fashion-MNIST if it can be had, else the digits and the reason."""
     try:
-        return 'Fashion-MNIST', fashion_mnist(root)
+        return 'Fashion-MNIST', fashion_mnist(root), None
     except (urllib.error.URLError, OSError) as err:
-        name = 'scikit-learn digits (offline fallback)'
-        print(f'Fashion-MNIST could not be downloaded ({err}); using {name}')
-        return name, digits()
-
-
-def load_classification_data(root=None):
-    """Fashion-MNIST if it can be had, else the digits; returns (name, arrays) and says which."""
-    name, arrays = download_or_fallback(root)
-    print(f'dataset: {name}, {len(arrays[0])} training and {len(arrays[2])} test images '
-          f'of {arrays[0].shape[2]}x{arrays[0].shape[3]}')
-    return name, arrays
+        return "scikit-learn's digits", digits(), err
 
 
 def interpolation_matrix(old, new):
@@ -188,7 +177,7 @@ def load_data_fashion_mnist(batch_size, resize=None, seed=None, max_train_exampl
                         ('max_test_examples', max_test_examples), ('resize', resize)):
         if value is not None:
             check_positive(what, value)
-    name, (x_train, y_train, x_test, y_test) = download_or_fallback(root)
+    name, (x_train, y_train, x_test, y_test), why = download_or_fallback(root)
     side = x_train.shape[-1]
     if side != FASHION_MNIST_SIDE:
         x_train = resize_images(x_train, FASHION_MNIST_SIDE)
@@ -196,9 +185,18 @@ def load_data_fashion_mnist(batch_size, resize=None, seed=None, max_train_exampl
     totals = len(y_train), len(y_test)
     x_train, y_train = x_train[:max_train_examples], y_train[:max_train_examples]
     x_test, y_test = x_test[:max_test_examples], y_test[:max_test_examples]
-    shown = resize or FASHION_MNIST_SIDE
-    print(f'dataset: {name}, {len(y_train)} of {totals[0]} training and {len(y_test)} of '
-          f'{totals[1]} test images, {side}x{side}'
-          + (f' resized to {shown}x{shown}' if shown != side else ''))
+    print(describe(name, why, (len(y_train), len(y_test)), totals, side, resize))
     return (DataIterator(x_train, y_train, batch_size, True, seed, resize, name),
             DataIterator(x_test, y_test, batch_size, False, None, resize, name))
+
+
+def describe(name, why, used, totals, side, resize):
+    """One line that says which dataset a run trains on, and how much of it; where
+    Fashion-MNIST was not reachable it says so, with the reason only under D2LPERF_VERBOSE=1."""
+    shown = resize or FASHION_MNIST_SIDE
+    sizes = (f'{used[0]:,} of {totals[0]:,} training and {used[1]:,} of {totals[1]:,} test '
+             f'images, {side}x{side}' + (f' resized to {shown}x{shown}' if shown != side else ''))
+    if why is None:
+        return f'dataset: {name}, {sizes}'
+    reason = f' ({why})' if os.environ.get('D2LPERF_VERBOSE') else ''
+    return f'Fashion-MNIST is not reachable{reason}: training on {name} ({sizes})'

@@ -59,16 +59,31 @@ def test_fetch_refuses_a_corrupt_download_and_caches_nothing(tmp_path, monkeypat
     assert not (tmp_path / 'x.gz').exists()
 
 
-def test_offline_falls_back_to_digits(tmp_path, monkeypatch, capsys):
+def test_offline_falls_back_to_digits(tmp_path, monkeypatch):
     def offline(url, timeout):
         raise urllib.error.URLError('no network')
     monkeypatch.setattr(data.urllib.request, 'urlopen', offline)
-    name, (x_train, y_train, x_test, y_test) = data.load_classification_data(root=tmp_path)
-    assert 'digits' in name and 'digits' in capsys.readouterr().out
+    name, (x_train, y_train, x_test, y_test), why = data.download_or_fallback(root=tmp_path)
+    assert 'digits' in name and 'no network' in str(why)
     assert x_train.shape[1:] == (1, 8, 8) and x_train.dtype == numpy.float32
     assert len(x_train) + len(x_test) == 1797
     assert 0 <= x_train.min() and x_train.max() <= 1
     assert set(numpy.unique(y_train)) == set(range(10))
+
+
+@pytest.mark.parametrize('verbose', [False, True])
+def test_the_fallback_is_one_line_with_the_reason_only_when_verbose(offline, monkeypatch,
+                                                                     capsys, verbose):
+    if verbose:
+        monkeypatch.setenv('D2LPERF_VERBOSE', '1')
+    else:
+        monkeypatch.delenv('D2LPERF_VERBOSE', raising=False)
+    data.load_data_fashion_mnist(64, max_train_examples=100)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1
+    assert lines[0].startswith('Fashion-MNIST is not reachable')
+    assert "training on scikit-learn's digits (100 of 1,437 training" in lines[0]
+    assert ('no network' in lines[0]) == verbose
 
 
 # -- minibatches for the training chapters --------------------------------------------------------
@@ -93,7 +108,7 @@ def first_batches(iterator):
 def test_offline_loader_serves_digits_at_28x28(offline, tmp_path, capsys):
     train_iter, test_iter = data.load_data_fashion_mnist(256, root=tmp_path)
     assert 'digits' in train_iter.dataset_name and 'digits' in test_iter.dataset_name
-    assert '1437 of 1437 training' in capsys.readouterr().out
+    assert '1,437 of 1,437 training' in capsys.readouterr().out
     assert (len(train_iter), len(test_iter)) == (6, 2)             # 1437 / 256, 360 / 256
     batches = first_batches(train_iter)
     X, y = batches[0]
