@@ -44,7 +44,7 @@ def in_job(size_bytes, repeats):
     from mpi4py import MPI
 
     import d2lperf as d2l
-    d2l.host_memory.keep_freed_memory()     # the policy the store's engine sets: plain MPI too
+    d2l.engine.host_memory.keep_freed_memory()     # the policy the store's engine sets: plain MPI too
     world = MPI.COMM_WORLD
     server = world.size - 1
     is_server = world.rank == server

@@ -73,7 +73,7 @@ from .comm import split_and_load, split_batch
 from .comm import allreduce_on_first as allreduce        # the source's, "Multiple GPUs"
 from .training import accuracy, evaluate_accuracy_gpu, evaluate_accuracy_gpus, get_params, sgd
 from .data import load_data_fashion_mnist
-from .models import Residual, lenet, resnet18
+from .nn import Residual, lenet, resnet18
 
 __all__ = ['engine', 'Device', 'cpu', 'gpu', 'num_gpus', 'try_all_gpus', 'try_devices', 'try_gpu', 'np', 'npx',
            'autograd', 'nn', 'L2Loss', 'SoftmaxCrossEntropyLoss', 'Trainer', 'Accumulator',

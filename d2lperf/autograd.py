@@ -14,7 +14,7 @@ inside a single engine operation, on raw arrays, over nodes already in order.
 import contextlib
 
 from . import engine
-from .ndarray import NDArray, create
+from .ndarray import NDArray, filled_like
 from .tape import TAPE, needs_grad
 
 
@@ -59,23 +59,6 @@ def is_recording():
 def is_training():
     """True inside `record()` (unless train_mode=False) or `train_mode()`; False outside."""
     return TAPE.training
-
-
-def attach_grad(array):
-    """Give `array` a gradient buffer, `.grad`, that `backward()` writes into.
-
-    The buffer starts as zeros made fresh (not `array * 0`, which is NaN where the array is
-    infinite), and is a real array even for a 0-d one, so that backward can write into it.
-    """
-    if array.dtype.kind != 'f':
-        raise TypeError(f'only floating arrays can have gradients, not {array.dtype}')
-    array.grad = filled_like(array, 0)
-    return array
-
-
-def filled_like(like, value):
-    return create(like.shape, like.dtype, like.device,
-                  lambda xp, shape, dtype: xp.full(shape, value, dtype), 'full')
 
 
 def topological_order(head):
@@ -155,3 +138,6 @@ def backward(head, head_grad=None, retain_graph=False, on_gradient=None):
                 array.grad[...] = g          # `...`, not `:`, so that a 0-d leaf works too
                 if on_gradient is not None:
                     on_gradient(array)
+
+
+TAPE.walk = backward         # how NDArray.backward, below this module, reaches the walk

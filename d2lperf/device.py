@@ -38,7 +38,7 @@ class Device:
     @property
     def xp(self):
         """The array module that computes on this device: numpy, or cupy for a GPU."""
-        return numpy if self.kind == 'cpu' else _cupy()
+        return numpy if self.kind == 'cpu' else cupy_module()
 
     def __repr__(self):
         return f'{self.kind}({self.index})'
@@ -96,7 +96,7 @@ def transfer(source, target):
     if source.kind == 'cpu' and target.kind == 'cpu':
         return numpy.ndarray.copy
     if source.kind == 'cpu':
-        return lambda data: _cupy().asarray(data)
+        return lambda data: cupy_module().asarray(data)
     if target.kind == 'cpu':
         return lambda data: data.get()
     return functools.partial(_peer_copy, target.index)
@@ -104,7 +104,7 @@ def transfer(source, target):
 
 def _peer_copy(target_index, data):
     """Copy a CuPy array to GPU `target_index` on the current (source) device's stream."""
-    cupy = _cupy()
+    cupy = cupy_module()
     contiguous = cupy.ascontiguousarray(data)
     with cupy.cuda.Device(target_index):
         out = cupy.empty(contiguous.shape, contiguous.dtype)
@@ -113,8 +113,9 @@ def _peer_copy(target_index, data):
     return out
 
 
-@functools.cache
-def _cupy():
+def cupy_module():
+    """CuPy, for code about to run on a GPU. The one place the package imports it, at call time,
+    so that a machine without it never does; where it is missing, an error says what to do."""
     try:
         import cupy
     except ImportError as err:
@@ -124,14 +125,20 @@ def _cupy():
     return cupy
 
 
+def cupy_or_none():
+    """CuPy if it imports and sees a GPU, else None; never raises."""
+    try:
+        cupy = cupy_module()
+        return cupy if cupy.cuda.runtime.getDeviceCount() > 0 else None
+    except Exception:  # no CuPy, no driver, or no device: all mean "no GPU here"
+        return None
+
+
 @functools.cache
 def num_gpus():
     """How many GPUs CuPy can see (0 without CuPy or without a driver)."""
-    try:
-        import cupy
-        return cupy.cuda.runtime.getDeviceCount()
-    except Exception:  # no CuPy, no driver, or no device: all mean "no GPU here"
-        return 0
+    cupy = cupy_or_none()
+    return cupy.cuda.runtime.getDeviceCount() if cupy is not None else 0
 
 
 def try_gpu(i=0):

@@ -15,7 +15,74 @@ from .ops import REGISTRY, as_array, index_shape
 from .tape import TAPE, TapeNode, needs_grad
 
 
-class NDArray:
+class ArrayMethods:
+    """What an array computes from its shape and dtype alone: metadata, and the operators and
+    methods that each end in one `apply`. NDArray has them, and so does the compiler's stand-in
+    for an array while it traces (`hybrid.trace.Symbol`), where `apply` records a graph node
+    instead of pushing an operation."""
+
+    __slots__ = ()
+    __hash__ = object.__hash__
+
+    # -- metadata: known at push time, never blocks --------------------------------------
+    @property
+    def ndim(self):
+        return len(self.shape)
+
+    @property
+    def size(self):
+        return int(numpy.prod(self.shape))
+
+    def __len__(self):
+        if not self.shape:
+            raise TypeError('len() of a 0-d array')
+        return self.shape[0]
+
+    # -- arithmetic -----------------------------------------------------------------------
+    def __add__(self, other): return apply('add', self, other)
+    def __radd__(self, other): return apply('add', other, self)
+    def __sub__(self, other): return apply('subtract', self, other)
+    def __rsub__(self, other): return apply('subtract', other, self)
+    def __mul__(self, other): return apply('multiply', self, other)
+    def __rmul__(self, other): return apply('multiply', other, self)
+    def __truediv__(self, other): return apply('divide', self, other)
+    def __rtruediv__(self, other): return apply('divide', other, self)
+    def __pow__(self, other): return apply('power', self, other)
+    def __rpow__(self, other): return apply('power', other, self)
+    def __matmul__(self, other): return apply('matmul', self, other)
+    def __rmatmul__(self, other): return apply('matmul', other, self)
+    def __neg__(self): return apply('negative', self)
+    def __abs__(self): return apply('abs', self)
+    def __gt__(self, other): return apply('greater', self, other)
+    def __lt__(self, other): return apply('less', self, other)
+    def __ge__(self, other): return apply('greater_equal', self, other)
+    def __le__(self, other): return apply('less_equal', self, other)
+    def __eq__(self, other): return apply('equal', self, other)
+    def __ne__(self, other): return apply('not_equal', self, other)
+    # -- methods --------------------------------------------------------------------------
+    def reshape(self, *shape):
+        shape = shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
+        return apply('reshape', self, shape=tuple(shape))
+
+    def transpose(self, *axes):
+        axes = axes[0] if len(axes) == 1 and isinstance(axes[0], (tuple, list)) else axes
+        return apply('transpose', self, axes=tuple(axes) if axes else None)
+
+    @property
+    def T(self):
+        return apply('transpose', self, axes=None)
+
+    def sum(self, axis=None, keepdims=False): return apply('sum', self, axis=axis, keepdims=keepdims)
+    def mean(self, axis=None, keepdims=False): return apply('mean', self, axis=axis, keepdims=keepdims)
+    def max(self, axis=None, keepdims=False): return apply('max', self, axis=axis, keepdims=keepdims)
+    def argmax(self, axis=None): return apply('argmax', self, axis=axis)
+    def exp(self): return apply('exp', self)
+    def log(self): return apply('log', self)
+    def astype(self, dtype): return apply('astype', self, dtype=numpy.dtype(dtype).name)
+    def copy(self): return apply('copy', self)
+
+
+class NDArray(ArrayMethods):
     """An asynchronous array on one device.
 
     `data` is the device's array (NumPy or CuPy) holding the values: the engine fills it in,
@@ -69,69 +136,11 @@ class NDArray:
 
     __str__ = __repr__
 
-    # -- metadata: known at push time, never blocks --------------------------------------
-    @property
-    def ndim(self):
-        return len(self.shape)
-
-    @property
-    def size(self):
-        return int(numpy.prod(self.shape))
-
-    def __len__(self):
-        if not self.shape:
-            raise TypeError('len() of a 0-d array')
-        return self.shape[0]
-
-    # -- arithmetic -----------------------------------------------------------------------
-    def __add__(self, other): return apply('add', self, other)
-    def __radd__(self, other): return apply('add', other, self)
-    def __sub__(self, other): return apply('subtract', self, other)
-    def __rsub__(self, other): return apply('subtract', other, self)
-    def __mul__(self, other): return apply('multiply', self, other)
-    def __rmul__(self, other): return apply('multiply', other, self)
-    def __truediv__(self, other): return apply('divide', self, other)
-    def __rtruediv__(self, other): return apply('divide', other, self)
-    def __pow__(self, other): return apply('power', self, other)
-    def __rpow__(self, other): return apply('power', other, self)
-    def __matmul__(self, other): return apply('matmul', self, other)
-    def __rmatmul__(self, other): return apply('matmul', other, self)
-    def __neg__(self): return apply('negative', self)
-    def __abs__(self): return apply('abs', self)
-    def __gt__(self, other): return apply('greater', self, other)
-    def __lt__(self, other): return apply('less', self, other)
-    def __ge__(self, other): return apply('greater_equal', self, other)
-    def __le__(self, other): return apply('less_equal', self, other)
-    def __eq__(self, other): return apply('equal', self, other)
-    def __ne__(self, other): return apply('not_equal', self, other)
-    __hash__ = object.__hash__
-
+    # -- in place: the array keeps its variable, and the engine orders the write ---------
     def __iadd__(self, other): return update_in_place(self, 'add', other)
     def __isub__(self, other): return update_in_place(self, 'subtract', other)
     def __imul__(self, other): return update_in_place(self, 'multiply', other)
     def __itruediv__(self, other): return update_in_place(self, 'divide', other)
-
-    # -- methods --------------------------------------------------------------------------
-    def reshape(self, *shape):
-        shape = shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
-        return apply('reshape', self, shape=tuple(shape))
-
-    def transpose(self, *axes):
-        axes = axes[0] if len(axes) == 1 and isinstance(axes[0], (tuple, list)) else axes
-        return apply('transpose', self, axes=tuple(axes) if axes else None)
-
-    @property
-    def T(self):
-        return apply('transpose', self, axes=None)
-
-    def sum(self, axis=None, keepdims=False): return apply('sum', self, axis=axis, keepdims=keepdims)
-    def mean(self, axis=None, keepdims=False): return apply('mean', self, axis=axis, keepdims=keepdims)
-    def max(self, axis=None, keepdims=False): return apply('max', self, axis=axis, keepdims=keepdims)
-    def argmax(self, axis=None): return apply('argmax', self, axis=axis)
-    def exp(self): return apply('exp', self)
-    def log(self): return apply('log', self)
-    def astype(self, dtype): return apply('astype', self, dtype=numpy.dtype(dtype).name)
-    def copy(self): return apply('copy', self)
 
     def copyto(self, device):
         """A copy of this array on `device`: one engine operation reading self, writing the copy."""
@@ -140,16 +149,22 @@ class NDArray:
     def __getitem__(self, key):
         return view(self, key)
 
-    # -- autograd (which sits above this module: imported when first used) ---------------
+    # -- autograd: the buffer is made here; the reverse walk, above this module, is reached
+    # through the tape (`TAPE.walk`), which autograd fills in when it is imported.
     def attach_grad(self):
-        """Give this array a gradient buffer, `.grad`, that `backward()` writes into."""
-        from .autograd import attach_grad
-        return attach_grad(self)
+        """Give this array a gradient buffer, `.grad`, that `backward()` writes into.
+
+        The buffer starts as zeros made fresh (not `self * 0`, which is NaN where the array is
+        infinite), and is a real array even for a 0-d one, so that backward can write into it.
+        """
+        if self.dtype.kind != 'f':
+            raise TypeError(f'only floating arrays can have gradients, not {self.dtype}')
+        self.grad = filled_like(self, 0)
+        return self
 
     def backward(self, head_grad=None, retain_graph=False, on_gradient=None):
         """Gradients of this array (summed, if it is not a scalar) into every `.grad`."""
-        from .autograd import backward
-        backward(self, head_grad, retain_graph, on_gradient)
+        TAPE.walk(self, head_grad, retain_graph, on_gradient)
 
     def __setitem__(self, key, value):
         assign(self, key, value)
@@ -382,3 +397,9 @@ def create(shape, dtype, device, make, name):
         out.data = make(xp, out.shape, out.dtype)
     engine.push(run, [], [out.var], device, name)
     return out
+
+
+def filled_like(like, value):
+    """A new array of `like`'s shape, dtype and device, every element `value`."""
+    return create(like.shape, like.dtype, like.device,
+                  lambda xp, shape, dtype: xp.full(shape, value, dtype), 'full')

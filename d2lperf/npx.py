@@ -2,7 +2,7 @@
 batch normalization) and engine controls. Images are NCHW: (batch, channels, height, width)."""
 from . import engine
 from .ndarray import apply
-from .ops.convolution import pair
+from .ops.rules import pair
 from .tape import TAPE
 
 

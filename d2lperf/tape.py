@@ -6,7 +6,9 @@ nodes, linked through their inputs, are the graph that `autograd.backward` walks
 reverse. `TAPE.recording` says whether to leave nodes; `TAPE.training` whether layers such
 as dropout behave as in training or as in prediction. Both are set only by autograd's
 context managers. The tape lives apart from autograd.py so that ndarray, which records, need
-not import autograd, which sits above it; the two modules together are all of reverse mode.
+not import autograd, which sits above it: `TAPE.walk` is autograd's `backward`, set when
+autograd is imported, and `NDArray.backward` calls it. The two modules together are all of
+reverse mode.
 """
 
 
@@ -23,12 +25,13 @@ class TapeNode:
 
 
 class TapeState:
-    """Whether operations are recorded for autograd, and whether layers are training."""
+    """Whether operations are recorded for autograd, whether layers are training, and the
+    reverse walk (`walk(head, head_grad, retain_graph, on_gradient)`) that autograd provides."""
 
-    __slots__ = ('recording', 'training')
+    __slots__ = ('recording', 'training', 'walk')
 
     def __init__(self):
-        self.recording, self.training = False, False
+        self.recording, self.training, self.walk = False, False, None
 
 
 TAPE = TapeState()

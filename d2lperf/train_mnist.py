@@ -15,7 +15,7 @@ import sys
 
 from . import autograd, comm, data, kvstore, nn, np, npx
 from .device import cpu, gpu, slow_down
-from .models import lenet
+from .nn import lenet
 from .trainer import Trainer
 from .training import evaluate_accuracy_gpus
 from .utils import Timer

@@ -83,10 +83,8 @@ def fake_gpus(monkeypatch):
         pytest.skip('a real GPU is here: the tests marked needs_gpu run instead')
     monkeypatch.setitem(sys.modules, 'cupy', fake_cupy.make_module(gpus=2))
     monkeypatch.setattr(random_module, 'generators', {})
-    device_module._cupy.cache_clear()
     device_module.num_gpus.cache_clear()
     engine.use('threaded')            # workers made here (with fake streams) end with the test
     yield
     engine.use('threaded')
-    device_module._cupy.cache_clear()
     device_module.num_gpus.cache_clear()

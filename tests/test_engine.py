@@ -413,7 +413,7 @@ def test_switching_engines_ends_the_old_workers():
 
 @pytest.mark.parametrize('env, expected', [
     ({'D2LPERF_ENGINE': 'naive'}, 'NaiveEngine None'),
-    ({'D2LPERF_ENGINE': 'threaded', 'D2LPERF_MAX_IN_FLIGHT': '4'}, 'ThreadedEngine 4'),
+    ({'D2LPERF_ENGINE': 'threaded'}, 'ThreadedEngine None'),
 ])
 def test_the_environment_picks_the_engine(monkeypatch, env, expected):
     for key, value in env.items():

@@ -1,4 +1,4 @@
-"""Tests of d2lperf.hardware and d2lperf.hardware_gpu at tiny sizes.
+"""Tests of d2lperf.hardware (machine, memory, compute, io, gpu) at tiny sizes.
 
 They check values, never speed: every figure is positive, finite and carries its unit in
 its column name; the pointer chase is one dependent cycle over every node; FLOP and byte
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-from d2lperf import hardware, hardware_gpu, hardware_io, utils
+from d2lperf import hardware, utils
 from fakes import cupy as fake_cupy
 
 UNIT_WORDS = {'bytes', 'seconds', 'ns', 'us', 'gb', 'mb', 'gflop', 'tflop', 'flop', 'mhz',
@@ -53,7 +53,7 @@ def test_median_seconds_warms_up_then_times_batches():
     assert hardware.median_seconds is utils.median_seconds   # one timer for everything
 
 
-@pytest.mark.parametrize('n', [1, 100, hardware.TRIAD_BLOCK + 5])
+@pytest.mark.parametrize('n', [1, 100, hardware.memory.TRIAD_BLOCK + 5])
 def test_stream_kernels_compute_copy_and_triad(n):
     for name, expected in (('copy', 1.0), ('triad', 1.0 + 3.0 * 2.0)):
         run, out = hardware.stream_kernel(name, n)
@@ -78,7 +78,7 @@ def test_chase_cycle_visits_every_node_once():
     assert node is start                            # one cycle of length n ...
     assert sorted(seen) == sorted(map(id, nodes))   # ... through every node
     assert hardware.walk(start, len(nodes)) is start
-    hardware.unlink(nodes)
+    hardware.memory.unlink(nodes)
     assert all(node.next is None for node in nodes)
 
 
@@ -94,7 +94,7 @@ class RecordingNode:
         return self.successor
 
 
-@pytest.mark.parametrize('steps', [1, hardware.HOP, 2 * hardware.HOP + 7])
+@pytest.mark.parametrize('steps', [1, hardware.memory.HOP, 2 * hardware.memory.HOP + 7])
 def test_walk_reads_each_address_from_the_previous_load(steps):
     log = []
     nodes = [RecordingNode(log) for _ in range(50)]
@@ -109,14 +109,14 @@ def test_walk_reads_each_address_from_the_previous_load(steps):
 def test_pointer_chase_rows():
     rows = hardware.pointer_chase([2 ** 12, 2 ** 16], steps=2048, repeats=2)
     assert_rows_have_units(rows, expected_rows=2)
-    stride = hardware.bytes_per_node(hardware.chase_cycle(64))
-    assert stride >= sys.getsizeof(hardware.ChaseNode())
+    stride = hardware.memory.bytes_per_node(hardware.chase_cycle(64))
+    assert stride >= sys.getsizeof(hardware.memory.ChaseNode())
     for row, size in zip(rows, [2 ** 12, 2 ** 16]):
         assert size - stride < row['working_set_bytes'] <= size
 
 
 def test_read_orders_read_the_same_data():
-    orders = hardware.read_orders(64)
+    orders = hardware.memory.read_orders(64)
     np.testing.assert_array_equal(orders['sequential'], np.arange(64))
     np.testing.assert_array_equal(np.sort(orders['random']), np.arange(64))   # a permutation
 
@@ -130,7 +130,7 @@ def test_read_patterns_rows():
 @pytest.mark.parametrize('n, flops', [(1, 1), (2, 12), (3, 45)])
 def test_matmul_flop_count_by_hand(n, flops):
     # each of the n^2 entries is n products and n - 1 additions
-    assert hardware.matmul_flops_count(n) == flops
+    assert hardware.compute.matmul_flops_count(n) == flops
 
 
 def test_kernel_counts_by_hand():
@@ -150,14 +150,14 @@ def test_matmul_intensity_grows_with_size(n):
 
 def test_three_matmuls_agree():
     a, b = np.random.default_rng(0).random((2, 5, 5))
-    np.testing.assert_allclose(hardware.matmul_python(a.tolist(), b.tolist()), a @ b)
-    np.testing.assert_allclose(hardware.matmul_broadcast(a, b), a @ b)
+    np.testing.assert_allclose(hardware.compute.matmul_python(a.tolist(), b.tolist()), a @ b)
+    np.testing.assert_allclose(hardware.compute.matmul_broadcast(a, b), a @ b)
 
 
 def test_vectorization_rows():
     rows = hardware.vectorization(n=8, repeats=2)
     assert_rows_have_units(rows, expected_rows=3)
-    assert {row['flops'] for row in rows} == {hardware.matmul_flops_count(8)}
+    assert {row['flops'] for row in rows} == {hardware.compute.matmul_flops_count(8)}
 
 
 def test_matmul_flops_rows():
@@ -182,13 +182,13 @@ def test_roofline_bound_and_prediction():
 
 
 def test_false_sharing_rows():
-    rows = hardware_io.false_sharing(increments=20000)
+    rows = hardware.io.false_sharing(increments=20000)
     assert_rows_have_units(rows, expected_rows=3)
     assert [row['processes'] for row in rows] == [1, 2, 2]
 
 
 def test_storage_reads_rows(tmp_path):
-    rows = hardware_io.storage_reads(file_bytes=2 ** 22, random_reads=50, directory=tmp_path,
+    rows = hardware.io.storage_reads(file_bytes=2 ** 22, random_reads=50, directory=tmp_path,
                                   repeats=2)
     assert_rows_have_units(rows, expected_rows=2)
     assert rows[0]['reads'] == 4 and rows[1]['reads'] == 50
@@ -197,9 +197,9 @@ def test_storage_reads_rows(tmp_path):
 
 
 def test_loopback_messages_and_fit():
-    rows = hardware_io.loopback_messages([1, 2 ** 12, 2 ** 16], repeats=3)
+    rows = hardware.io.loopback_messages([1, 2 ** 12, 2 ** 16], repeats=3)
     assert_rows_have_units(rows, expected_rows=3)
-    fit = hardware_io.latency_and_bandwidth(rows)
+    fit = hardware.io.latency_and_bandwidth(rows)
     assert fit['latency_seconds'] > 0
 
 
@@ -216,14 +216,14 @@ def test_gemm_passes_row_major_operands_in_cublas_order():
     rng = np.random.default_rng(0)
     a, b = (cp.asarray(rng.random((5, 5), dtype=np.float32)) for _ in range(2))
     c = cp.zeros((5, 5), np.float32)
-    hardware_gpu.gemm(cp, a, b, c, hardware_gpu.CUDA_R_32F, hardware_gpu.CUBLAS_COMPUTE_32F)
+    hardware.gpu.gemm(cp, a, b, c, hardware.gpu.CUDA_R_32F, hardware.gpu.CUBLAS_COMPUTE_32F)
     np.testing.assert_allclose(c, np.asarray(a) @ np.asarray(b), rtol=1e-5)
     assert cp.cuda.cublas.pointer_mode == 5   # the handle's pointer mode is restored
 
 
-NO_GPU = hardware_gpu.cupy_or_none() is None
-GPU_MEASUREMENTS = [hardware_gpu.gpu_memory_bandwidth, hardware_gpu.host_device_copies,
-                    hardware_gpu.kernel_launch_latency, hardware_gpu.gpu_matmul_flops]
+NO_GPU = hardware.gpu.cupy_or_none() is None
+GPU_MEASUREMENTS = [hardware.gpu.gpu_memory_bandwidth, hardware.gpu.host_device_copies,
+                    hardware.gpu.kernel_launch_latency, hardware.gpu.gpu_matmul_flops]
 
 
 @pytest.mark.skipif(not NO_GPU, reason='a GPU is present')
@@ -231,16 +231,16 @@ GPU_MEASUREMENTS = [hardware_gpu.gpu_memory_bandwidth, hardware_gpu.host_device_
 def test_gpu_measurements_without_gpu_return_empty_tables(measure, capsys):
     assert measure() == []
     assert 'No GPU found' in capsys.readouterr().out
-    assert hardware_gpu.gpu_summary() == []
+    assert hardware.gpu.gpu_summary() == []
 
 
 @pytest.mark.skipif(NO_GPU, reason='needs a GPU')
 def test_gpu_measurements_with_gpu():
-    assert all(gpu['multiprocessors'] > 0 for gpu in hardware_gpu.gpu_summary())
-    assert_rows_have_units(hardware_gpu.gpu_memory_bandwidth([2 ** 22], repeats=2))
-    assert_rows_have_units(hardware_gpu.host_device_copies([2 ** 16], repeats=2))
-    assert_rows_have_units(hardware_gpu.kernel_launch_latency(launches=50))
-    rows = hardware_gpu.gpu_matmul_flops(n=256, repeats=2)
+    assert all(gpu['multiprocessors'] > 0 for gpu in hardware.gpu.gpu_summary())
+    assert_rows_have_units(hardware.gpu.gpu_memory_bandwidth([2 ** 22], repeats=2))
+    assert_rows_have_units(hardware.gpu.host_device_copies([2 ** 16], repeats=2))
+    assert_rows_have_units(hardware.gpu.kernel_launch_latency(launches=50))
+    rows = hardware.gpu.gpu_matmul_flops(n=256, repeats=2)
     assert_rows_have_units(rows)
     tolerance = {'float32': 1e-5, 'tf32': 5e-3, 'float16': 5e-3, 'bfloat16': 3e-2}
     for row in rows:

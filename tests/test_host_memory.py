@@ -1,4 +1,4 @@
-"""Tests of d2lperf.host_memory: a large block freed by one step is reused by the next,
+"""Tests of d2lperf.engine.host_memory: a large block freed by one step is reused by the next,
 without a page fault per page (counted by the kernel, not timed); and the setting is made
 once, when the engine starts, never by importing d2lperf."""
 import os
@@ -11,7 +11,7 @@ import threading
 import numpy
 import pytest
 
-from d2lperf import host_memory
+from d2lperf.engine import host_memory
 
 MIB = 2**20
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -80,9 +80,9 @@ class Recorded:
 
 ctypes.CDLL = Recorded
 import d2lperf as d2l
-print('import', len(calls), d2l.host_memory.kept)
+print('import', len(calls), d2l.engine.host_memory.kept)
 d2l.np.ones(3).wait_to_read()
-print('start', len(calls), d2l.host_memory.kept)
+print('start', len(calls), d2l.engine.host_memory.kept)
 d2l.np.ones(3, device=d2l.cpu(1)).wait_to_read()
 (d2l.np.ones(3) + 1).wait_to_read()
 print('later', len(calls))

@@ -62,6 +62,19 @@ class Printing(nn.HybridBlock):
         return self.output(npx.relu(self.hidden(x)))
 
 
+def test_every_method_of_an_array_is_a_method_of_a_symbol():
+    """A method added to NDArray alone would pass tracing silently as an AttributeError deep in
+    a user's forward: Symbol must share it (ArrayMethods) or say why it cannot while tracing."""
+    from d2lperf.hybrid.trace import Symbol
+    from d2lperf.ndarray import ArrayMethods, NDArray
+    slots = set(NDArray.__slots__)
+    own = {name for name in vars(NDArray) if name not in slots
+           and name not in ('__module__', '__doc__', '__slots__', '__init__', '__dict__')}
+    assert not set(vars(ArrayMethods)) & own - {'__hash__'}
+    assert own - set(vars(Symbol)) == set()
+    assert issubclass(Symbol, ArrayMethods)
+
+
 def test_print_shows_the_symbol_once_per_trace(capsys):
     net = Printing()
     net.initialize()

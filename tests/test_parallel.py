@@ -16,8 +16,8 @@ from hypothesis import given
 
 import d2lperf as d2l
 from d2lperf import autograd, device as device_module, engine, np
-from d2lperf.blas import SharedCores
-from d2lperf.workers import COMPUTE, COPY_IN, COPY_OUT, copy_lane
+from d2lperf.engine.blas import SharedCores
+from d2lperf.engine.workers import COMPUTE, COPY_IN, COPY_OUT, copy_lane
 from fakes import cupy as fake_cupy
 from conftest import run_with_timeout
 from strategies import D2LBackend, Interpreter, NumpyBackend, checks, programs
@@ -392,7 +392,7 @@ class TimedOp:
 
 
 def test_a_slowed_device_idles_factor_minus_one_times_each_operation(monkeypatch):
-    from d2lperf import workers
+    from d2lperf.engine import workers
     clock = FakeClock()
     monkeypatch.setattr(workers, 'time', clock)
     monkeypatch.setattr(workers, 'idle_owed', {})

@@ -83,7 +83,7 @@ def test_the_naive_engine_is_profiled_on_the_caller():
 
 
 def test_reading_a_profile_before_recording_one_says_what_to_do(monkeypatch):
-    monkeypatch.setattr(profiler, '_last', [])
+    monkeypatch.setattr(profiler.records, '_last', [])
     with pytest.raises(ValueError, match='profiler.start'):
         profiler.plot()
 

@@ -11,6 +11,7 @@ Interpreters"; this module imports CuPy only when a GPU is used.
 """
 import numpy
 
+from ..device import cupy_module
 from ..ops import REGISTRY
 from .codegen import generate, is_plain_number
 from .graph import Node
@@ -19,11 +20,6 @@ from .memory import plan_memory, writes_into
 C_TYPES = {numpy.dtype('float32'): 'float', numpy.dtype('float64'): 'double'}
 DENSE_ROWS = 64         # up to this batch, a dense layer is our own kernel (no cuBLAS)
 WARP = 32
-
-
-def _cupy():
-    import cupy
-    return cupy
 
 
 def c_statements(steps, operand, ctype):
@@ -68,7 +64,7 @@ def elementwise_kernel(w, node, out, steps, running=None):
     lines, result = code
     inputs = ', '.join(f'{node.dtype.name} {names[x]}' for x in operands)
     operation = ' '.join(lines + [f'y = {result};'])
-    kernel = _cupy().ElementwiseKernel(inputs, f'{node.dtype.name} y', operation,
+    kernel = cupy_module().ElementwiseKernel(inputs, f'{node.dtype.name} y', operation,
                                        f'd2lperf_fused_{len(w.kernels)}')
     name = w.bind(kernel, 'kernel')
     w.kernels.append((name, f'ElementwiseKernel({inputs!r}, "{node.dtype.name} y", '
@@ -133,7 +129,7 @@ def dense_kernel(w, node, out):
     source = DENSE_SOURCE.format(name=name, t=ctype, body='\n    '.join(lines), result=result,
                                  params=''.join(f'const {ctype}* e{i}, '
                                                 for i in range(len(operands))))
-    kernel = w.bind(_cupy().RawKernel(source, name), 'kernel')
+    kernel = w.bind(cupy_module().RawKernel(source, name), 'kernel')
     w.kernels.append((kernel, source))
     contiguous = w.function('ascontiguousarray')
     args = [w.expr(v) if v.kind == 'param' else f'{contiguous}({w.expr(v)})'
@@ -161,7 +157,7 @@ class GraphReplay:
         self.fn, self.num_inputs, self.graph = fn, num_inputs, None
 
     def __call__(self, *arrays):
-        cupy = _cupy()
+        cupy = cupy_module()
         params = arrays[self.num_inputs:]
         if self.graph is None or any(a is not b for a, b in zip(params, self.params)):
             self.capture(arrays)
@@ -171,7 +167,7 @@ class GraphReplay:
         return tuple(out.copy() for out in self.outputs)
 
     def capture(self, arrays):
-        stream = _cupy().cuda.get_current_stream()
+        stream = cupy_module().cuda.get_current_stream()
         if stream.ptr == 0:
             raise RuntimeError('the legacy default stream cannot be captured')
         self.inputs = [x.copy() for x in arrays[:self.num_inputs]]
@@ -195,7 +191,7 @@ class VerifiedRunner:
     def __call__(self, *arrays):
         if self.chosen is not None:
             return self.chosen(*arrays)
-        cupy, reference = _cupy(), self.plain(*arrays)
+        cupy, reference = cupy_module(), self.plain(*arrays)
         for name, candidate in self.candidates:
             try:
                 result = candidate(*arrays)
@@ -218,7 +214,7 @@ def allocating_ops(graph):
 
 def build_program(graph, plan, device):
     """Plain CuPy code, fused kernels, and a CUDA graph of them; the runner picks one."""
-    cupy = _cupy()
+    cupy = cupy_module()
     with cupy.cuda.Device(device.index):
         plain = generate(graph, plan, cupy)
         fused = generate(graph, plan, cupy, fused_kernel=fused_kernel)

@@ -28,11 +28,6 @@ def build_program(graph, plan, device):
     return generate(graph, plan, device.xp)
 
 
-def fetch_each_time(params, device):
-    """The simplest way to read parameters: ask each one for its array on every call."""
-    return lambda: tuple(p.data(device) for p in params)
-
-
 class Executable:
     """One compiled forward: the graph at every stage, the memory plan and the program.
 
@@ -152,7 +147,7 @@ class CompiledFunction:
     `params()` returns the block's parameters by name (objects with `.data(device)`);
     `param_arrays(params, device)` makes the function each call uses to read their arrays."""
 
-    def __init__(self, forward, params, name='hybrid_forward', param_arrays=fetch_each_time):
+    def __init__(self, forward, params, name, param_arrays):
         self.forward, self.params, self.name = forward, params, name
         self.make_param_arrays = param_arrays
         self.cache, self.last = {}, None

@@ -12,7 +12,7 @@ import inspect
 import numpy
 
 from ..device import cpu
-from ..ndarray import NDArray, check_basic_key
+from ..ndarray import ArrayMethods, NDArray, check_basic_key
 from .graph import Graph, Node
 
 
@@ -31,8 +31,12 @@ class Spec:
 LEAVE_IMPERATIVE = 'or leave this block imperative (call net.hybridize(False))'
 
 
-class Symbol:
-    """A traced value: shape, dtype and device, but no data."""
+class Symbol(ArrayMethods):
+    """A traced value: shape, dtype and device, but no data.
+
+    Arithmetic, reductions and reshaping are the array's own methods (`ArrayMethods`): each
+    ends in `apply`, which sends it back here as a graph node. Every other method of NDArray
+    is defined below, to work or to say why it cannot while tracing."""
 
     __slots__ = ('node', 'tracer')
     __array_ufunc__ = None          # `2.0 * x` must reach our __rmul__, not NumPy's
@@ -52,7 +56,6 @@ class Symbol:
         return f'<Symbol {self.node.name}: {self.node.type}>'
 
     __str__ = __repr__
-    __hash__ = object.__hash__
 
     def __getitem__(self, key):
         return self.tracer.call('getitem', (self,), {'key': check_basic_key(key)})
@@ -109,18 +112,12 @@ class Symbol:
         raise TraceError('attach_grad() inside a hybridized forward: attach gradients to the '
                          'block\'s inputs or parameters outside of it')
 
+    def backward(self, *_, **__):
+        raise TraceError('backward() inside a hybridized forward: call it on the block\'s '
+                         'output, after the call returns')
+
     __bool__ = _control_flow
     __iadd__ = __isub__ = __imul__ = __itruediv__ = __setitem__ = _in_place
-
-
-# Arithmetic, reductions and reshaping are NDArray's own methods: they all end in `apply`,
-# which sends them back here.
-for _name in ('__add__', '__radd__', '__sub__', '__rsub__', '__mul__', '__rmul__',
-              '__truediv__', '__rtruediv__', '__pow__', '__rpow__', '__matmul__', '__rmatmul__',
-              '__neg__', '__abs__', '__gt__', '__lt__', '__ge__', '__le__', '__eq__', '__ne__',
-              'reshape', 'transpose', 'T', 'sum', 'mean', 'max', 'argmax', 'exp', 'log',
-              'astype', 'copy', 'ndim', 'size', '__len__'):
-    setattr(Symbol, _name, NDArray.__dict__[_name])
 
 
 def canonical(value):

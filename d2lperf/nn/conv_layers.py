@@ -5,7 +5,7 @@ exported like a stack of Dense layers. Input channels are learnt from the first 
 Dense learns its input width. Taught in "Training on Multiple GPUs".
 """
 from .. import npx
-from ..ops.convolution import pair
+from ..ops.rules import pair
 from .block import HybridBlock, activation_function
 from .init import Constant, Zero
 from .parameter import Parameter

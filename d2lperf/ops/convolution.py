@@ -24,10 +24,6 @@ import numpy
 from .registry import defop
 
 
-def pair(value):
-    return (value, value) if isinstance(value, int) else tuple(value)
-
-
 def out_size(size, kernel, stride, pad):
     return (size + 2 * pad - kernel) // stride + 1
 

@@ -7,7 +7,7 @@ dropout mask) draw from the generator of the device they run on.
 """
 import numpy
 
-from ..workers import running_device
+from ..engine.workers import running_device
 from .registry import defop
 
 generators = {}             # device -> its generator, made on first use

@@ -12,6 +12,11 @@ import numpy
 
 # -- shape and dtype rules -----------------------------------------------------------------
 
+def pair(value):
+    """A window's size, stride or padding as (height, width): `3` means `(3, 3)`."""
+    return (value, value) if isinstance(value, int) else tuple(value)
+
+
 def shape_of(x):
     return getattr(x, 'shape', ())
 

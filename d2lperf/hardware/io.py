@@ -14,11 +14,11 @@ import threading
 import time
 from multiprocessing import shared_memory
 
-import numpy as np
+import numpy
 import psutil
 
-from .hardware import CACHE_LINE_BYTES
-from .utils import workload
+from .memory import CACHE_LINE_BYTES
+from ..utils import workload
 
 
 # --- Coherence: two cores writing to one cache line ---------------------------------------
@@ -33,15 +33,15 @@ def _increment_counters(memory_name, worker, increments, barrier):
     if len(cpus) >= 2:
         os.sched_setaffinity(0, {cpus[worker]})   # keep the two workers on different CPUs
     memory = shared_memory.SharedMemory(name=memory_name)
-    words = np.ndarray((memory.size // 8,), np.float64, buffer=memory.buf)
+    words = numpy.ndarray((memory.size // 8,), numpy.float64, buffer=memory.buf)
     try:
         for layout, (_, distance) in enumerate(FALSE_SHARING_LAYOUTS):
             active = worker == 0 or distance is not None
-            counter = np.full(increments, 0 if worker == 0 else (distance or 0) // 8, np.intp)
+            counter = numpy.full(increments, 0 if worker == 0 else (distance or 0) // 8, numpy.intp)
             barrier.wait()
             if active:
                 start = time.perf_counter()
-                np.add.at(words, counter, 1.0)   # unbuffered: load, add, store, repeat
+                numpy.add.at(words, counter, 1.0)   # unbuffered: load, add, store, repeat
                 words[256 + 2 * layout + worker] = time.perf_counter() - start
             barrier.wait()
     finally:
@@ -53,12 +53,12 @@ def false_sharing(increments=None):
     """ns per increment when two processes each update their own counter: alone, with the
     counters 8 bytes apart (one cache line), and 128 bytes apart (separate lines).
 
-    Processes, not threads, so that both cores run at once (`np.add.at` keeps the GIL)."""
+    Processes, not threads, so that both cores run at once (`numpy.add.at` keeps the GIL)."""
     increments = increments or workload(2 ** 22, 2 ** 20)
     context = multiprocessing.get_context('spawn')
     memory = shared_memory.SharedMemory(create=True, size=mmap.PAGESIZE)
     try:
-        words = np.ndarray((memory.size // 8,), np.float64, buffer=memory.buf)
+        words = numpy.ndarray((memory.size // 8,), numpy.float64, buffer=memory.buf)
         words[:] = 0
         barrier = context.Barrier(2, timeout=120)   # a dead worker cannot hang the other
         workers = [context.Process(target=_increment_counters,
@@ -106,7 +106,7 @@ def filesystem_of(path):
 
 def _write_random_file(path, size, seed):
     """Random bytes, so that no compressing or deduplicating layer can shortcut the reads."""
-    rng = np.random.default_rng(seed)
+    rng = numpy.random.default_rng(seed)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         for _ in range(0, size, SEQUENTIAL_BLOCK):
@@ -162,7 +162,7 @@ def storage_reads(file_bytes=None, block_bytes=4096, random_reads=None, director
         raise ValueError('block_bytes must be a multiple of 4096 (O_DIRECT alignment)')
     file_bytes = file_bytes or workload(2 ** 30, 2 ** 25)
     random_reads = random_reads or workload(20000, 1000)
-    rng = np.random.default_rng(seed)
+    rng = numpy.random.default_rng(seed)
     with tempfile.TemporaryDirectory(dir=directory) as folder:
         path = os.path.join(folder, 'd2lperf-storage.bin')
         _write_random_file(path, file_bytes, seed)

@@ -7,7 +7,6 @@ an edge runs from the operation that wrote a version to every operation that rea
 column of its own, so that work spread over devices, and the copies between them, show.
 Used by "Asynchronous Computation" and "Automatic Parallelism".
 """
-import matplotlib.pyplot as plt
 
 
 def dependency_edges(records):
@@ -50,6 +49,7 @@ def plot_dependencies(records, names=None, ax=None, label=None):
         position.append((d, -rows.get(d, 0)))
         rows[d] = rows.get(d, 0) + 1
     if ax is None:
+        import matplotlib.pyplot as plt
         _, ax = plt.subplots(figsize=(1.9 * (max(depth) + 1) + 1, 0.9 * max(rows.values()) + 1))
     for i, record in enumerate(records):
         text = label(record) if label else f'{record.name}\n{record.device}'
@@ -100,6 +100,7 @@ def plot_device_lanes(records, names=None, ax=None, label=None):
         for j, i in enumerate(members):
             position[i] = (column[device] + 0.9 * (j - (len(members) - 1) / 2), -d)
     if ax is None:
+        import matplotlib.pyplot as plt
         _, ax = plt.subplots(figsize=(1.1 * x + 0.3, 0.42 * (max(depth) + 1) + 0.8))
     for k, (device, middle) in enumerate(column.items()):
         half = width[device] / 2 + 0.1

@@ -1,6 +1,6 @@
 """The engine's running policy: which thread runs a ready operation, and how.
 
-The dependency tracker (`engine.py`) decides *when* an operation may run; this module decides
+The dependency tracker (`tracking.py`) decides *when* an operation may run; this module decides
 *where*. Every device has one worker thread per *lane*, as in MXNet's per-device engine: a
 compute lane, and lanes that move data, so that a copy overlaps with computation that does
 not depend on it. On a GPU each lane owns a CUDA stream (compute; host to device; device to
@@ -18,7 +18,7 @@ import time
 import weakref
 
 from .blas import SharedCores
-from .device import cpu, slowdowns
+from ..device import cpu, slowdowns
 from .host_memory import keep_freed_memory
 
 COMPUTE, COPY_IN, COPY_OUT = 'compute', 'copy in', 'copy out'
@@ -235,6 +235,10 @@ class Workers:
                 cores = self.cores if shares_cores else None
                 self.lanes[device, lane] = Worker(device, lane, self.run, cores)
             return self.lanes[device, lane]
+
+    def divide_blas(self, enabled):
+        """Divide the BLAS threads among busy CPU devices or not; returns the old setting."""
+        return self.cores.enable(enabled)
 
     def cpu_compute_devices(self):
         return [device for device, lane in list(self.lanes)

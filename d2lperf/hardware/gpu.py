@@ -2,15 +2,15 @@
 bandwidth, host<->device copies, kernel launch latency, and matrix multiply in float32,
 TF32, float16 and bfloat16 (the last three on tensor cores where the GPU has them).
 
-CuPy is imported only here and only when asked; without a GPU every measurement prints that
-none was found and returns an empty table. Timings use CUDA events on the current stream.
+CuPy is imported (through `device.cupy_or_none`) only when asked; without a GPU every
+measurement prints that none was found and returns an empty table. Timings use CUDA events on the current stream.
 """
-import functools
 import time
 
-import numpy as np
+import numpy
 
-from .utils import median_seconds, workload
+from ..device import cupy_or_none
+from ..utils import median_seconds, workload
 
 # Enumerations from CUDA's library_types.h and cublas_api.h, spelled out so that the
 # matrix multiply below does not depend on how a CuPy version names them.
@@ -20,20 +20,10 @@ CUBLAS_OP_N, CUBLAS_GEMM_DEFAULT, CUBLAS_POINTER_MODE_HOST = 0, -1, 0
 
 # mode: (storage dtype, CUDA data type, cuBLAS compute type). bfloat16 has no NumPy dtype:
 # it is stored as the upper 16 bits of a float32, in uint16.
-GEMM_MODES = {'float32': (np.float32, CUDA_R_32F, CUBLAS_COMPUTE_32F),
-              'tf32': (np.float32, CUDA_R_32F, CUBLAS_COMPUTE_32F_FAST_TF32),
-              'float16': (np.float16, CUDA_R_16F, CUBLAS_COMPUTE_32F),
-              'bfloat16': (np.uint16, CUDA_R_16BF, CUBLAS_COMPUTE_32F)}
-
-
-@functools.lru_cache(maxsize=None)
-def cupy_or_none():
-    """The CuPy module if it imports and sees a GPU, else None; never raises."""
-    try:
-        import cupy
-        return cupy if cupy.cuda.runtime.getDeviceCount() > 0 else None
-    except Exception:   # no CuPy, no driver, or no device: all mean "no GPU here"
-        return None
+GEMM_MODES = {'float32': (numpy.float32, CUDA_R_32F, CUBLAS_COMPUTE_32F),
+              'tf32': (numpy.float32, CUDA_R_32F, CUBLAS_COMPUTE_32F_FAST_TF32),
+              'float16': (numpy.float16, CUDA_R_16F, CUBLAS_COMPUTE_32F),
+              'bfloat16': (numpy.uint16, CUDA_R_16BF, CUBLAS_COMPUTE_32F)}
 
 
 def _no_gpu(what):
@@ -124,9 +114,9 @@ def host_device_copies(sizes_bytes=None, repeats=5):
     sizes_bytes = sizes_bytes or [2 ** k for k in range(12, workload(31, 27), 3)]
     rows = []
     for size in sizes_bytes:
-        device = cp.empty(size, np.uint8)
-        hosts = {'pageable': np.ones(size, np.uint8),
-                 'pinned': np.frombuffer(cp.cuda.alloc_pinned_memory(size), np.uint8, size)}
+        device = cp.empty(size, numpy.uint8)
+        hosts = {'pageable': numpy.ones(size, numpy.uint8),
+                 'pinned': numpy.frombuffer(cp.cuda.alloc_pinned_memory(size), numpy.uint8, size)}
         for memory, host in hosts.items():
             for direction, run in (('host to device', lambda: device.set(host)),
                                    ('device to host', lambda: device.get(out=host))):
@@ -167,13 +157,13 @@ def kernel_launch_latency(launches=None):
 
 def _to_storage(cp, x, dtype):
     """float32 device array -> the storage of a GEMM mode (bfloat16: truncated high bits)."""
-    if dtype is np.uint16:
+    if dtype is numpy.uint16:
         return (x.view(cp.uint32) >> 16).astype(cp.uint16)
     return x.astype(dtype)
 
 
 def _to_float64(cp, x, dtype):
-    if dtype is np.uint16:
+    if dtype is numpy.uint16:
         return (x.astype(cp.uint32) << 16).view(cp.float32).astype(cp.float64)
     return x.astype(cp.float64)
 
@@ -185,7 +175,7 @@ def gemm(cp, a, b, c, data_type, compute_type):
     and b^T a^T = (a b)^T, which read back as row-major is a b. Hence b goes first."""
     n, cublas = a.shape[0], cp.cuda.cublas
     handle = cp.cuda.device.get_cublas_handle()
-    one, zero = np.ones(1, np.float32), np.zeros(1, np.float32)   # 32F compute: float32 scalars
+    one, zero = numpy.ones(1, numpy.float32), numpy.zeros(1, numpy.float32)   # 32F compute: float32 scalars
     mode = cublas.getPointerMode(handle)
     cublas.setPointerMode(handle, CUBLAS_POINTER_MODE_HOST)   # alpha, beta live on the host
     try:

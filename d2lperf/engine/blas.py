@@ -8,7 +8,7 @@ thread. Taught in "Automatic Parallelism".
 import itertools
 import threading
 
-from .device import available_cores
+from ..device import available_cores
 
 
 class SharedCores:

@@ -1,0 +1,167 @@
+"""The engines: two policies that run the operations the tracker lets through.
+
+`ThreadedEngine` tracks dependencies under one lock and hands each ready operation to a worker
+thread of its device and lane (`workers.py`), so the caller's thread returns at once and
+independent work overlaps. `NaiveEngine` runs each operation at once on the caller's thread,
+for debugging (`D2LPERF_ENGINE=naive`): a failure then points at the line that caused it.
+Both keep the interface of `Engine`. Taught in "Asynchronous Computation" and "Automatic
+Parallelism".
+"""
+import threading
+
+from .tracking import (Operation, append_read, append_write, complete_read, complete_write,
+                       execute)
+from .workers import COMPUTE, PoliteLock, Workers, run_now, synchronize
+
+
+class Engine:
+    """What the rest of the package may ask of an engine, whichever runs the operations:
+    `push`, `wait_for(var)`, `wait_all()`, `stop()`; how many operations are `in_flight`, and
+    at most how many may be (`max_in_flight`, None: no bound); the `recording` list."""
+
+    in_flight, max_in_flight, recording = 0, None, None
+
+    def push(self, fn, reads, writes, device, name, lane=COMPUTE):
+        raise NotImplementedError
+
+    def wait_for(self, var):
+        raise NotImplementedError
+
+    def wait_all(self):
+        raise NotImplementedError
+
+    def stop(self):
+        """Finish what was pushed and end the engine's threads, if it has any."""
+        self.wait_all()
+
+    def set_blas_division(self, enabled):
+        """Divide BLAS threads among busy CPU devices; returns the old setting."""
+        return False
+
+
+class ThreadedEngine(Engine):
+    """Track dependencies under one lock; run ready operations on per-device workers."""
+
+    def __init__(self, max_in_flight=None):
+        self.lock = PoliteLock()
+        self.idle = threading.Condition(self.lock)      # wait_all sleeps here
+        self.room = threading.Condition(self.lock)      # push sleeps here when the bound is hit
+        self.workers = Workers(self.run)
+        self.in_flight = 0
+        self.limit = max_in_flight
+        self.errors = []
+
+    @property
+    def max_in_flight(self):
+        return self.limit
+
+    @max_in_flight.setter
+    def max_in_flight(self, limit):
+        with self.lock:
+            self.limit = limit
+            self.room.notify_all()
+
+    def push(self, fn, reads, writes, device, name, lane=COMPUTE):
+        """Queue `fn` to run on `device`'s `lane` once `reads` and `writes` allow it."""
+        op = Operation(fn, reads, writes, device, name, lane, self.recording)
+        with self.lock:
+            if device is not None:
+                while self.limit and self.in_flight >= self.limit:
+                    self.room.wait()
+                self.in_flight += 1
+            granted = 1                                  # the guard: push itself is done
+            for var in op.reads:
+                granted += append_read(var, op)
+            for var in op.writes:
+                granted += append_write(var, op)
+            op.waiting -= granted
+            ready = not op.waiting
+        if ready:
+            self._dispatch(op)
+
+    def _dispatch(self, op):
+        if op.device is None:                            # a waiter: no worker needed
+            op.fn()
+            self.complete(op, None, False)
+        else:
+            self.workers.submit(op)
+
+    def run(self, op, worker):
+        """What a worker does with a ready operation: execute it, then let its followers in."""
+        error, own = execute(op, worker.name, worker.launch)
+        self.complete(op, error, own)
+
+    def complete(self, op, error, own):
+        """Release what `op` held; dispatch what that made ready; keep its own error for wait_all."""
+        granted, ready = [], []
+        with self.lock:
+            for var in op.reads:
+                complete_read(var, granted)
+            for var in op.writes:
+                var.error = error
+                complete_write(var, granted)
+            for other in granted:
+                other.waiting -= 1
+                if not other.waiting:
+                    ready.append(other)
+            if own:
+                self.errors.append(error)
+            if op.device is not None:
+                self.in_flight -= 1
+                if not self.in_flight:
+                    self.idle.notify_all()
+                if self.limit and self.in_flight < self.limit:
+                    self.room.notify()
+        for other in ready:
+            self._dispatch(other)
+
+    def wait_for(self, var):
+        with self.lock:
+            busy = var.writing or var.pending
+        if busy:
+            done = threading.Lock()
+            done.acquire()
+            self.push(done.release, [var], [], None, 'wait_for')
+            done.acquire()
+        if var.error is not None:
+            raise var.error
+        synchronize(var)              # a GPU worker may have only launched the write
+
+    def wait_all(self):
+        with self.lock:
+            while self.in_flight:
+                self.idle.wait()
+            errors, self.errors = self.errors, []
+        self.workers.synchronize()
+        if errors:
+            raise errors[0]
+
+    def stop(self):
+        self.wait_all()
+        self.workers.stop()
+
+    def set_blas_division(self, enabled):
+        """See `blas.SharedCores` for what was measured."""
+        old = self.workers.divide_blas(enabled)
+        for device in self.workers.cpu_compute_devices() if old != bool(enabled) else ():
+            self.push(lambda: None, [], [], device, 'set_blas_division')   # idle: look again
+        return old
+
+
+class NaiveEngine(Engine):
+    """Run every operation at once on the caller's thread: errors point at the line that failed."""
+
+    def push(self, fn, reads, writes, device, name, lane=COMPUTE):
+        op = Operation(fn, reads, writes, device, name, lane, self.recording)
+        error, _ = execute(op, 'caller', run_now)
+        for var in writes:
+            var.error = error
+        if error is not None:
+            raise error
+
+    def wait_for(self, var):
+        if var.error is not None:
+            raise var.error
+
+    def wait_all(self):
+        pass

@@ -1,0 +1,153 @@
+"""Dependency tracking: the bookkeeping that decides when an operation may run.
+
+As in MXNet's engine, the engine knows only *variables* (tags for pieces of data) and
+*operations* (functions with the variables they read and write). Each variable keeps a queue
+of the operations waiting for it; an operation runs once every variable has granted it
+access: readers after the last writer, a writer after every earlier reader and writer (RAW,
+WAR, WAW). Nothing here starts a thread: `engines.py` holds the policies that run what these
+rules let through. `execute` is the one way every engine runs an operation: it keeps a failure
+on what the operation writes and fills in the operation's record for the profiler.
+Taught in "Asynchronous Computation".
+"""
+import collections
+import itertools
+import time
+
+from .workers import COMPUTE
+
+_var_ids = itertools.count()
+
+
+class OperationError(RuntimeError):
+    """An operation raised; it surfaces at the first wait on what the operation writes."""
+
+    def __init__(self, name, cause):
+        super().__init__(f"operation '{name}' failed: {type(cause).__name__}: {cause}")
+        self.op_name = name
+
+
+class Var:
+    """A tag for one piece of data, with the queue of operations waiting to use it."""
+
+    __slots__ = ('id', 'pending', 'num_reading', 'writing', 'error', '__weakref__')
+
+    def __init__(self):
+        self.id = next(_var_ids)
+        self.pending = collections.deque()   # (operation, is_write) not yet granted
+        self.num_reading = 0                 # granted reads still running
+        self.writing = False                 # a granted write still running
+        self.error = None                    # the OperationError that failed it, for good
+
+    def __repr__(self):
+        return f'Var({self.id})'
+
+
+class Operation:
+    """A function with the variables it reads and writes; `waiting` counts missing grants.
+
+    A variable may be read twice (x * x) but never both read and written by one operation:
+    an in-place update lists its target among the writes only. While the engine records
+    (`recording` is a list), the operation's `OpRecord` goes into it.
+    """
+
+    __slots__ = ('fn', 'name', 'device', 'lane', 'reads', 'writes', 'waiting', 'record')
+
+    def __init__(self, fn, reads, writes, device, name, lane=COMPUTE, recording=None):
+        self.fn, self.name, self.device, self.lane = fn, name, device, lane
+        self.reads, self.writes = reads, writes
+        self.waiting = len(reads) + len(writes) + 1      # +1 until push is done
+        self.record = None
+        if recording is not None and device is not None:
+            self.record = OpRecord(self)
+            recording.append(self.record)
+
+
+# -- dependency tracking: pure bookkeeping on one variable, called under the engine lock --
+
+def append_read(var, op):
+    """Grant `op` a read of `var` now (True) or queue it behind a writer."""
+    if not var.writing and not var.pending:
+        var.num_reading += 1
+        return True
+    var.pending.append((op, False))
+    return False
+
+
+def append_write(var, op):
+    """Grant `op` a write of `var` now (True) or queue it behind earlier readers and writers."""
+    if not var.writing and not var.num_reading and not var.pending:
+        var.writing = True
+        return True
+    var.pending.append((op, True))
+    return False
+
+
+def complete_read(var, granted):
+    var.num_reading -= 1
+    if not var.num_reading and var.pending:     # the head must be a writer
+        var.writing = True
+        granted.append(var.pending.popleft()[0])
+
+
+def complete_write(var, granted):
+    """The write is done: let the following readers in together, or else the next writer."""
+    var.writing = False
+    pending = var.pending
+    while pending and not pending[0][1]:
+        granted.append(pending.popleft()[0])
+        var.num_reading += 1
+    if not var.num_reading and pending:
+        var.writing = True
+        granted.append(pending.popleft()[0])
+
+
+class OpRecord:
+    """What a trace keeps of one operation, for dependency graphs and the profiler: `worker`
+    names the thread (or GPU stream) that ran it, `start` and `end` are `time.perf_counter()`
+    seconds; on a GPU, `events` are the CUDA events around its kernels (for device times)."""
+
+    __slots__ = ('name', 'device', 'lane', 'reads', 'writes', 'worker', 'start', 'end', 'events')
+
+    def __init__(self, op):
+        self.name, self.device, self.lane = op.name, op.device, op.lane
+        self.reads = [v.id for v in op.reads]
+        self.writes = [v.id for v in op.writes]
+        self.worker, self.start, self.end, self.events = None, None, None, None
+
+    def __repr__(self):
+        return f'OpRecord({self.name!r}, reads={self.reads}, writes={self.writes})'
+
+
+def inherited_error(op):
+    """The failure `op` inherits: from what it reads, or from what it updates, since a write
+    into a failed array (`x += 1`, `x[0] = 5`, a view of it) builds on values nobody has."""
+    for var in op.reads:
+        if var.error is not None:
+            return var.error
+    for var in op.writes:
+        if var.error is not None:
+            return var.error
+    return None
+
+
+def execute(op, where, launch=None):
+    """Run one operation as every engine does; return (its error or None, whether its own).
+
+    An operation that inherits a failure does not run; `launch(op)` runs it where given (a GPU
+    stream's way, the naive engine's), else `op.fn()`. The record gets `where` and the times."""
+    record = op.record
+    if record is not None:
+        record.worker, record.start = where, time.perf_counter()
+    error = inherited_error(op)
+    own = error is None
+    if own:
+        try:
+            if launch is None:
+                op.fn()
+            else:
+                launch(op)
+        except Exception as cause:                       # noqa: BLE001 - any failure travels on
+            error = OperationError(op.name, cause)
+    if record is not None:
+        record.end = time.perf_counter()
+    return error, own and error is not None
