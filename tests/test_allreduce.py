@@ -11,7 +11,7 @@ from d2lperf import comm, engine, np, profiler
 from d2lperf.comm import schedules
 from conftest import run_with_timeout
 from strategies import checks
-from strategies_comm import ALGORITHMS, MAX_DEVICES, REDUCTION_OPS, allreduce_cases
+from strategies.comm import ALGORITHMS, MAX_DEVICES, REDUCTION_OPS, allreduce_cases
 
 pytestmark = pytest.mark.usefixtures('fresh_engine')
 

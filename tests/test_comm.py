@@ -6,7 +6,7 @@ from hypothesis import given
 import d2lperf as d2l
 from d2lperf import comm, np
 from strategies import checks
-from strategies_comm import (DEVICES, arrays_to_reduce, batches_to_split, exact_work_loads,
+from strategies.comm import (DEVICES, arrays_to_reduce, batches_to_split, exact_work_loads,
                              work_loads)
 
 pytestmark = pytest.mark.usefixtures('fresh_engine')

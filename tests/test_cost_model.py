@@ -7,7 +7,7 @@ from hypothesis import given, strategies as st
 
 from d2lperf.comm import cost
 from strategies import checks
-from strategies_comm import ALGORITHMS
+from strategies.comm import ALGORITHMS
 
 GRADIENTS = 160e6             # the source's 160 MB
 

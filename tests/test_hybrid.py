@@ -18,7 +18,7 @@ from d2lperf.hybrid import Spec, TraceError
 from d2lperf.hybrid import gpu as hybrid_gpu
 
 from fakes import cupy as fake_cupy
-from strategies_hybrid import build_net, net_specs, program_function, program_inputs, programs
+from strategies.nets import build_net, net_specs, program_function, program_inputs, programs
 
 SETTINGS = settings(max_examples=int(os.environ.get('HYBRID_EXAMPLES', 100)), deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])

@@ -17,7 +17,9 @@ import d2lperf as d2l
 from d2lperf import engine, np, npx, ops
 from d2lperf.ndarray import NDArray, apply
 from conftest import run_in_subprocess, run_with_timeout
-from strategies import OP_CASES, D2LBackend, Interpreter, NumpyBackend, checks, programs
+from strategies import checks
+from strategies.ops import OP_CASES
+from strategies.programs import D2LBackend, Interpreter, NumpyBackend, programs
 
 pytestmark = pytest.mark.usefixtures('fresh_engine')
 
@@ -133,7 +135,7 @@ def test_in_place_update_on_an_element():
 # -- every op: infer says what compute makes --------------------------------------------------
 
 def test_every_registered_op_has_cases():
-    assert sorted(OP_CASES) == sorted(ops.REGISTRY), 'give a new op a strategy in strategies.py'
+    assert sorted(OP_CASES) == sorted(ops.REGISTRY), 'give a new op a strategy in strategies/ops.py'
 
 
 def to_device(x):

@@ -20,7 +20,8 @@ from d2lperf.engine.blas import SharedCores
 from d2lperf.engine.workers import COMPUTE, COPY_IN, COPY_OUT, copy_lane
 from fakes import cupy as fake_cupy
 from conftest import run_with_timeout
-from strategies import D2LBackend, Interpreter, NumpyBackend, checks, programs
+from strategies import checks
+from strategies.programs import D2LBackend, Interpreter, NumpyBackend, programs
 
 pytestmark = pytest.mark.usefixtures('fresh_engine')
 
@@ -30,7 +31,7 @@ needs_gpu = pytest.mark.skipif(not d2l.num_gpus(), reason='needs a GPU and CuPy'
 SHAPE = (4, 4)
 
 
-# -- random multi-device programs (tests/strategies.py) ----------------------------------------
+# -- random multi-device programs (tests/strategies/programs.py) ----------------------------------------
 
 def assert_same_as_numpy(program, devices=DEVICES):
     """The program on d2lperf's devices gives what sequential NumPy gives (GPU products may
