@@ -71,7 +71,8 @@ from .utils import Accumulator, Animator, Benchmark, Timer, memory_in_use, quick
 from . import comm, data, hybrid, kvstore, optimizer, profiler
 from .comm import split_and_load, split_batch
 from .comm import allreduce_on_first as allreduce        # the source's, "Multiple GPUs"
-from .training import accuracy, evaluate_accuracy_gpu, evaluate_accuracy_gpus, get_params, sgd
+from .evaluation import accuracy, evaluate_accuracy_gpu, evaluate_accuracy_gpus
+from .from_scratch import get_params, sgd
 from .data import load_data_fashion_mnist
 from .nn import Residual, lenet, resnet18
 

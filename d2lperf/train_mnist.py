@@ -17,7 +17,7 @@ from . import autograd, comm, data, kvstore, nn, np, npx
 from .device import cpu, gpu, slow_down
 from .nn import lenet
 from .trainer import Trainer
-from .training import evaluate_accuracy_gpus
+from .evaluation import evaluate_accuracy_gpus
 from .utils import Timer
 
 KVSTORES = ('local', 'device', 'dist_sync', 'dist_device_sync', 'dist_async')

@@ -1,31 +1,9 @@
-"""Training from scratch: parameters on a device, minibatch SGD, and test accuracy.
-
-The pieces "Training on Multiple GPUs" writes by hand before "Concise Implementation for
-Multiple GPUs" hands them to `nn` and the `Trainer`: a copy of the parameters for each
-device, an update that runs where the parameters live, and accuracy counted on one device or
-on all of them.
+"""Test accuracy: counted on one device, or on every device the net lives on, each with its
+share of the batch ("Training on Multiple GPUs" and the chapters after it).
 """
 from .comm import split_batch
 from .device import Device
 from .utils import Accumulator
-
-
-def get_params(params, device):
-    """Copies of `params` on `device`, each with a gradient buffer."""
-    copies = [p.copyto(device) for p in params]
-    for copy in copies:
-        copy.attach_grad()
-    return copies
-
-
-def sgd(params, lr, batch_size):
-    """Minibatch SGD in place: p -= lr / batch_size * p.grad (the gradient of a summed loss)."""
-    scale = lr / batch_size
-    for param in params:
-        if param.grad is None:
-            raise ValueError(f'a parameter of shape {param.shape} has no gradient: call '
-                             'attach_grad() on it (get_params does) before training')
-        param -= scale * param.grad
 
 
 def accuracy(y_hat, y):
