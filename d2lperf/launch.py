@@ -1,7 +1,7 @@
 """Start a distributed job: `python -m d2lperf.launch -n WORKERS [-s SERVERS] COMMAND ...`.
 
 Every process of the job runs COMMAND under MPICH's `mpiexec` (the one next to this Python,
-which the `mpich` wheel installs); `kvstore_dist` gives the last SERVERS ranks the server role.
+which the `mpich` wheel installs); `kvstore.dist` gives the last SERVERS ranks the server role.
 `--launcher local` runs them all on this host, `mpi` on the hosts of a hostfile (`-H`, MPICH's
 `-f`), and `ssh` starts MPICH's per-host proxy on each host with our own `ssh HOST COMMAND`
 (`mpiexec -launcher manual` prints what to run; we quote each word, nothing is pasted into a

@@ -20,8 +20,6 @@ from .trainer import Trainer
 from .evaluation import evaluate_accuracy_gpus
 from .utils import Timer
 
-KVSTORES = ('local', 'device', 'dist_sync', 'dist_device_sync', 'dist_async')
-
 
 def parse(argv):
     parser = argparse.ArgumentParser(prog='python -m d2lperf.train_mnist',
@@ -30,7 +28,7 @@ def parse(argv):
     where = parser.add_mutually_exclusive_group()
     where.add_argument('--devices', default='cpu0', help='e.g. cpu0,cpu1')
     where.add_argument('--gpus', help='e.g. 0,2')
-    parser.add_argument('--kv-store', choices=KVSTORES, default='device')
+    parser.add_argument('--kv-store', choices=kvstore.TYPES, default='device')
     parser.add_argument('--batch-size', type=int, default=64)
     parser.add_argument('--lr', type=float, default=0.1)
     parser.add_argument('--epochs', type=int, default=2)

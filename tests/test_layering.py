@@ -1,6 +1,12 @@
-"""The package's stated layering is its code: read every module's imports and check them
-against the order of the package docstring, and check that no module reads another's
-private names."""
+"""The package's stated layering is its code.
+
+`ls d2lperf/` is the course's table of contents, and the package docstring lists its entries
+(modules and folders) from the bottom layer up. Here that list is checked against the tree
+(every entry listed, nothing listed that is not there), every import against the list (a module
+imports only from its own entry or from one listed above it), every folder's modules against
+each other (no import cycle inside a folder), and every module against its neighbours' private
+names. The launcher imports nothing of the package: it must run where d2lperf's dependencies
+are not installed yet."""
 import ast
 import pathlib
 import re
@@ -8,33 +14,32 @@ import re
 import d2lperf
 
 PACKAGE = pathlib.Path(d2lperf.__file__).parent
-# Modules the docstring names inside another's line, in their own order of imports.
-WITHIN = {'ndarray': ['ndarray', 'np', 'npx'], 'hardware': ['hardware_gpu', 'hardware', 'hardware_io']}
-REACHING_UP = {('ndarray', 'autograd'),       # NDArray.attach_grad and backward, when called
-               ('kvstore', 'kvstore_dist')}   # a distributed store, when one is created
 
 
 def stated_order():
-    """The modules the package docstring lists, in its order."""
-    return re.findall(r'^    (\w+) {2,}', d2lperf.__doc__, flags=re.MULTILINE)
+    """The entries the package docstring lists, in its order ('engine', not 'engine/')."""
+    return re.findall(r'^    (\w+)/? {2,}', d2lperf.__doc__, flags=re.MULTILINE)
 
 
-def import_order():
-    return [name for line in stated_order() for name in WITHIN.get(line, [line])]
+def entries():
+    """The modules and folders at the top of the package, but its __init__."""
+    return {p.stem for p in PACKAGE.iterdir()
+            if (p.suffix == '.py' and p.stem != '__init__')
+            or (p.is_dir() and (p / '__init__.py').exists())}
 
 
 def modules():
-    """{path: top-level module name} for every file of the package but its __init__."""
+    """{path: (its entry, its dotted name inside the package)} for every file but __init__."""
     found = {}
     for path in sorted(PACKAGE.rglob('*.py')):
         parts = path.relative_to(PACKAGE).with_suffix('').parts
         if parts != ('__init__',):
-            found[path] = parts[0]
+            found[path] = parts[0], '.'.join(p for p in parts if p != '__init__')
     return found
 
 
-def imported_modules(path):
-    """(top-level d2lperf module, line, inside a function?) for each import in `path`."""
+def imports(path):
+    """(imported dotted name inside the package, line, inside a function?) for each import."""
     parts = path.relative_to(PACKAGE).with_suffix('').parts
     package = list(parts[:-1])
     tree = ast.parse(path.read_text())
@@ -45,34 +50,59 @@ def imported_modules(path):
             base = package[:len(package) - (node.level - 1)]
             target = base + (node.module.split('.') if node.module else [])
             for alias in node.names:
-                top = (target + [alias.name])[0]
-                yield top, node.lineno, id(node) in inner
+                name = target + [alias.name] if not node.module else target
+                yield '.'.join(name), node.lineno, id(node) in inner
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
             names = [node.module] if isinstance(node, ast.ImportFrom) else [
                 a.name for a in node.names]
             for name in filter(None, names):
-                if name.split('.')[0] == 'd2lperf':
-                    assert False, f'{path.name}:{node.lineno} imports d2lperf absolutely'
+                assert name.split('.')[0] != 'd2lperf', \
+                    f'{path.relative_to(PACKAGE)}:{node.lineno} imports d2lperf absolutely'
 
 
-def test_every_module_is_described_in_the_package_docstring():
+def test_the_docstring_lists_every_entry_of_the_package_once():
     order = stated_order()
-    assert order[:3] == ['utils', 'device', 'blas'] and 'trainer' in order
-    assert set(modules().values()) <= set(import_order())
-    assert all(name in d2lperf.__doc__ for name in import_order())
+    assert len(order) == len(set(order))
+    assert set(order) == entries()
+    assert order[:2] == ['utils', 'device'] and order.index('engine') < order.index('ndarray')
 
 
-def test_every_import_goes_to_a_layer_listed_above():
-    rank = {name: i for i, name in enumerate(import_order())}
+def test_every_import_goes_to_its_own_entry_or_one_listed_above():
+    rank = {name: i for i, name in enumerate(stated_order())}
     upward = []
-    for path, name in modules().items():
-        for target, line, in_function in imported_modules(path):
-            if target == name or rank[target] < rank[name]:
-                continue
-            if in_function and (name, target) in REACHING_UP:
-                continue
-            upward.append(f'{path.relative_to(PACKAGE)}:{line} imports {target}')
-    assert not upward
+    for path, (entry, _) in modules().items():
+        for target, line, _ in imports(path):
+            if rank[target.split('.')[0]] > rank[entry]:
+                upward.append(f'{path.relative_to(PACKAGE)}:{line} imports {target}')
+    assert upward == []
+
+
+def test_no_folder_has_an_import_cycle():
+    """Inside a folder too the modules form layers: no module imports, at module level, one
+    that imports it back (directly or around a circle)."""
+    graph = {}
+    for path, (entry, name) in modules().items():
+        if path.name == '__init__.py':
+            continue
+        graph[name] = {target for target, _, in_function in imports(path)
+                       if not in_function and target.split('.')[0] == entry and target != entry
+                       and target != name}
+    state = {}
+
+    def visit(name, stack):
+        if state.get(name) == 'done':
+            return
+        assert state.get(name) != 'open', f'import cycle: {" -> ".join(stack + [name])}'
+        state[name] = 'open'
+        for target in graph.get(name, ()):
+            visit(target, stack + [name])
+        state[name] = 'done'
+    for name in graph:
+        visit(name, [])
+
+
+def test_the_launcher_imports_nothing_of_the_package():
+    assert [target for target, _, _ in imports(PACKAGE / 'launch.py')] == []
 
 
 def private_attributes(tree):

@@ -13,7 +13,7 @@ from tests.dist_helpers import run_program
 
 ASYNC = '''
 import numpy, d2lperf as d2l
-from d2lperf.kvstore_dist import create_dist
+from d2lperf.kvstore.dist import create_dist
 kv = create_dist('dist_async')
 kv.init(3, d2l.np.array(numpy.zeros((4, 3), numpy.float32)))
 kv.set_optimizer(d2l.optimizer.SGD(learning_rate=1))
@@ -41,7 +41,7 @@ def test_async_pushes_are_each_applied_once(tmp_path):
 
 SYNC = '''
 import numpy, d2lperf as d2l
-from d2lperf.kvstore_dist import create_dist
+from d2lperf.kvstore.dist import create_dist
 kv = create_dist('dist_sync')
 rng = numpy.random.default_rng(0)
 features = rng.normal(size=(5, 2 * 8, 7)).astype(numpy.float32)     # 5 steps, 2 workers x 8
@@ -95,7 +95,7 @@ def test_sync_training_equals_one_process_at_the_combined_batch(tmp_path):
 
 RULES = '''
 import numpy, d2lperf as d2l
-from d2lperf.kvstore_dist import create_dist
+from d2lperf.kvstore.dist import create_dist
 kv = create_dist('dist_device_sync')
 def refused(call, error):
     try:
@@ -159,7 +159,7 @@ def test_store_rules_and_refusals(tmp_path):
 
 PULL_INTO_VIEWS = '''
 import json, threading, time, numpy, d2lperf as d2l
-from d2lperf.kvstore_dist import create_dist
+from d2lperf.kvstore.dist import create_dist
 kv = create_dist('dist_sync')
 value = numpy.arange(12, dtype=numpy.float32).reshape(3, 4)
 kv.init('w', d2l.np.array(value))
@@ -202,7 +202,7 @@ def test_a_pull_into_a_view_writes_its_base(tmp_path):
 
 PUSHPULL = '''
 import json, os, numpy, d2lperf as d2l
-from d2lperf.kvstore_dist import create_dist
+from d2lperf.kvstore.dist import create_dist
 kv = create_dist(os.environ['STORE'])
 np, shape, devices = d2l.np, (2, 3), [d2l.cpu(0), d2l.cpu(1)]
 kv.init(['3', '4', '5', '6', '7', '8', '9'], [np.zeros(shape)] * 7)
@@ -268,7 +268,7 @@ def test_pushpull_pushes_every_key_before_it_pulls_and_keys_keep_one_type(tmp_pa
 
 ALL_OR_NOTHING = '''
 import numpy, d2lperf as d2l
-from d2lperf.kvstore_dist import create_dist
+from d2lperf.kvstore.dist import create_dist
 kv = create_dist('dist_sync')
 np, shape = d2l.np, (2, 3)
 kv.init('3', np.ones(shape))
@@ -316,7 +316,7 @@ def test_init_and_save_are_all_or_nothing_on_every_worker(tmp_path):
 
 NIGHTLY = '''
 import os, numpy, d2lperf as d2l
-from d2lperf.kvstore_dist import create_dist
+from d2lperf.kvstore.dist import create_dist
 kv = create_dist(os.environ['STORE'])
 np, rate, repeats = d2l.np, 2, 3
 devices = [d2l.cpu(0), d2l.cpu(1)] if kv.type == 'dist_device_sync' else [d2l.cpu(0)]
@@ -368,7 +368,7 @@ def test_mxnet_nightly_sync_push_pull_and_init(tmp_path, store):
 CROSS_LOAD = '''
 import numpy, d2lperf as d2l
 from d2lperf import kvstore
-from d2lperf.kvstore_dist import create_dist
+from d2lperf.kvstore.dist import create_dist
 dist = create_dist('dist_sync')            # one worker: its pushes are the whole sum
 np, keys = d2l.np, [3, 5]
 rng = numpy.random.default_rng(0)

@@ -1,4 +1,4 @@
-"""What a server and a pulling worker refuse: forged messages sent with `transport.send`
+"""What a server and a pulling worker refuse: forged messages sent with `protocol.send`
 in real MPI jobs. A server's refusal ends the job with one line naming the sender; a worker's
 leaves the pull's output as it was."""
 import pytest
@@ -8,18 +8,18 @@ from tests.dist_helpers import run_program
 FORGER = '''
 import os, numpy
 from mpi4py import MPI
-from d2lperf import transport
-from d2lperf.kvstore_server import run_server
+from d2lperf.kvstore import protocol
+from d2lperf.kvstore.server import run_server
 
 world = MPI.COMM_WORLD
-case, key = os.environ['CASE'], transport.key_id('w')
+case, key = os.environ['CASE'], protocol.key_id('w')
 
 def send(command, key=key, array=None):
-    requests, buffers = transport.send(world, 2, command, key, array)
+    requests, buffers = protocol.send(world, 2, command, key, array)
     MPI.Request.Waitall(requests)
 
 def answer():
-    command, _, array, _ = transport.receive(world, 2)
+    command, _, array, _ = protocol.receive(world, 2)
     print('ANSWER', command, None if array is None else array.tolist(), flush=True)
 
 if world.rank == 2:                     # a server of one worker: rank 0. Rank 1 is not one
@@ -29,7 +29,7 @@ elif world.rank == 0:
     answer()
     world.Send(numpy.zeros(1), dest=1, tag=9)             # the key exists: rank 1 may go
     if case == 'init without a value':
-        send('init', transport.key_id('v'))
+        send('init', protocol.key_id('v'))
     elif case == 'state of a wrong size':
         send('optimizer', 0, numpy.array([0.1, 0.9, 0, 1]))
         answer()
@@ -74,7 +74,7 @@ def test_the_forger_speaks_the_protocol(tmp_path):
                      '>= 0 for momentum, not inf'),
 ])
 def test_the_server_refuses_naming_the_sender(tmp_path, case, refusal):
-    from d2lperf.transport import key_id
+    from d2lperf.kvstore.protocol import key_id
     result = run_forger(tmp_path, case)
     assert result.returncode != 0, result.report()
     server = result.stderr[2]
@@ -86,27 +86,27 @@ def test_the_server_refuses_naming_the_sender(tmp_path, case, refusal):
 PULLER = '''
 import numpy, d2lperf as d2l
 from mpi4py import MPI
-from d2lperf import transport
-from d2lperf.kvstore_dist import DistKVStore
+from d2lperf.kvstore import protocol
+from d2lperf.kvstore.dist import DistKVStore
 
 world = MPI.COMM_WORLD
-W, V = transport.key_id('w'), transport.key_id('v')
+W, V = protocol.key_id('w'), protocol.key_id('v')
 
 def serve(byes, *answers):
     """Ack every init; answer the pulls with `answers`, in turn; leave after `byes` byes."""
     answers = list(answers)
     while byes:
-        command, key, _, _ = transport.receive(world, 0)
+        command, key, _, _ = protocol.receive(world, 0)
         byes -= command == 'bye'
         if command in ('init', 'pull'):
             reply = ('ack', key, None) if command == 'init' else answers.pop(0)
-            requests, buffers = transport.send(world, 0, *reply)
+            requests, buffers = protocol.send(world, 0, *reply)
             MPI.Request.Waitall(requests)
 
 def pull(store, key, out):
     try:
         store.pull(key, out=out)
-    except transport.ProtocolError as error:
+    except protocol.ProtocolError as error:
         print('REFUSED', error)
     return out.asnumpy().tolist()
 
@@ -132,7 +132,7 @@ else:
 
 
 def test_a_refused_pull_leaves_its_output_whole(tmp_path):
-    from d2lperf.transport import key_id
+    from d2lperf.kvstore.protocol import key_id
     result = run_program(tmp_path, PULLER, 3, timeout=120)
     assert result.returncode == 0, result.report()
     assert result.stdout[0].splitlines() == [

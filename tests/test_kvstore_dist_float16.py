@@ -3,13 +3,13 @@ long sum on a server that sums and keeps float16 keys in float32 (`kvstore_serve
 import numpy
 
 from tests.dist_helpers import run_program
-from d2lperf import transport
+from d2lperf.kvstore import protocol
 
 HALF = numpy.float16
 
 NIGHTLY = '''
 import numpy, d2lperf as d2l
-from d2lperf.kvstore_dist import create_dist
+from d2lperf.kvstore.dist import create_dist
 half = numpy.float16
 kv = create_dist('dist_sync')
 n, rank = kv.num_workers, kv.rank
@@ -75,7 +75,7 @@ def test_float16_keys_pass_mxnets_nightly_dist_sync_checks(tmp_path):
 
 LONG_SUM = '''
 import numpy, d2lperf as d2l
-from d2lperf.kvstore_dist import create_dist
+from d2lperf.kvstore.dist import create_dist
 kv = create_dist('dist_async')
 pushes = numpy.random.default_rng(0).uniform(0, 0.002, size=(1000, 1000)).astype(numpy.float16)
 kv.init('w', d2l.np.zeros(1000, dtype=numpy.float16))
@@ -111,8 +111,8 @@ def test_a_long_float16_sum_is_off_by_one_float16_rounding_at_most(tmp_path):
 
 
 def test_float16_goes_at_the_end_so_older_codes_keep_their_meaning():
-    assert [d.name for d in transport.DTYPES] == ['float32', 'float64', 'int32', 'int64',
+    assert [d.name for d in protocol.DTYPES] == ['float32', 'float64', 'int32', 'int64',
                                                   'float16']
-    header = transport.header_for('push', 5, numpy.ones((3, 2), HALF))
-    assert transport.parse_header(header.view(numpy.uint8), 1) == (
+    header = protocol.header_for('push', 5, numpy.ones((3, 2), HALF))
+    assert protocol.parse_header(header.view(numpy.uint8), 1) == (
         'push', 5, numpy.dtype(HALF), (3, 2), 12)

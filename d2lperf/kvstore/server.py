@@ -18,7 +18,7 @@ workers sent) on the stored value.
 float16 keys travel as float16 but are summed and kept in float32 here (MXNet keeps them in
 float16 unless the optimizer has multi_precision=True; a server is where a weight takes
 thousands of updates, and each float16 rounding loses an update smaller than half a unit in
-the last place). Measured (`python -m pytest -s tests/test_dist_float16.py` prints it): 1000
+the last place). Measured (`python -m pytest -s tests/test_kvstore_dist_float16.py` prints it): 1000
 dist_async pushes of values in [0, 0.002) onto a float16 key under SGD(learning_rate=1) pull
 back within a relative 4.8e-4 of the float64 sum, which is the one float16 rounding of the
 result (at most 2^-11 = 4.9e-4); summed and kept in float16, as MXNet does by default, the
@@ -34,10 +34,11 @@ import time
 
 import numpy
 
-from .device import cpu
-from .ndarray import from_host
-from .optimizer import SGD
-from .transport import ProtocolError, log, receive, send
+from ..device import cpu
+from ..ndarray import from_host
+from ..optimizer import SGD
+from .keys import describe
+from .protocol import ProtocolError, log, receive, send
 
 
 class Server:
@@ -207,10 +208,6 @@ def summable(array):
     """`array` in the dtype this server sums and keeps it in: float32 for float16 (a new
     array), any other dtype as it is (the received buffer, not copied)."""
     return array.astype(numpy.float32) if array.dtype == numpy.float16 else array
-
-
-def describe(array):
-    return 'nothing' if array is None else f'shape {tuple(array.shape)} {array.dtype}'
 
 
 def run_server(world, synchronous, num_workers):

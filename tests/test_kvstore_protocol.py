@@ -3,40 +3,40 @@ import numpy
 import pytest
 
 from tests.dist_helpers import run_program
-from d2lperf import transport
+from d2lperf.kvstore import protocol
 
 FORGER = '''
 import numpy
 from mpi4py import MPI
-from d2lperf import transport
+from d2lperf.kvstore import protocol
 
 comm = MPI.COMM_WORLD
 
 def forged(words, payload):
-    header = numpy.zeros(transport.HEADER_WORDS, numpy.int64)
+    header = numpy.zeros(protocol.HEADER_WORDS, numpy.int64)
     header[:len(words)] = words
-    comm.Send(header, dest=0, tag=transport.HEADER_TAG)
-    comm.Send(payload, dest=0, tag=transport.PAYLOAD_TAG)
+    comm.Send(header, dest=0, tag=protocol.HEADER_TAG)
+    comm.Send(payload, dest=0, tag=protocol.PAYLOAD_TAG)
 
 if comm.rank == 1:
-    push = transport.CODE['push']
+    push = protocol.CODE['push']
     forged([push, 7, 9, 1, 4] + [0] * 7 + [16], numpy.zeros(16, numpy.uint8))    # bad dtype
     forged([push, 7, 0, 1, -4] + [0] * 7 + [16], numpy.zeros(16, numpy.uint8))   # shape
     forged([push, 7, 0, 12, 4] + [0] * 7 + [16], numpy.zeros(16, numpy.uint8))   # ndim
     forged([push, 7, 0, 1, 4] + [0] * 7 + [16], numpy.zeros(8, numpy.uint8))    # truncated
     forged([99, 7, 0, 1, 4] + [0] * 7 + [16], numpy.zeros(16, numpy.uint8))     # command
-    comm.Send(numpy.zeros(3, numpy.int64), dest=0, tag=transport.HEADER_TAG)     # short header
-    comm.Send(numpy.zeros(0, numpy.uint8), dest=0, tag=transport.PAYLOAD_TAG)
-    requests, buffers = transport.send(comm, 0, 'push', 7, numpy.arange(4, dtype=numpy.float32))
+    comm.Send(numpy.zeros(3, numpy.int64), dest=0, tag=protocol.HEADER_TAG)     # short header
+    comm.Send(numpy.zeros(0, numpy.uint8), dest=0, tag=protocol.PAYLOAD_TAG)
+    requests, buffers = protocol.send(comm, 0, 'push', 7, numpy.arange(4, dtype=numpy.float32))
     MPI.Request.Waitall(requests)
 else:
     for _ in range(6):
         try:
-            transport.receive(comm, MPI.ANY_SOURCE)
+            protocol.receive(comm, MPI.ANY_SOURCE)
             print('ACCEPTED')
-        except transport.ProtocolError as error:
+        except protocol.ProtocolError as error:
             print('REFUSED', error)
-    command, key, array, sender = transport.receive(comm, MPI.ANY_SOURCE)
+    command, key, array, sender = protocol.receive(comm, MPI.ANY_SOURCE)
     print('VALID', command, key, array.tolist(), sender)
 '''
 
@@ -55,16 +55,16 @@ def test_forged_messages_are_refused_naming_the_sender(tmp_path):
 
 
 def test_key_ids_are_stable_and_tell_types_apart():
-    assert transport.key_id(3) == transport.key_id(3) != transport.key_id('3')
-    assert 0 <= transport.key_id('weight') < 2 ** 56
+    assert protocol.key_id(3) == protocol.key_id(3) != protocol.key_id('3')
+    assert 0 <= protocol.key_id('weight') < 2 ** 56
     with pytest.raises(TypeError, match='int or a str'):
-        transport.key_id(1.5)
+        protocol.key_id(1.5)
 
 
 def test_headers_round_trip_through_the_parser():
     array = numpy.ones((2, 3, 4), numpy.int32)
-    header = transport.header_for('pull', 11, array)
-    assert transport.parse_header(header.view(numpy.uint8), 0) == (
+    header = protocol.header_for('pull', 11, array)
+    assert protocol.parse_header(header.view(numpy.uint8), 0) == (
         'pull', 11, numpy.dtype('int32'), (2, 3, 4), 96)
     with pytest.raises(ValueError, match='float32'):
-        transport.header_for('push', 1, numpy.ones(2, numpy.complex64))
+        protocol.header_for('push', 1, numpy.ones(2, numpy.complex64))

@@ -15,7 +15,7 @@ from d2lperf import launch
 
 TRAINING = '''
 import os, sys, time, numpy, d2lperf as d2l
-from d2lperf.kvstore_dist import create_dist
+from d2lperf.kvstore.dist import create_dist
 kv = create_dist('dist_sync')
 open(f'pid.{kv.rank}', 'w').write(str(os.getpid()))     # files: mpiexec may cut lines
 kv.init(1, d2l.np.array(numpy.zeros(3, numpy.float32)))
@@ -102,7 +102,7 @@ exec /bin/sh -c "$*"
 
 HELLO = '''
 import os, sys, numpy, d2lperf as d2l
-from d2lperf.kvstore_dist import create_dist
+from d2lperf.kvstore.dist import create_dist
 kv = create_dist('dist_sync')
 kv.init('x', d2l.np.array(numpy.zeros(2)))
 kv.push('x', d2l.np.array(numpy.ones(2) * (kv.rank + 1)))

@@ -1,47 +1,19 @@
-"""The (key, value) store: push gradients, pull weights, and let the store decide where to sum.
-
-Taught in "Parameter Servers". A store keeps one value a key. `push` hands it values, one a
-device, which it reduces (sums); `pull` copies the value into arrays on any devices. Without
-an optimizer a push *replaces* the value by the sum of what was pushed; with one
-(`set_optimizer`), the sum is a gradient and the store updates the value it holds by the
-optimizer's rule. These are MXNet's rules, and every store follows them.
-
-What differs between stores is only *where* the values live and the sums happen, the
-placement: `'local'` keeps every value on the host (`cpu(0)`), `'device'` spreads the keys over
-the devices that push them, each key on one of them, so that no device does all the adding.
-The distributed stores (`'dist_sync'`, `'dist_device_sync'`, `'dist_async'`) keep the values
-in server processes; they live in `kvstore_dist`, which needs MPI.
-
-A refused call (unknown key, second init, wrong shape or dtype) raises before anything is
-pushed, so it leaves the store as it was. As in MXNet, a store's keys are all ints or all
-strings: the first key decides. Saved optimizer states name each key by `state_name`, the one
-encoding every store writes and reads, so states saved by one store load into another.
+"""The in-process stores: 'local' keeps every value on the host (cpu(0)), 'device' spreads
+the keys over the devices that push them, each key on one of them, so that no device does all
+the adding. Both sum with comm's allreduce where a key's values fill every device. As in
+MXNet, a store's keys are all ints or all strings: the first key decides. Saved optimizer
+states name each key by `keys.state_name`, the encoding every store writes and reads, so
+states saved by one store load into another.
 """
-import re
-
 import numpy
 
-from . import comm
-from .device import cpu
-from .ndarray import NDArray
-from .utils import atomic_write
+from .. import comm
+from ..device import cpu
+from ..ndarray import NDArray
+from ..utils import atomic_write
+from .keys import key_of_state, pairs, state_name
 
-LOCAL_TYPES = ('local', 'device')
-DIST_TYPES = ('dist_sync', 'dist_device_sync', 'dist_async')
-
-
-def create(name='local'):
-    """A store by MXNet's name: 'local', 'device', 'dist_sync', 'dist_device_sync', 'dist_async'."""
-    if name in LOCAL_TYPES:
-        return KVStore(name)
-    if name in DIST_TYPES:
-        try:
-            from .kvstore_dist import create_dist
-        except ImportError as error:
-            raise ImportError(f'the {name!r} store runs over MPI and needs mpi4py: install the '
-                              f"package's mpi extra (pip install -e '.[mpi]')") from error
-        return create_dist(name)
-    raise ValueError(f'unknown kvstore {name!r}; use one of {LOCAL_TYPES + DIST_TYPES}')
+LOCAL_TYPES = ('local', 'device')        # where the values live: host, or spread over devices
 
 
 class KVStore:
@@ -182,10 +154,7 @@ class KVStore:
     # -- checks -----------------------------------------------------------------------------
 
     def _typed_pairs(self, key, value):
-        """_pairs(key, value), after checking the keys' types against the store's."""
-        pairs = _pairs(key, value)
-        check_key_types([k for k, _ in pairs], self.first_key)
-        return pairs
+        return pairs(key, value, self.first_key)
 
     def _check(self, key, value):
         """The arrays of one push or pull for `key`, after checking them against its value."""
@@ -209,47 +178,6 @@ class KVStore:
             raise ValueError('this store has no optimizer, hence no states: call '
                              'set_optimizer first')
         return self.optimizer
-
-
-def _pairs(key, value):
-    """[(key, value)] for one key, or for a list of keys with a list of values."""
-    if isinstance(key, (list, tuple)):
-        if not isinstance(value, (list, tuple)) or len(value) != len(key):
-            raise ValueError(f'{len(key)} keys need a list of {len(key)} values, got '
-                             f'{type(value).__name__} of length {len(value) if hasattr(value, "__len__") else 1}')
-        return list(zip(key, value))
-    return [(key, value)]
-
-
-def check_key_types(keys, first_key=None):
-    """Refuse keys that are not ints or strings, or not all of the type of the store's first
-    key (`first_key`, None while the store is empty; then the call's first key decides)."""
-    for key in keys:
-        if not isinstance(key, (int, str)) or isinstance(key, bool):
-            raise TypeError(f'keys are ints or strings, not {key!r}')
-        first_key = key if first_key is None else first_key
-        if type(key) is not type(first_key):
-            raise TypeError(f'mixed key types are not allowed: key {key!r} is a '
-                            f'{type(key).__name__}, but this store\'s keys are '
-                            f'{type(first_key).__name__}s (key {first_key!r} came first); '
-                            'a store takes int keys or str keys, not both, as in MXNet')
-
-
-def state_name(key):
-    """A key as the name of its entry in a states file: its type and its text, so that 3 and
-    '3' stay apart ('int:3', 'str:3'). Every store writes and reads this one encoding."""
-    return f'{type(key).__name__}:{key}'
-
-
-def key_of_state(name):
-    """The key whose states `name` holds: state_name undone."""
-    kind, _, text = name.partition(':')
-    if kind == 'int' and re.fullmatch(r'-?[0-9]+', text):
-        return int(text)
-    if kind == 'str':
-        return text
-    raise ValueError(f'{name!r} is not a key written by save_optimizer_states (it writes '
-                     "'int:3' for key 3 and 'str:w' for key 'w')")
 
 
 def _single(key, value):

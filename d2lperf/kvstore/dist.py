@@ -2,7 +2,7 @@
 
 One MPI job holds every process; the rank decides the role. The last S ranks are servers
 (S = D2LPERF_NUM_SERVERS, which `d2lperf.launch -s` sets; 1 when unset), the others workers.
-`create_dist` never returns on a server: it runs the server loop (`kvstore_server`) and ends
+`create_dist` never returns on a server: it runs the server loop (`server.py`) and ends
 the process once every worker has said goodbye (`close`, called at exit). On a worker it
 returns the store, whose `rank` and `num_workers` count workers only.
 
@@ -10,8 +10,8 @@ Every value is sliced across all servers (chunk s of the flattened array lives o
 With an optimizer (`set_optimizer`), the servers run the update: the workers send only its
 hyperparameters, as numbers. In dist_sync a server applies a round once every worker has
 pushed the key, so n workers of batch b each take the step that one process would take at
-batch n·b: give the optimizer rescale_grad = 1/(n·b) (gradients are summed, not averaged;
-`Trainer` does). Every worker makes the same calls: one that any worker refuses is refused
+batch n·b when the optimizer's rescale_grad is 1/(n·b): gradients are summed, not averaged
+(`train_mnist` calls `Trainer.step(n·b)`). Every worker makes the same calls: one that any worker refuses is refused
 on every worker (`agree_on_failure`), so none is left waiting for the others.
 dist_device_sync first sums a worker's values on its first value's device, dist_sync on the
 host; dist_async applies each push as it arrives. Taught in "Parameter Servers".
@@ -22,14 +22,13 @@ import zipfile
 
 import numpy
 
-from . import engine, np
-from .kvstore import check_key_types, state_name
-from .ndarray import NDArray, from_host
-from .optimizer import SGD
-from .transport import DTYPES, ProtocolError, key_id, log, receive, send
-from .utils import atomic_write
-
-TYPES = ('dist_sync', 'dist_device_sync', 'dist_async')
+from .. import engine
+from ..ndarray import NDArray, from_host
+from ..optimizer import SGD
+from ..utils import atomic_write
+from . import DIST_TYPES as TYPES
+from .keys import as_list, describe, pairs, state_name
+from .protocol import DTYPES, ProtocolError, key_id, log, receive, send
 _created = {}      # the one store of this process: creating a second would split MPI again
 
 
@@ -53,7 +52,7 @@ def create_dist(name):
     is_server = world.rank >= world.size - servers
     workers = world.Split(1 if is_server else 0, world.rank)
     if is_server:
-        from .kvstore_server import run_server
+        from .server import run_server
         run_server(world, name != 'dist_async', world.size - servers)
     _created[name] = store = DistKVStore(name, world, workers, servers)
     atexit.register(store.close)
@@ -239,10 +238,9 @@ class DistKVStore:
     # The checks every call makes before anything travels.
 
     def typed_pairs(self, key, value):
-        """pairs(key, value), after checking the keys' types against the store's."""
-        checked = pairs(key, value)
-        check_key_types([one_key for one_key, _ in checked], self.first_key)
-        return checked
+        """[(key, [arrays])] of a call, after checking the keys' types against the store's."""
+        return [(one_key, as_list(values))
+                for one_key, values in pairs(key, value, self.first_key)]
 
     def check_open(self):
         if self.closed:
@@ -374,20 +372,6 @@ class DistKVStore:
     def wait_for_acks(self):
         for server in self.servers:
             self.expect(server, 'ack', None)
-
-
-def pairs(key, value):
-    """[(key, [arrays])] of one key or of a list of keys with a list of values (each an array
-    or a list of arrays, one a device)."""
-    if isinstance(key, (list, tuple)):
-        if not isinstance(value, (list, tuple)) or len(value) != len(key):
-            raise ValueError(f'{len(key)} keys need a list of {len(key)} values')
-        return [pair for k, v in zip(key, value) for pair in pairs(k, v)]
-    return [(key, list(value) if isinstance(value, (list, tuple)) else [value])]
-
-
-def describe(array):
-    return 'nothing' if array is None else f'shape {tuple(array.shape)} {array.dtype}'
 
 
 def host_copy(value):
