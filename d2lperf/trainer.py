@@ -16,15 +16,16 @@ of one process on the combined batch each worker calls `step(batch_size · num_w
 examples that went into the sum (train_mnist does); `step(batch_size)` takes a step
 num_workers times larger, MXNet's behaviour. dist_async applies each push as it arrives.
 """
-from . import comm, kvstore as kvstores, optimizer as optimizers
+from . import kvstore as kvstores, optimizer as optimizers
 from .nn.parameter import Parameter
 
 
 class Trainer:
     """Minibatch training over a dict of parameters (`net.collect_params()`).
 
-    `kvstore`: a store's name (`kvstore.create`'s), a store, or None for a plain
-    `comm.allreduce` over the devices. `update_on_kvstore`: None for Gluon's choice (True for a
+    `kvstore`: a store's name (`kvstore.create`'s), a store, or None for none (parameters on
+    one device, in one process: nothing to sum). `update_on_kvstore`: None for Gluon's choice
+    (True for a
     distributed store), or True or False.
     """
 
@@ -134,6 +135,10 @@ class Trainer:
         if self.initialized:
             return
         devices = max(len(p.list_data()) for p in self.params) if self.params else 1
+        if self.store is None and devices > 1:
+            raise ValueError(f'kvstore=None sums nothing, and the parameters live on {devices} '
+                             "devices, whose copies would drift apart: use kvstore='device' "
+                             "(the default) or 'local'")
         if self.store is not None and not self.distributed and not self.update_on_kvstore \
                 and devices == 1:
             self.store = None           # one device, one process: nothing to sum
@@ -153,8 +158,6 @@ class Trainer:
             self.store.push(index, grads)
         elif self.store is not None and (len(grads) > 1 or self.distributed):
             self.store.pushpull(index, grads)
-        elif self.store is None and len(grads) > 1:
-            comm.allreduce(grads)
 
     def _update_copies(self):
         for index, param in enumerate(self.params):

@@ -439,7 +439,7 @@ def train(store, devices, overlap, momentum=0.0, steps=3, update_on_kvstore=None
 @pytest.mark.parametrize('momentum', [0.0, 0.9])
 def test_every_store_and_the_overlap_train_alike_and_keep_copies_identical(momentum):
     alone = train(None, [d2l.cpu(1)], overlap=False, momentum=momentum)
-    stores = [('device', None), ('local', None), (None, None), ('device', True),
+    stores = [('device', None), ('local', None), ('device', True),
               (kvstore.create('local'), True), (kvstore.create('device'), None)]
     for store, update_on_kvstore in stores:
         for overlap in (False, True):
@@ -466,6 +466,9 @@ def test_trainer_takes_a_store_by_name_or_as_an_object_and_decides_where_to_upda
             call()
     with pytest.raises(ValueError, match='update_on_kvstore=True needs a kvstore'):
         d2l.Trainer(params, 'sgd', kvstore=None, update_on_kvstore=True)
+    with pytest.raises(ValueError, match="kvstore=None sums nothing, and the parameters live on "
+                                         "2 devices"):
+        d2l.Trainer(params, 'sgd', kvstore=None).step(1)
 
 
 def test_a_trainer_on_one_device_needs_no_store():
