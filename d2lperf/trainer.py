@@ -25,8 +25,7 @@ class Trainer:
 
     `kvstore`: a store's name (`kvstore.create`'s), a store, or None for none (parameters on
     one device, in one process: nothing to sum). `update_on_kvstore`: None for Gluon's choice
-    (True for a
-    distributed store), or True or False.
+    (True for a distributed store), or True or False.
     """
 
     def __init__(self, params, optimizer='sgd', optimizer_params=None, kvstore='device',
