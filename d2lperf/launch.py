@@ -259,6 +259,7 @@ def main(argv=None):
     hosts = read_hosts(args.hostfile) if args.hostfile else None
     if args.sync_dst_dir:
         sync_to_hosts(hosts, args.sync_dst_dir)
+    signal.signal(signal.SIGTERM, lambda number, _: sys.exit(128 + number))  # ends the job too
     job = Job(mpiexec_command(args, environment),
               hosts if args.launcher == 'ssh' else None, environment)
     return job.report(job.wait())
