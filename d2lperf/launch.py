@@ -7,11 +7,14 @@ which the `mpich` wheel installs); `kvstore.dist` gives the last SERVERS ranks t
 (`mpiexec -launcher manual` prints what to run; we quote each word, nothing is pasted into a
 shell unquoted). `--sync-dst-dir DIR` first copies this folder to DIR on every host with rsync,
 and the job runs there. D2LPERF_INTERFACE=eth0 picks the network interface (`-iface`).
+`--timeout SECONDS` sets D2LPERF_TIMEOUT for every rank: how long any wait of the distributed
+store may block before it raises, naming the rank it waited for, the key and the command.
 
 Each rank runs inside a small guard (`--rank-guard`) that names the rank when its command
 fails or is killed; the launcher then shows that rank's last lines, ends the whole job within
 seconds (process groups, and parent-death signals so no child outlives its guard) and exits
-non-zero. Taught in "Parameter Servers".
+non-zero. So does an ssh proxy that fails to start (the job could never begin), naming its
+host. Taught in "Parameter Servers".
 """
 import argparse
 import collections
@@ -41,12 +44,17 @@ def parse(argv):
     parser.add_argument('-H', '--hostfile')
     parser.add_argument('--sync-dst-dir')
     parser.add_argument('--env', action='append', default=[], metavar='NAME=VALUE')
+    parser.add_argument('--timeout', type=float, metavar='SECONDS',
+                        help='D2LPERF_TIMEOUT of every rank: how long a distributed wait may '
+                             'block before it raises (default: this environment\'s, else 300)')
     parser.add_argument('command', nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     if args.num_workers < 1 or args.num_servers < 1:
         parser.error('a job needs one worker (-n) and one server (-s) at least')
     if not args.command:
         parser.error('give the COMMAND each process runs, e.g. python train.py')
+    if args.timeout is not None and not 0 < args.timeout < float('inf'):
+        parser.error(f'--timeout takes a positive number of seconds, not {args.timeout}')
     if args.launcher != 'local' and not args.hostfile:
         parser.error(f'--launcher {args.launcher} needs a hostfile: -H HOSTFILE')
     if args.launcher == 'local' and (args.hostfile or args.sync_dst_dir):
@@ -59,10 +67,15 @@ def parse(argv):
 
 
 def job_environment(args):
-    """{name: value} every rank gets: the server count and the user's. (How a rank's malloc
+    """{name: value} every rank gets: the server count, the timeout (`--timeout`, or this
+    process's D2LPERF_TIMEOUT, which ssh would not carry) and the user's. (How a rank's malloc
     keeps freed memory is the engine's to set, when it starts: see `host_memory`.)"""
     environment = {'D2LPERF_NUM_SERVERS': str(args.num_servers)}
+    if os.environ.get('D2LPERF_TIMEOUT'):
+        environment['D2LPERF_TIMEOUT'] = os.environ['D2LPERF_TIMEOUT']
     environment.update(item.split('=', 1) for item in args.env)
+    if args.timeout is not None:
+        environment['D2LPERF_TIMEOUT'] = f'{args.timeout:g}'
     return environment
 
 
@@ -166,17 +179,20 @@ class Job:
             return True
         if line.startswith('HYDRA_LAUNCH_END'):
             for host, words in zip(self.hosts, self.launch_lines):
-                self.proxies.append(subprocess.Popen(
+                self.proxies.append((host, subprocess.Popen(
                     ssh_command(host, words, self.environment), stdin=subprocess.DEVNULL,
-                    start_new_session=True))
+                    start_new_session=True)))
             return True
         return False
 
     def wait(self):
-        """mpiexec's exit code; a job a rank failed in ends within GRACE_SECONDS."""
+        """mpiexec's exit code; a job a rank failed in ends within GRACE_SECONDS, one whose ssh
+        proxy failed at once (mpiexec would wait for that proxy forever)."""
         try:
             while self.process.poll() is None:
                 if self.failed_at and time.monotonic() - self.failed_at > GRACE_SECONDS:
+                    self.end()
+                if not self.failures and self.proxy_failed():
                     self.end()
                 time.sleep(0.1)
         finally:
@@ -185,9 +201,19 @@ class Job:
                 reader.join(timeout=5)
         return self.process.returncode
 
+    def proxy_failed(self):
+        """Whether an ssh proxy exited non-zero (noted as the job's failure, naming its host)."""
+        for host, proxy in self.proxies:
+            if proxy.poll():
+                self.failures.append((None, f'the MPI proxy for host {host} exited '
+                                            f'{proxy.returncode} ({shlex.join(proxy.args)[:200]})'
+                                            f'; check that `ssh {host}` works'))
+                return True
+        return False
+
     def end(self):
         """Signal every process group of the job: mpiexec's and each ssh proxy's."""
-        for pid in [self.process.pid] + [proxy.pid for proxy in self.proxies]:
+        for pid in [self.process.pid] + [proxy.pid for _, proxy in self.proxies]:
             for signal_number in (signal.SIGTERM, signal.SIGKILL):
                 try:
                     os.killpg(pid, signal_number)
@@ -195,7 +221,7 @@ class Job:
                     break
                 time.sleep(0.2)
         self.process.poll()
-        for proxy in self.proxies:
+        for _, proxy in self.proxies:
             proxy.poll()
 
     def report(self, code):
@@ -259,6 +285,7 @@ def main(argv=None):
     hosts = read_hosts(args.hostfile) if args.hostfile else None
     if args.sync_dst_dir:
         sync_to_hosts(hosts, args.sync_dst_dir)
+    signal.signal(signal.SIGTERM, lambda number, _: sys.exit(128 + number))  # ends the job too
     job = Job(mpiexec_command(args, environment),
               hosts if args.launcher == 'ssh' else None, environment)
     return job.report(job.wait())

@@ -1,9 +1,12 @@
-"""Running small MPI programs from the distributed tests: each bounded by a timeout."""
+"""Running small MPI programs from the distributed tests: each bounded by a timeout, past
+which every process it started is ended; and checking that none is left behind."""
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -46,14 +49,72 @@ def run_program(tmp_path, source, processes, timeout=120, **env):
         pytest.skip(f'no mpiexec next to {sys.executable} (the mpich wheel brings one)')
     script = tmp_path / 'program.py'
     script.write_text(textwrap.dedent(source))
-    finished = subprocess.run([str(MPIEXEC), '-n', str(processes), '-outfile-pattern',
-                               'stdout.%r', '-errfile-pattern', 'stderr.%r', sys.executable,
-                               str(script)], capture_output=True, text=True, timeout=timeout,
-                              env=environment(**env), cwd=tmp_path)
+    finished = run_bounded([str(MPIEXEC), '-n', str(processes), '-outfile-pattern',
+                            'stdout.%r', '-errfile-pattern', 'stderr.%r', sys.executable,
+                            str(script)], timeout, env=environment(**env), cwd=tmp_path)
     return Ranks(tmp_path, processes, finished.returncode, finished.stdout + finished.stderr)
 
 
 def run_module(tmp_path, arguments, timeout=120, **env):
     """`python -m ARGUMENTS...` here; the finished process."""
-    return subprocess.run([sys.executable, '-m', *arguments], capture_output=True, text=True,
-                          timeout=timeout, env=environment(**env), cwd=tmp_path)
+    return run_bounded([sys.executable, '-m', *arguments], timeout, env=environment(**env),
+                       cwd=tmp_path)
+
+
+def run_bounded(command, timeout, **options):
+    """`subprocess.run(command)`, captured, in a session of its own: past `timeout` seconds
+    the whole session gets SIGTERM (the launcher then ends its job), then SIGKILL, so no rank
+    is left behind; then subprocess.TimeoutExpired."""
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               stdin=subprocess.DEVNULL, text=True, start_new_session=True,
+                               **options)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        end_session(process)
+        raise
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def end_session(process, grace=10):
+    """SIGTERM to `process`'s session (its process group), SIGKILL after `grace` seconds."""
+    for number, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, grace)):
+        try:
+            os.killpg(process.pid, number)
+        except ProcessLookupError:
+            break
+        try:
+            process.communicate(timeout=wait)
+            break
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def alive(pid):
+    """Whether process `pid` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        return ' Z ' not in pathlib.Path(f'/proc/{pid}/stat').read_text()
+    except OSError:
+        return False
+
+
+def processes_running(marker):
+    """PIDs of the processes whose command line mentions `marker` (not this one)."""
+    found = []
+    for entry in pathlib.Path('/proc').iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if marker in (entry / 'cmdline').read_bytes().decode(errors='replace'):
+                    found.append(int(entry.name))
+            except OSError:
+                pass
+    return [pid for pid in found if alive(pid)]
+
+
+def left_running(marker, seconds=15):
+    """The processes that mention `marker` still running after up to `seconds`: killing is
+    asynchronous, so this polls until none is left or the time is up."""
+    deadline = time.monotonic() + seconds
+    while processes_running(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return processes_running(marker)

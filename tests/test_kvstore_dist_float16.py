@@ -1,5 +1,5 @@
 """float16 keys in the distributed store: MXNet's nightly dist_sync checks, and the error of a
-long sum on a server that sums and keeps float16 keys in float32 (`kvstore_server`)."""
+long sum on a server that sums and keeps float16 keys in float32 (`kvstore.server`)."""
 import numpy
 
 from tests.dist_helpers import run_program

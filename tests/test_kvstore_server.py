@@ -22,8 +22,8 @@ def answer():
     command, _, array, _ = protocol.receive(world, 2)
     print('ANSWER', command, None if array is None else array.tolist(), flush=True)
 
-if world.rank == 2:                     # a server of one worker: rank 0. Rank 1 is not one
-    run_server(world, True, 1)
+if world.rank == 2:     # a server of one worker: rank 0. Rank 1 is not one, unless told
+    run_server(world, True, 2 if case == 'second bye' else 1)
 elif world.rank == 0:
     send('init', key, numpy.arange(4, dtype=numpy.float32))
     answer()
@@ -38,6 +38,9 @@ elif world.rank == 0:
         send('optimizer', 0, numpy.array([float('nan'), 0, 0, 1]))
     elif case == 'inf momentum':
         send('optimizer', 0, numpy.array([0.1, float('inf'), 0, 1]))
+    elif case == 'second bye':
+        send('bye')
+        send('bye')
     elif case == 'none':
         send('push', key, numpy.ones(4, numpy.float32))
         send('pull')
@@ -72,6 +75,7 @@ def test_the_forger_speaks_the_protocol(tmp_path):
                           'number >= 0 for learning_rate, not nan'),
     ('inf momentum', 'rank 0 sent optimizer numbers SGD refuses: SGD needs a finite number '
                      '>= 0 for momentum, not inf'),
+    ('second bye', "rank 0 sent 'bye' after its bye"),     # counted, it would end the server
 ])
 def test_the_server_refuses_naming_the_sender(tmp_path, case, refusal):
     from d2lperf.kvstore.protocol import key_id

@@ -1,6 +1,5 @@
 """The launcher: a failed or killed rank ends the job, named, with nothing left running."""
 import os
-import pathlib
 import signal
 import subprocess
 import sys
@@ -9,7 +8,7 @@ import time
 import pytest
 from hypothesis import given, strategies as st
 
-from tests.dist_helpers import MPIEXEC, environment, run_module
+from tests.dist_helpers import MPIEXEC, end_session, environment, left_running, run_module
 from tests.strategies import checks
 from d2lperf import launch
 
@@ -29,35 +28,14 @@ for step in range(10 ** 9):
 '''
 
 
-def alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return pathlib.Path(f'/proc/{pid}/stat').exists() and ' Z ' not in pathlib.Path(
-        f'/proc/{pid}/stat').read_text()
-
-
-def processes_running(marker):
-    """PIDs of this user's processes whose command line mentions `marker`."""
-    found = []
-    for entry in pathlib.Path('/proc').iterdir():
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            try:
-                if marker in (entry / 'cmdline').read_bytes().decode(errors='replace'):
-                    found.append(int(entry.name))
-            except OSError:
-                pass
-    return [pid for pid in found if alive(pid)]
-
-
 @pytest.mark.skipif(not MPIEXEC.exists(), reason='no mpiexec next to this Python')
 def test_a_killed_worker_ends_the_job_naming_its_rank(tmp_path):
     script = tmp_path / 'training.py'
     script.write_text(TRAINING)
     job = subprocess.Popen([sys.executable, '-m', 'd2lperf.launch', '-n', '2', '-s', '1',
                             sys.executable, str(script)], stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True, env=environment(), cwd=tmp_path)
+                           stderr=subprocess.PIPE, text=True, env=environment(), cwd=tmp_path,
+                           start_new_session=True)
     try:
         deadline = time.monotonic() + 120
         while not (tmp_path / 'step20.1').exists() and time.monotonic() < deadline:
@@ -70,12 +48,11 @@ def test_a_killed_worker_ends_the_job_naming_its_rank(tmp_path):
         stderr = job.communicate()[1]
     finally:
         if job.poll() is None:
-            job.kill()
+            end_session(job)
     assert job.returncode != 0 and seconds < 30
     assert 'd2lperf.launch: the job failed: d2lperf.launch: rank 1' in stderr
     assert 'was killed by SIGKILL' in stderr and 'the last lines of rank 1' in stderr
-    time.sleep(1)
-    assert processes_running(str(script)) == []
+    assert left_running(str(script)) == []
 
 
 def test_a_failing_rank_is_named_with_its_last_lines(tmp_path):
@@ -91,7 +68,7 @@ def test_a_failing_rank_is_named_with_its_last_lines(tmp_path):
     assert result.returncode != 0 and time.monotonic() - started < 30
     assert 'rank 2' in result.stderr and 'exited 5' in result.stderr
     assert '    about to fail' in result.stderr
-    assert processes_running(str(script)) == []
+    assert left_running(str(script)) == []
 
 
 FAKE_SSH = '''#!/bin/sh

@@ -14,9 +14,17 @@ batch n·b when the optimizer's rescale_grad is 1/(n·b): gradients are summed, 
 (`train_mnist` calls `Trainer.step(n·b)`). Every worker makes the same calls: one that any worker refuses is refused
 on every worker (`agree_on_failure`), so none is left waiting for the others.
 dist_device_sync first sums a worker's values on its first value's device, dist_sync on the
-host; dist_async applies each push as it arrives. Taught in "Parameter Servers".
+host; dist_async applies each push as it arrives.
+
+Every wait (for a server's answer, for a send to leave, at the workers' barrier) gives up
+after D2LPERF_TIMEOUT seconds with a `DeadlineError` naming the rank waited for, the key and
+the command (`protocol.wait_until`); uncaught, it ends the process, and the launcher the job.
+In dist_sync, a pull that waits for a round a departed worker never pushed into is refused
+(`IncompleteRoundError`, naming that worker). Taught in "Parameter Servers".
 """
 import atexit
+import os
+import sys
 import time
 import zipfile
 
@@ -28,7 +36,8 @@ from ..optimizer import SGD
 from ..utils import atomic_write
 from . import DIST_TYPES as TYPES
 from .keys import as_list, describe, pairs, state_name
-from .protocol import DTYPES, ProtocolError, key_id, log, receive, send
+from .protocol import (DTYPES, IncompleteRoundError, ProtocolError, key_id, log, receive, send,
+                       wait_for_request, wait_for_sends)
 _created = {}      # the one store of this process: creating a second would split MPI again
 
 
@@ -56,11 +65,26 @@ def create_dist(name):
         run_server(world, name != 'dist_async', world.size - servers)
     _created[name] = store = DistKVStore(name, world, workers, servers)
     atexit.register(store.close)
+    end_on_uncaught_error()
     return store
 
 
+def end_on_uncaught_error():
+    """Make an uncaught exception end this process once Python has printed it: MPICH's
+    MPI_Finalize, which mpi4py calls at exit, waits for every rank, so a failed worker would
+    sit there, alive, and the launcher never learn it failed. Exiting at once, unfinalized,
+    as a dead rank does, lets the launcher name it and end the job."""
+    shown = sys.excepthook
+
+    def show_and_exit(kind, error, traceback):
+        shown(kind, error, traceback)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    sys.excepthook = show_and_exit
+
+
 def num_servers(world_size):
-    import os
     text = os.environ.get('D2LPERF_NUM_SERVERS', '1')
     if not text.isdigit() or not 1 <= int(text) < world_size:
         raise ValueError(f'D2LPERF_NUM_SERVERS={text!r}, but a job of {world_size} processes '
@@ -92,17 +116,18 @@ class DistKVStore:
             new = self.new_keys(self.typed_pairs(key, value))
         except Exception as error:      # noqa: BLE001 - every worker must learn of it, below
             refusal = error
-        if self.agree_on_failure(refusal is not None):
+        about = f'init of {key!r}'
+        if self.agree_on_failure(refusal is not None, about):
             raise refusal or ValueError('another worker refused this init; its error says why')
         if self.rank == 0:
-            for _, identity, value in new:
-                self.to_servers('init', identity, value)
-                self.wait_for_acks()
-        for key, identity, value in new:
-            self.keys[key] = (identity, value.shape, value.dtype)
+            for one_key, identity, value in new:
+                self.to_servers('init', identity, value, f'init of key {one_key!r}')
+                self.wait_for_acks(f'init of key {one_key!r}')
+        for one_key, identity, value in new:
+            self.keys[one_key] = (identity, value.shape, value.dtype)
         if self.first_key is None and new:
             self.first_key = new[0][0]
-        self.barrier()
+        self.meet(about)
 
     def new_keys(self, pairs):
         """[(key, key id, host value)] of an init, once every key passed every check. Only
@@ -130,7 +155,7 @@ class DistKVStore:
         for key, values, (identity, shape, dtype) in checked:
             started = time.perf_counter()
             total = self.local_sum(values)
-            self.to_servers('push', identity, total)
+            self.to_servers('push', identity, total, f'push of key {key!r}')
             log(self.rank, f'push key {key!r}', total.nbytes, started)
 
     def pull(self, key, out):
@@ -144,11 +169,11 @@ class DistKVStore:
         for key, outs, (identity, shape, dtype) in checked:
             started = time.perf_counter()
             for server in self.servers:
-                self.request(server, 'pull', identity)
+                self.request(server, 'pull', identity, f'pull of key {key!r}')
             direct = len(outs) == 1 and len(self.servers) == 1
             own = writable_buffer(outs[0], shape, dtype) if direct else None
             value = own if own is not None else numpy.empty(shape, dtype)
-            self.receive_slices(identity, value)
+            self.receive_slices(key, value)
             if own is None:          # the received buffer is ours: wrapped, not copied
                 for target in outs:
                     target[...] = from_host(value, target.device)
@@ -171,13 +196,22 @@ class DistKVStore:
         numbers = numpy.array([optimizer.learning_rate, optimizer.momentum, optimizer.wd,
                                optimizer.rescale_grad], numpy.float64)
         if self.rank == 0:
-            self.to_servers('optimizer', 0, numbers, sliced=False)
-            self.wait_for_acks()
-        self.barrier()
+            self.to_servers('optimizer', 0, numbers, 'set_optimizer', sliced=False)
+            self.wait_for_acks('set_optimizer')
+        self.meet('set_optimizer')
 
     def barrier(self):
         """Wait until every worker got here."""
-        self.workers.Barrier()
+        self.meet('barrier')
+
+    def meet(self, about, collective=None, buffer=None):
+        """Wait until every worker has started `collective` (by default a barrier), within
+        D2LPERF_TIMEOUT; `buffer`, the collective's, is kept if it is given up on."""
+        others = [rank for rank in range(self.num_workers) if rank != self.rank]
+        whom = (f'worker rank {others[0]}' if len(others) == 1 else
+                f'the other workers (ranks {", ".join(map(str, others))})')
+        wait_for_request(self.workers.Ibarrier() if collective is None else collective,
+                         f'rank {self.rank} waited for {whom} to reach {about}', buffer)
 
     def save_optimizer_states(self, path):
         """Worker 0 gathers the servers' momentum into one .npz (written atomically); if it
@@ -186,24 +220,25 @@ class DistKVStore:
         if self.optimizer is None:
             raise ValueError('this store has no optimizer, hence no states: call '
                              'set_optimizer first')
-        self.barrier()                  # every worker's pulls are done: the rounds are complete
+        about = f'save_optimizer_states({path!r})'
+        self.meet(about)                # every worker's pulls are done: the rounds are complete
         refusal = None
         if self.rank == 0:
             try:
-                arrays = self.gather_states()
+                arrays = self.gather_states(about)
                 atomic_write(path, lambda file: numpy.savez(file, **arrays))
             except Exception as error:  # noqa: BLE001 - every worker must learn of it, below
                 refusal = error
-        if self.agree_on_failure(refusal is not None):
+        if self.agree_on_failure(refusal is not None, about):
             raise refusal or OSError(f'worker 0 could not save optimizer states to {path!r}; '
                                      'its error says why')
 
-    def gather_states(self):
+    def gather_states(self, about):
         """{state name: momentum} of every key, each put together from the servers' slices."""
         chunks = {}
         for server in self.servers:
-            self.request(server, 'get_states', 0)
-            for identity, chunk in self.receive_states(server):
+            self.request(server, 'get_states', 0, about)
+            for identity, chunk in self.receive_states(server, about):
                 chunks.setdefault(identity, []).append(chunk)
         return {state_name(key): numpy.concatenate(chunks[identity]).reshape(shape)
                 for key, (identity, shape, _) in self.keys.items() if identity in chunks}
@@ -211,6 +246,7 @@ class DistKVStore:
     def load_optimizer_states(self, path):
         """Send the states of a .npz that save_optimizer_states wrote to the servers."""
         self.check_open()
+        about = f'load_optimizer_states({path!r})'
         refusal = None
         if self.rank == 0:
             try:
@@ -220,11 +256,11 @@ class DistKVStore:
             else:
                 for index, server in enumerate(self.servers):
                     for identity, state in states.items():
-                        self.request(server, 'set_state', identity,
+                        self.request(server, 'set_state', identity, about,
                                      self.slice_of(state, index))
-                    self.request(server, 'end', 0)
-                self.wait_for_acks()
-        if self.agree_on_failure(refusal is not None):
+                    self.request(server, 'end', 0, about)
+                self.wait_for_acks(about)
+        if self.agree_on_failure(refusal is not None, about):
             raise refusal or ValueError(f'worker 0 refused optimizer states {path!r}; '
                                         'its error says why')
 
@@ -233,7 +269,7 @@ class DistKVStore:
         if not self.closed:
             self.closed = True
             for server in self.servers:
-                self.request(server, 'bye', 0)
+                self.request(server, 'bye', 0, 'bye')
 
     # The checks every call makes before anything travels.
 
@@ -288,11 +324,12 @@ class DistKVStore:
                              'optimizer the states were saved with')
         return states
 
-    def agree_on_failure(self, failed):
-        """Whether any worker failed (told to every worker, so none waits for the others)."""
+    def agree_on_failure(self, failed, about):
+        """Whether any worker failed, told to every worker within D2LPERF_TIMEOUT, so that none
+        is left waiting for the others."""
         from mpi4py import MPI
         flag = numpy.array([int(failed)], numpy.int64)
-        self.workers.Allreduce(MPI.IN_PLACE, flag, op=MPI.MAX)
+        self.meet(about, self.workers.Iallreduce(MPI.IN_PLACE, flag, op=MPI.MAX), flag)
         return bool(flag[0])
 
     # Messages.
@@ -317,42 +354,62 @@ class DistKVStore:
     def slice_of(self, array, index):
         return numpy.array_split(array.reshape(-1), len(self.servers))[index]
 
-    def to_servers(self, command, identity, array, sliced=True):
-        from mpi4py import MPI
+    def to_servers(self, command, identity, array, about, sliced=True):
         pending = [send(self.world, server, command, identity,
                         self.slice_of(array, index) if sliced else array)
                    for index, server in enumerate(self.servers)]
-        MPI.Request.Waitall([request for requests, _ in pending for request in requests])
+        wait_for_sends([request for requests, _ in pending for request in requests],
+                       self.waited(self.servers, 'take', about))
 
-    def request(self, server, command, identity, array=None):
-        from mpi4py import MPI
+    def request(self, server, command, identity, about, array=None):
         requests, _buffers = send(self.world, server, command, identity, array)
-        MPI.Request.Waitall(requests)
+        wait_for_sends(requests, self.waited([server], 'take', about))
 
-    def expect(self, server, command, identity):
-        got, key, array, sender = receive(self.world, server)
+    def waited(self, servers, verb, about):
+        """What a DeadlineError says this worker waited for: `servers` to `verb` `about`."""
+        whom = (f'server rank {servers[0]}' if len(servers) == 1 else
+                f'the servers (ranks {servers[0]} to {servers[-1]})')
+        return f'rank {self.world.Get_rank()} waited for {whom} to {verb} its {about}'
+
+    def expect(self, server, command, identity, about):
+        got, key, array, sender = receive(self.world, server,
+                                          waiting_for=self.waited([server], 'answer', about))
         if got != command or (identity is not None and key != identity):
             raise ProtocolError(f'rank {sender} answered {got!r} for key id {key}; this worker '
                                 f'waited for {command!r} for key id {identity}')
         return key, array
 
-    def receive_slices(self, identity, value):
-        """Every server's slice of `identity` into `value`; after a refused slice the others
-        are still taken, so each channel stays in step, and the first refusal is raised."""
+    def receive_slices(self, key, value):
+        """Every server's slice of `key` into `value`; after a refused slice the others are
+        still taken, so each channel stays in step, and the first refusal is raised."""
         slices = numpy.array_split(value.reshape(-1), len(self.servers))
         refusal = None
         for server, part in zip(self.servers, slices):
             try:
-                self.receive_value(server, identity, part)
-            except ProtocolError as error:
+                self.receive_value(server, key, part)
+            except (ProtocolError, IncompleteRoundError) as error:
                 refusal = refusal or error
         if refusal is not None:
             raise refusal
 
-    def receive_value(self, server, identity, part):
-        """Receive `server`'s slice of a value into `part`, a slice of the pull's buffer."""
+    def receive_value(self, server, name, part):
+        """Receive `server`'s slice of the value of key `name` into `part`, a slice of the
+        pull's buffer."""
+        identity = self.keys[name][0]
+        about = f'pull of key {name!r}'
+        if self.type != 'dist_async':
+            about += ", which waits for every worker's push"
         got, key, value, sender = receive(self.world, server, into=part,
-                                          for_message=('value', identity))
+                                          for_message=('value', identity),
+                                          waiting_for=self.waited([server], 'answer', about))
+        if got == 'refused' and key == identity and value is not None and value.size == 3:
+            departed, its_pushes, pushes = (int(number) for number in value)
+            raise IncompleteRoundError(
+                f'rank {server} refused the pull of key {name!r} by rank '
+                f'{self.world.Get_rank()}: worker rank {departed} left after {its_pushes} '
+                f'pushes of it, and this worker pushed {pushes}, so the round can never be '
+                'complete. In dist_sync every worker pushes every key the same number of '
+                'times (give each the same number of batches)')
         if got != 'value' or key != identity:
             raise ProtocolError(f'rank {sender} answered {got!r} for key id {key}; this worker '
                                 f'waited for a value of key id {identity}')
@@ -360,18 +417,20 @@ class DistKVStore:
             raise ProtocolError(f'rank {server} sent {describe(value)} for a slice of shape '
                                 f'{part.shape} {part.dtype}')
 
-    def receive_states(self, server):
+    def receive_states(self, server, about):
         while True:
-            got, key, array, sender = receive(self.world, server)
+            got, key, array, sender = receive(self.world, server,
+                                              waiting_for=self.waited([server], 'answer',
+                                                                      about))
             if got == 'end':
                 return
             if got != 'state' or array is None:
                 raise ProtocolError(f'rank {sender} sent {got!r} among optimizer states')
             yield key, array
 
-    def wait_for_acks(self):
+    def wait_for_acks(self, about):
         for server in self.servers:
-            self.expect(server, 'ack', None)
+            self.expect(server, 'ack', None, about)
 
 
 def host_copy(value):

@@ -14,6 +14,11 @@ Keys: `key_id` maps an int or str key to a 56-bit number by a stable hash (BLAKE
 key's type and text), the same in every process and in any order of `init`, so no process
 has to tell the others its keys. A store refuses two keys with the same id.
 
+Deadlines: MPI's blocking calls (Probe, Recv, Barrier, Wait) wait forever, so a peer that is
+alive but stuck would hang the job. Every wait here polls MPI's nonblocking form through
+`wait_until`, which gives up after D2LPERF_TIMEOUT seconds (`timeout_seconds`) with a
+`DeadlineError` that names the rank waited for, the key and the command.
+
 `log` is the D2LPERF_VERBOSE=1 line the stores write for every push and pull.
 Taught in "Parameter Servers".
 """
@@ -26,7 +31,7 @@ import time
 import numpy
 
 COMMANDS = ('init', 'push', 'pull', 'value', 'ack', 'optimizer', 'get_states', 'state',
-            'set_state', 'end', 'bye')
+            'set_state', 'end', 'bye', 'refused')
 CODE = {name: i for i, name in enumerate(COMMANDS)}
 # A dtype's code is its place here: a new dtype goes at the end, so old codes keep their meaning.
 DTYPES = (numpy.dtype('float32'), numpy.dtype('float64'), numpy.dtype('int32'),
@@ -34,10 +39,71 @@ DTYPES = (numpy.dtype('float32'), numpy.dtype('float64'), numpy.dtype('int32'),
 MAX_DIMS = 8
 HEADER_WORDS = 5 + MAX_DIMS          # command, key, dtype, ndim, dims..., nbytes
 HEADER_TAG, PAYLOAD_TAG = 1, 2
+DEFAULT_TIMEOUT = 300.0        # seconds: generous, as a slow step is not a stuck one
+SPIN_SECONDS = 0.005           # poll without sleeping this long: most waits end within it
+LONGEST_PAUSE = 0.001          # then sleep, doubling up to this, between polls
+abandoned = []                 # (request, buffer) given up on at a deadline: MPI may write it
 
 
 class ProtocolError(RuntimeError):
     """A message that breaks the protocol; nothing it asked for was done."""
+
+
+class DeadlineError(TimeoutError):
+    """A distributed wait that passed D2LPERF_TIMEOUT: the rank it waited for is stuck."""
+
+
+class IncompleteRoundError(RuntimeError):
+    """A dist_sync round that can never complete: a worker left before pushing into it."""
+
+
+def timeout_seconds():
+    """D2LPERF_TIMEOUT: how many seconds any distributed wait may block (default 300)."""
+    text = os.environ.get('D2LPERF_TIMEOUT', '')
+    try:
+        seconds = float(text) if text else DEFAULT_TIMEOUT
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds < math.inf:
+        raise ValueError(f'D2LPERF_TIMEOUT={text!r}: give the seconds a distributed wait may '
+                         'block, a positive number (python -m d2lperf.launch --timeout SECONDS)')
+    return seconds
+
+
+def wait_until(test, deadline, what):
+    """Call `test()` until it returns something true, and return that; past `deadline` (a
+    `time.monotonic()` time) raise `DeadlineError` saying `what` was waited for.
+
+    Why poll: MPI's blocking calls have no timeout, so a peer that is alive but never answers
+    (stuck, or waiting for yet another rank) would hold this process forever, and its job with
+    it. Each `test` is one nonblocking MPI call (Iprobe, Request.Test), which also drives MPI's
+    progress. The first SPIN_SECONDS poll without a pause, as MPI's own blocking calls do: most
+    answers come within microseconds, and a large message may move only while its ranks poll. Past
+    that the process sleeps between polls, from 10 microseconds doubling up to LONGEST_PAUSE,
+    so a long wait leaves the CPU to the ranks that compute, and answers within a millisecond."""
+    done = test()
+    if done:
+        return done
+    spin_until = time.monotonic() + SPIN_SECONDS
+    pause = 1e-5
+    while True:
+        done = test()
+        if done:
+            return done
+        now = time.monotonic()
+        if now > deadline:
+            raise DeadlineError(f'{what}, in vain for {timeout_seconds():g} s. Look at the '
+                                'output of the ranks it waited for to see why they are stuck; '
+                                'if they are only slow, raise D2LPERF_TIMEOUT (python -m '
+                                'd2lperf.launch --timeout SECONDS)')
+        if now > spin_until:
+            time.sleep(pause)
+            pause = min(2 * pause, LONGEST_PAUSE)
+
+
+def deadline():
+    """The time (`time.monotonic()`) at which a wait that starts now gives up."""
+    return time.monotonic() + timeout_seconds()
 
 
 def key_id(key):
@@ -77,27 +143,31 @@ def send(comm, dest, command, key=0, array=None):
     return requests, (header, payload)       # the buffers must live until the sends finish
 
 
-def receive(comm, source, into=None, for_message=None):
+def receive(comm, source, into=None, for_message=None, *, waiting_for=None):
     """(command, key, array or None, sender) of the next message from `source` (or ANY_SOURCE).
 
     The payload lands in `into` (a pull into its output, with no copy after) only when the
     header is `for_message`, a (command, key), with `into`'s shape and dtype; anything else
-    lands in a new array, so a message the caller will refuse never overwrites its buffer."""
+    lands in a new array, so a message the caller will refuse never overwrites its buffer.
+    Each wait gives up after D2LPERF_TIMEOUT with a DeadlineError that says `waiting_for`
+    (which rank waited for which, and for what; by default, only the ranks)."""
     from mpi4py import MPI
+    waiting_for = waiting_for or (f'rank {comm.Get_rank()} waited for a message from '
+                                  + ('any rank' if source == MPI.ANY_SOURCE else f'rank {source}'))
     status = MPI.Status()
-    comm.Probe(source=source, tag=HEADER_TAG, status=status)
+    wait_until(lambda: comm.Iprobe(source=source, tag=HEADER_TAG, status=status), deadline(),
+               waiting_for)
     sender, size = status.Get_source(), status.Get_count(MPI.BYTE)
     raw = numpy.empty(max(size, 1), numpy.uint8)
-    comm.Recv(raw[:size], source=sender, tag=HEADER_TAG)
+    receive_exactly(comm, raw[:size], sender, HEADER_TAG, waiting_for)
     try:
         command, key, dtype, shape, expected = parse_header(raw[:size], sender)
     except ProtocolError:
-        drain_payload(comm, sender)
+        drain_payload(comm, sender, waiting_for)
         raise
-    comm.Probe(source=sender, tag=PAYLOAD_TAG, status=status)
-    nbytes = status.Get_count(MPI.BYTE)
+    nbytes = probe_payload(comm, sender, waiting_for)
     if nbytes != expected:
-        drain_payload(comm, sender)
+        drain_payload(comm, sender, waiting_for)
         raise ProtocolError(f'rank {sender} sent {nbytes} payload bytes for a {command} of '
                             f'shape {shape} {dtype}, which takes {expected}')
     array = None
@@ -105,10 +175,40 @@ def receive(comm, source, into=None, for_message=None):
         fits = (into is not None and (command, key) == for_message
                 and into.shape == tuple(shape) and into.dtype == dtype)
         array = into if fits else numpy.empty(shape, dtype)
-        comm.Recv(array, source=sender, tag=PAYLOAD_TAG)
+        receive_exactly(comm, array, sender, PAYLOAD_TAG, waiting_for)
     else:
-        comm.Recv(numpy.empty(0, numpy.uint8), source=sender, tag=PAYLOAD_TAG)
+        receive_exactly(comm, numpy.empty(0, numpy.uint8), sender, PAYLOAD_TAG, waiting_for)
     return command, key, array, sender
+
+
+def probe_payload(comm, sender, waiting_for):
+    """The size in bytes of the payload `sender` sends next, once it has come."""
+    from mpi4py import MPI
+    status = MPI.Status()
+    wait_until(lambda: comm.Iprobe(source=sender, tag=PAYLOAD_TAG, status=status), deadline(),
+               f'{waiting_for} (a payload)')
+    return status.Get_count(MPI.BYTE)
+
+
+def receive_exactly(comm, buffer, sender, tag, waiting_for):
+    """Receive `sender`'s next message of `tag` into `buffer`, within the deadline."""
+    wait_for_request(comm.Irecv(buffer, source=sender, tag=tag), waiting_for, buffer)
+
+
+def wait_for_request(request, waiting_for, buffer=None):
+    """Wait until `request` (a nonblocking receive or collective) is done, within the
+    deadline; one given up on keeps its `buffer` for good, as MPI may still write it."""
+    try:
+        wait_until(request.Test, deadline(), waiting_for)
+    except DeadlineError:
+        abandoned.append((request, buffer))
+        raise
+
+
+def wait_for_sends(requests, waiting_for):
+    """Wait until the sends of `requests` (from `send`) are done, within the deadline."""
+    from mpi4py import MPI
+    wait_until(lambda: MPI.Request.Testall(requests), deadline(), waiting_for)
 
 
 def parse_header(raw, sender):
@@ -140,13 +240,10 @@ def parse_header(raw, sender):
     return COMMANDS[code], key, dtype, shape, nbytes
 
 
-def drain_payload(comm, sender):
+def drain_payload(comm, sender, waiting_for):
     """Take the payload that follows a refused header, so the next message starts clean."""
-    from mpi4py import MPI
-    status = MPI.Status()
-    comm.Probe(source=sender, tag=PAYLOAD_TAG, status=status)
-    comm.Recv(numpy.empty(status.Get_count(MPI.BYTE), numpy.uint8), source=sender,
-              tag=PAYLOAD_TAG)
+    buffer = numpy.empty(probe_payload(comm, sender, waiting_for), numpy.uint8)
+    receive_exactly(comm, buffer, sender, PAYLOAD_TAG, waiting_for)
 
 
 def log(rank, what, nbytes, started):

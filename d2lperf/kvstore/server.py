@@ -18,17 +18,24 @@ workers sent) on the stored value.
 float16 keys travel as float16 but are summed and kept in float32 here (MXNet keeps them in
 float16 unless the optimizer has multi_precision=True; a server is where a weight takes
 thousands of updates, and each float16 rounding loses an update smaller than half a unit in
-the last place). Measured (`python -m pytest -s tests/test_kvstore_dist_float16.py` prints it): 1000
-dist_async pushes of values in [0, 0.002) onto a float16 key under SGD(learning_rate=1) pull
+the last place). Measured (`python -m pytest -s tests/test_kvstore_dist_float16.py` prints
+it): 1000 dist_async pushes of values in [0, 0.002) onto a float16 key under SGD(learning_rate=1) pull
 back within a relative 4.8e-4 of the float64 sum, which is the one float16 rounding of the
 result (at most 2^-11 = 4.9e-4); summed and kept in float16, as MXNet does by default, the
 same pushes end up to 1.2e-2 off. Momentum is float32 here too; states travel in the key's
 dtype, as the workers save them.
 
 Every message is checked against what it may be before anything changes: a refusal
-(`ProtocolError`, naming the sender's rank) ends the job with the reason. Taught in
-"Parameter Servers".
+(`ProtocolError`, naming the sender's rank) ends the job with the reason.
+
+A worker that leaves (says `bye`) after fewer pushes of a key than another has made leaves a
+round that can never be complete: the server refuses the pulls that wait for it ('refused',
+naming the departed rank), rather than keep them waiting forever. Waiting for work has no
+deadline (workers may compute for long between calls, and their own waits have one); the
+rest of a message, and a reply's send, give up after D2LPERF_TIMEOUT. Taught in "Parameter
+Servers".
 """
+import math
 import sys
 import time
 
@@ -38,7 +45,8 @@ from ..device import cpu
 from ..ndarray import from_host
 from ..optimizer import SGD
 from .keys import describe
-from .protocol import ProtocolError, log, receive, send
+from .protocol import (HEADER_TAG, DeadlineError, ProtocolError, log, receive, send,
+                       wait_for_sends, wait_until)
 
 
 class Server:
@@ -54,34 +62,54 @@ class Server:
         self.waiting = {}         # key id -> workers whose pull waits for a round
         self.optimizer = None
         self.staged_states = {}   # key id -> momentum chunk, until 'end' commits them
-        self.sending = []         # (key id, requests, buffers) of replies still in flight
-        self.goodbyes = 0
+        self.sending = []         # (key id, worker, command, requests, buffers) of replies
+        self.departed = set()     # workers that said goodbye
 
     def serve(self):
         """Handle messages until every worker said goodbye."""
         from mpi4py import MPI
-        while self.goodbyes < self.num_workers:
-            command, key, array, sender = receive(self.world, MPI.ANY_SOURCE)
+        while len(self.departed) < self.num_workers:
+            self.wait_for_work()
+            command, key, array, sender = receive(
+                self.world, MPI.ANY_SOURCE,
+                waiting_for=f'server rank {self.world.rank} waited for the rest of a message')
             started = time.perf_counter()              # the handling, not the waiting
             handler = getattr(self, 'on_' + command, None)
             if handler is None:
                 raise ProtocolError(f'rank {sender} sent {command!r}, which a server does '
                                     'not take')
+            if sender in self.departed:
+                raise ProtocolError(f'rank {sender} sent {command!r} after its bye; a worker '
+                                    'says bye once, when it closes its store, and then nothing')
             handler(key, array, sender)
             log(self.world.rank, f'{command} key {key} from rank {sender}',
                 0 if array is None else array.nbytes, started)
-            self.sending = [item for item in self.sending if not MPI.Request.Testall(item[1])]
-        for _, requests, _ in self.sending:
-            MPI.Request.Waitall(requests)
+        for sent, worker, command, requests, _ in self.sending:
+            self.wait_for_reply(sent, worker, command, requests)
+
+    def wait_for_work(self):
+        """Wait, with no deadline, until a message comes; the replies in flight move meanwhile
+        (each test drives MPI's progress) and are let go once sent."""
+        from mpi4py import MPI
+
+        def arrived():
+            self.sending = [item for item in self.sending if not MPI.Request.Testall(item[3])]
+            return self.world.Iprobe(source=MPI.ANY_SOURCE, tag=HEADER_TAG)
+        wait_until(arrived, math.inf, 'work')
 
     def reply(self, worker, command, key=0, array=None):
-        self.sending.append((key, *send(self.world, worker, command, key, array)))
+        self.sending.append((key, worker, command, *send(self.world, worker, command, key,
+                                                         array)))
+
+    def wait_for_reply(self, key, worker, command, requests):
+        wait_for_sends(requests, f'server rank {self.world.rank} waited for rank {worker} to '
+                                 f'take its {command} of key id {key}')
 
     def finish_replies(self, key):
         """Wait until the values of `key` in flight have left: an update may then overwrite them."""
-        from mpi4py import MPI
-        for requests in [requests for sent, requests, _ in self.sending if sent == key]:
-            MPI.Request.Waitall(requests)
+        for sent, worker, command, requests, _ in self.sending:
+            if sent == key:
+                self.wait_for_reply(sent, worker, command, requests)
 
     def from_worker(self, sender, command):
         """Refuse a message from a rank that is not a worker (workers are ranks 0 to W-1)."""
@@ -153,7 +181,11 @@ class Server:
     def answer_waiting_pulls(self, key):
         still_waiting = []
         for worker in self.waiting[key]:
-            if self.synchronous and self.pushes[key][worker] > self.rounds[key]:
+            departed = self.left_behind(key, worker)
+            if departed is not None:
+                numbers = [departed, self.pushes[key][departed], self.pushes[key][worker]]
+                self.reply(worker, 'refused', key, numpy.array(numbers, numpy.int64))
+            elif self.synchronous and self.pushes[key][worker] > self.rounds[key]:
                 still_waiting.append(worker)
             else:
                 self.reply(worker, 'value', key,
@@ -200,8 +232,18 @@ class Server:
         self.staged_states = {}
         self.reply(sender, 'ack')
 
+    def left_behind(self, key, worker):
+        """A departed worker that never pushed into the round `worker` waits for, or None."""
+        if not self.synchronous or self.pushes[key][worker] <= self.rounds[key]:
+            return None
+        return next((departed for departed in sorted(self.departed)
+                     if self.pushes[key][departed] < self.pushes[key][worker]), None)
+
     def on_bye(self, key, array, sender):
-        self.goodbyes += 1
+        self.from_worker(sender, 'bye')
+        self.departed.add(sender)
+        for key in self.waiting:
+            self.answer_waiting_pulls(key)
 
 
 def summable(array):
@@ -211,11 +253,12 @@ def summable(array):
 
 
 def run_server(world, synchronous, num_workers):
-    """Serve until every worker has left, then end the process; on a broken message, the job."""
+    """Serve until every worker has left, then end the process; on a broken message or a
+    deadline passed, the job."""
     try:
         Server(world, synchronous, num_workers).serve()
-    except ProtocolError as error:
-        print(f'd2lperf server (rank {world.rank}): ProtocolError: {error}', file=sys.stderr,
-              flush=True)
+    except (ProtocolError, DeadlineError) as error:
+        print(f'd2lperf server (rank {world.rank}): {type(error).__name__}: {error}',
+              file=sys.stderr, flush=True)
         world.Abort(3)
     sys.exit(0)
