@@ -48,7 +48,7 @@ def in_job(size_bytes, repeats):
     world = MPI.COMM_WORLD
     server = world.size - 1
     is_server = world.rank == server
-    workers = world.Split(1 if is_server else 0, world.rank)
+    worker_comm = world.Split(1 if is_server else 0, world.rank)
     buffer = numpy.ones(size_bytes // 4, numpy.float32)
     back = numpy.empty_like(buffer)
 
@@ -65,8 +65,8 @@ def in_job(size_bytes, repeats):
     plain = best(lambda: (plain_round(), world.Barrier()), repeats)
     allreduce = None
     if not is_server:
-        workers.Barrier()
-        allreduce = best(lambda: workers.Allreduce(MPI.IN_PLACE, buffer), repeats)
+        worker_comm.Barrier()
+        allreduce = best(lambda: worker_comm.Allreduce(MPI.IN_PLACE, buffer), repeats)
     store = d2l.kvstore.create('dist_sync')                 # a server serves here, then exits
     value = d2l.np.ones(buffer.shape)            # the Allreduce above changed `buffer`
     out = d2l.np.zeros(value.shape)

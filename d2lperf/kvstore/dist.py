@@ -1,4 +1,5 @@
-"""The distributed key-value store: workers push gradients to parameter servers and pull weights.
+"""The distributed store's worker side: worker processes push gradients to server processes
+and pull weights (MXNet's roles, each an MPI rank; the engine's threads are another thing).
 
 One MPI job holds every process; the rank decides the role. The last S ranks are servers
 (S = D2LPERF_NUM_SERVERS, which `d2lperf.launch -s` sets; 1 when unset), the others workers.
@@ -59,11 +60,11 @@ def create_dist(name):
     world = MPI.COMM_WORLD
     servers = num_servers(world.size)
     is_server = world.rank >= world.size - servers
-    workers = world.Split(1 if is_server else 0, world.rank)
+    worker_comm = world.Split(1 if is_server else 0, world.rank)   # the worker ranks alone
     if is_server:
         from .server import run_server
         run_server(world, name != 'dist_async', world.size - servers)
-    _created[name] = store = DistKVStore(name, world, workers, servers)
+    _created[name] = store = DistKVStore(name, world, worker_comm, servers)
     atexit.register(store.close)
     end_on_uncaught_error()
     return store
@@ -96,9 +97,9 @@ def num_servers(world_size):
 class DistKVStore:
     """The worker's side: checks every call, then talks to the servers."""
 
-    def __init__(self, type, world, workers, servers):
-        self.type, self.world, self.workers = type, world, workers
-        self.rank, self.num_workers = workers.Get_rank(), workers.Get_size()
+    def __init__(self, type, world, worker_comm, servers):
+        self.type, self.world, self.worker_comm = type, world, worker_comm
+        self.rank, self.num_workers = worker_comm.Get_rank(), worker_comm.Get_size()
         self.servers = list(range(world.Get_size() - servers, world.Get_size()))
         self.keys = {}            # key -> (key id, shape, dtype)
         self.first_key = None     # its type is the type of every key
@@ -210,7 +211,7 @@ class DistKVStore:
         others = [rank for rank in range(self.num_workers) if rank != self.rank]
         whom = (f'worker rank {others[0]}' if len(others) == 1 else
                 f'the other workers (ranks {", ".join(map(str, others))})')
-        wait_for_request(self.workers.Ibarrier() if collective is None else collective,
+        wait_for_request(self.worker_comm.Ibarrier() if collective is None else collective,
                          f'rank {self.rank} waited for {whom} to reach {about}', buffer)
 
     def save_optimizer_states(self, path):
@@ -329,7 +330,7 @@ class DistKVStore:
         is left waiting for the others."""
         from mpi4py import MPI
         flag = numpy.array([int(failed)], numpy.int64)
-        self.meet(about, self.workers.Iallreduce(MPI.IN_PLACE, flag, op=MPI.MAX), flag)
+        self.meet(about, self.worker_comm.Iallreduce(MPI.IN_PLACE, flag, op=MPI.MAX), flag)
         return bool(flag[0])
 
     # Messages.
