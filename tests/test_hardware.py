@@ -245,3 +245,31 @@ def test_gpu_measurements_with_gpu():
     tolerance = {'float32': 1e-5, 'tf32': 5e-3, 'float16': 5e-3, 'bfloat16': 3e-2}
     for row in rows:
         assert row['max_relative_error'] < tolerance[row['mode']]
+
+
+# --- load_by_others -------------------------------------------------------------------------
+
+def test_load_by_others_is_what_all_cores_did_less_what_this_process_did():
+    before = hardware.machine.CpuTimes(busy_seconds=10.0, own_seconds=2.0, wall_seconds=100.0)
+    after = hardware.machine.CpuTimes(busy_seconds=13.0, own_seconds=3.0, wall_seconds=102.0)
+    assert hardware.load_by_others(before, after) == pytest.approx(1.0)   # (3 - 1) / 2 s
+    ours_only = after._replace(busy_seconds=11.0)
+    assert hardware.load_by_others(before, ours_only) == 0.0
+
+
+def test_load_by_others_sees_a_busy_process_and_describe_load_names_it():
+    import subprocess
+    busy = subprocess.Popen([sys.executable, '-c', 'while True: pass'])
+    try:
+        import time
+        time.sleep(0.3)                     # let it start
+        before = hardware.cpu_times()
+        time.sleep(1.0)
+        after = hardware.cpu_times()
+    finally:
+        busy.kill()
+        busy.wait()
+    load = hardware.load_by_others(before, after)
+    assert 0.3 < load <= os.cpu_count() + 0.1, load
+    assert f'{load:.2f} of the' in hardware.describe_load(load)
+    assert hardware.describe_load(0.1, cores=2).startswith('the cause is unknown')

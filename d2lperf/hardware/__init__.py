@@ -1,6 +1,6 @@
 """Microbenchmarks of the reader's own machine, run by the chapter "Hardware".
 
-    machine   what is in the box: CPU, cores, caches, memory, BLAS, GPUs
+    machine   what is in the box: CPU, cores, caches, memory, BLAS, GPUs; the load of others
     memory    bandwidth of each cache level and of main memory, latency, the order of reads
     compute   vectorization, BLAS matrix multiply by size and precision, the roofline
     io        cores writing one cache line, storage reads, messages over the network stack
@@ -13,7 +13,8 @@ median of several repeats after one warm-up run; sizes come from `workload`, so
 (`hardware.memory_bandwidth()`); the GPU and I/O ones through their module.
 """
 from ..utils import median_seconds                                       # noqa: F401
-from .machine import cache_sizes, system_summary                         # noqa: F401
+from .machine import (cache_sizes, cpu_times, describe_load,             # noqa: F401
+                      load_by_others, system_summary)
 from .memory import (CACHE_LINE_BYTES, chase_cycle, memory_bandwidth,    # noqa: F401
                      pointer_chase, read_patterns, stream_kernel, walk)
 from .compute import (kernel_counts, matmul_flops, predict_seconds,      # noqa: F401

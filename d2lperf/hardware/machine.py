@@ -1,12 +1,15 @@
-"""What is in the box: the CPU, its cores and caches, memory, the BLAS library and any GPU.
+"""What is in the box: the CPU, its cores and caches, memory, the BLAS library and any GPU,
+and how much of it other programs are using while we measure.
 
 The first table of the chapter "Hardware", so that every later figure can be read against the
 machine that produced it.
 """
+import collections
 import glob
 import os
 import platform
 import subprocess
+import time
 
 import numpy
 import psutil
@@ -66,3 +69,32 @@ def cache_sizes():
             if value and value.isdigit() and int(value) > 0:
                 sizes[name] = int(value)
     return sizes
+
+
+# --- Who else is using it ------------------------------------------------------------------
+
+CpuTimes = collections.namedtuple('CpuTimes', 'busy_seconds own_seconds wall_seconds')
+
+
+def cpu_times():
+    """A snapshot for `load_by_others`: CPU seconds all cores and this process have been busy,
+    and the wall clock. A timing that varies is explained only if we know who else ran."""
+    cores, own = psutil.cpu_times(), psutil.Process().cpu_times()
+    idle = cores.idle + getattr(cores, 'iowait', 0.0)
+    return CpuTimes(sum(cores) - idle, own.user + own.system, time.perf_counter())
+
+
+def load_by_others(before, after):
+    """Cores that other programs kept busy, on average, between two `cpu_times()` snapshots."""
+    others = (after.busy_seconds - before.busy_seconds) - (after.own_seconds - before.own_seconds)
+    return max(0.0, others / max(after.wall_seconds - before.wall_seconds, 1e-9))
+
+
+def describe_load(load, cores=None):
+    """The load of other programs in words, for a verdict that cannot blame them blindly."""
+    cores = cores or os.cpu_count()
+    if load < 0.25:
+        return (f'the cause is unknown: other programs kept only {load:.2f} of the {cores} '
+                'cores busy meanwhile')
+    return (f'other programs kept {load:.2f} of the {cores} cores busy meanwhile, which '
+            'delays some operations more than others')
