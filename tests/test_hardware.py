@@ -273,3 +273,12 @@ def test_load_by_others_sees_a_busy_process_and_describe_load_names_it():
     assert 0.3 < load <= os.cpu_count() + 0.1, load
     assert f'{load:.2f} of the' in hardware.describe_load(load)
     assert hardware.describe_load(0.1, cores=2).startswith('the cause is unknown')
+
+
+def test_a_child_that_has_ended_is_counted_as_this_process():
+    import subprocess
+    before = hardware.cpu_times()
+    subprocess.run([sys.executable, '-c', 'import time\nt = time.process_time()\n'
+                    'while time.process_time() - t < 0.5: pass'], check=True)
+    after = hardware.cpu_times()
+    assert after.own_seconds - before.own_seconds >= 0.45

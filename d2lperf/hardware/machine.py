@@ -78,10 +78,13 @@ CpuTimes = collections.namedtuple('CpuTimes', 'busy_seconds own_seconds wall_sec
 
 def cpu_times():
     """A snapshot for `load_by_others`: CPU seconds all cores and this process have been busy,
-    and the wall clock. A timing that varies is explained only if we know who else ran."""
+    and the wall clock. A timing that varies is explained only if we know who else ran. The
+    process's own seconds include those of its children once they have ended (a training run
+    started with `subprocess.run` is ours, not another program's)."""
     cores, own = psutil.cpu_times(), psutil.Process().cpu_times()
     idle = cores.idle + getattr(cores, 'iowait', 0.0)
-    return CpuTimes(sum(cores) - idle, own.user + own.system, time.perf_counter())
+    own_seconds = own.user + own.system + own.children_user + own.children_system
+    return CpuTimes(sum(cores) - idle, own_seconds, time.perf_counter())
 
 
 def load_by_others(before, after):
