@@ -1,5 +1,6 @@
-"""Tests of d2lperf.comm.cost: the source's four numbers, the textbook costs of Thakur,
-Rabenseifner and Gropp (2005), and fitting α and β to measured times."""
+"""Tests of d2lperf.comm.cost: the MXNet edition's four numbers from its own assumptions, the
+V100's NVLink as it is, the textbook costs of Thakur, Rabenseifner and Gropp (2005), and
+fitting α and β to measured times."""
 
 import numpy
 import pytest
@@ -9,25 +10,36 @@ from d2lperf.comm import cost
 from strategies import checks
 from strategies.comm import ALGORITHMS
 
-GRADIENTS = 160e6             # the source's 160 MB
+GRADIENTS = 160e6             # the MXNet edition's 160 MB
 
 
 @pytest.mark.parametrize('algorithm, milliseconds', [('naive', 60), ('cpu', 80), ('split', 15)])
-def test_the_source_4_gpu_pcie_server(algorithm, milliseconds):
+def test_the_mxnet_editions_4_gpu_pcie_server(algorithm, milliseconds):
     exact = cost.allreduce_time(algorithm, GRADIENTS, cost.pcie_server(alpha=0))
     assert exact == pytest.approx(milliseconds / 1e3, rel=1e-12)
     with_latency = cost.allreduce_time(algorithm, GRADIENTS, cost.pcie_server())
     assert exact < with_latency < 1.01 * exact
 
 
-def test_the_source_8_v100s_on_two_nvlink_rings():
-    """The source's 2 · 160 MB / (3 · 18 GB/s) ≈ 6 ms rounds the ring's (n - 1) / n to 1."""
-    source = 2 * GRADIENTS / (3 * 18e9)
+def test_the_mxnet_editions_8_v100s_from_its_18_gb_per_second():
+    """Its 2 · 160 MB / (3 · 18 GB/s) ≈ 6 ms rounds the ring's (n - 1) / n to 1."""
+    edition = 2 * GRADIENTS / (3 * 18e9)
+    assert round(edition * 1e3) == 6
+    rings = cost.p3_two_rings(bandwidth=cost.NVLINK_MXNET_EDITION, alpha=0)
+    seconds = cost.allreduce_time('ring', GRADIENTS, rings)
+    assert seconds == pytest.approx(edition * 7 / 8, rel=1e-12)
+
+
+def test_8_v100s_on_two_nvlink_rings_at_25_gb_per_second():
+    """The V100 whitepaper's 25 GB/s a link and direction: 2 · 7/8 · 160 MB / 75 GB/s."""
+    assert cost.NVLINK == 25e9
     seconds = cost.allreduce_time('ring', GRADIENTS, cost.p3_two_rings(alpha=0))
-    assert seconds == pytest.approx(source * 7 / 8, rel=1e-12)
-    assert round(source * 1e3) == 6 and 5e-3 < seconds < 6e-3
+    assert seconds == pytest.approx(2 * 7 / 8 * GRADIENTS / (3 * 25e9), rel=1e-12)
+    assert 3.7e-3 < seconds < 3.8e-3
+    with_latency = cost.allreduce_time('ring', GRADIENTS, cost.p3_two_rings())
+    assert seconds < with_latency < 1.02 * seconds          # 14 steps of 3 µs
     both_ways = cost.allreduce_time('ring2', GRADIENTS, cost.p3_two_rings(alpha=0))
-    assert both_ways == pytest.approx(seconds / 2)          # the source's exercise 1
+    assert both_ways == pytest.approx(seconds / 2)          # the MXNet edition's exercise 1
 
 
 @checks(40)

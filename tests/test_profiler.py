@@ -175,6 +175,17 @@ def test_plot_draws_one_lane_per_worker():
     assert ax.get_xlabel() == 'time (ms)'
 
 
+def test_plot_highlights_the_chosen_operations_and_names_them():
+    records = [fake('a', 'cpu(0) compute', 0.0, 1e-3), fake('ring b', 'cpu(0) compute', 1e-3, 2e-3),
+               fake('ring c', 'cpu(1) copy in', 0.0, 1e-3, lane='copy in')]
+    ax = profiler.plot(records, highlight=('summing', lambda r: r.name.startswith('ring ')))
+    colors = [tuple(c) for collection in ax.collections for c in collection.get_facecolors()]
+    assert len(colors) == 3
+    red = tuple(matplotlib.colors.to_rgba(profiler.timeline.HIGHLIGHT))
+    assert colors.count(red) == 2
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ['compute', 'copy in', 'summing']
+
+
 # -- GPU kernel times from CUDA events ------------------------------------------------------------
 
 class Clock:

@@ -7,10 +7,12 @@ link of the ring between the two devices. A step lasts as long as its busiest re
 bytes over its bandwidth, plus α a message through it); the steps run one after the other.
 These are the standard costs of Thakur, Rabenseifner and Gropp (2005): the ring and the split
 move 2(n-1)/n of the data through every port, the naive algorithm 2(n-1) times all of it
-through the first device's. The topologies carry the source's numbers ("Parameter Servers"):
-160 MB of gradients take 60 ms on one GPU of a 4-GPU PCIe server, 80 ms through its CPU,
-15 ms split over the four GPUs, and about 6 ms around the two NVLink rings of 8 V100s.
-Latencies are assumptions of the right order; the source leaves them out (alpha=0).
+through the first device's. The PCIe server is the MXNet edition's ("Parameter Servers"):
+160 MB of gradients take 60 ms on one GPU, 80 ms through the CPU, 15 ms split over the four
+GPUs. NVLink is the V100's, 25 GB/s a link and direction (NVIDIA's whitepaper), which puts the
+two rings of 8 V100s at about 3.7 ms; the MXNet edition's "about 6 ms" comes from 18 GB/s
+(`NVLINK_MXNET_EDITION`) and from rounding the ring's (n-1)/n to 1. Latencies are assumptions
+of the right order; the MXNet edition leaves them out (alpha=0). Taught in "Parameter Servers".
 """
 import collections
 
@@ -18,9 +20,12 @@ import numpy
 
 from .schedules import chunk_bounds, schedule
 
-GB = 1e9            # the source's units: 160 MB / 16 GB/s = 10 ms
-NVLINK = 18 * GB    # one NVLink, one direction (300 Gbit/s both ways, as the source rounds it)
+GB = 1e9            # the MXNet edition's units: 160 MB / 16 GB/s = 10 ms
 PCIE3_X16 = 16 * GB
+NVLINK = 25 * GB    # one V100 NVLink, one direction: 6 links carry 300 GB/s, both ways together
+# The MXNet edition's NVLink: it read the V100's 300 GB/s as 300 Gbit/s a link, both ways
+# together (37.5 GB/s), so about 18 GB/s each way. Kept to reproduce its figures.
+NVLINK_MXNET_EDITION = 18 * GB
 
 Topology = collections.namedtuple('Topology', 'name devices port host ring alpha')
 Topology.__doc__ = """Where the devices are and how fast they talk (bandwidths in bytes/s).
@@ -33,7 +38,7 @@ together (None: no ring, devices talk through the switch). `alpha`: seconds a me
 
 
 def pcie_server(devices=4, bandwidth=PCIE3_X16, alpha=5e-6):
-    """The source's 4-GPU server: each GPU on a PCIe switch, one 16x link up to the CPU."""
+    """The MXNet edition's 4-GPU server: each GPU on a PCIe switch, one 16x link to the CPU."""
     return Topology('PCIe switch', devices, bandwidth, bandwidth, None, alpha)
 
 
