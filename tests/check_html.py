@@ -118,6 +118,7 @@ def refuse_remote(context):
 
 def check(root, screenshots=()):
     """Check every page under `root`; returns how many failed."""
+    root = pathlib.Path(root).resolve()       # a page's file URI needs an absolute path
     from playwright.sync_api import sync_playwright
     shots = dict(screenshots)
     failed = 0
