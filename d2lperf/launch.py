@@ -6,7 +6,8 @@ which the `mpich` wheel installs); `kvstore.dist` gives the last SERVERS ranks t
 `-f`), and `ssh` starts MPICH's per-host proxy on each host with our own `ssh HOST COMMAND`
 (`mpiexec -launcher manual` prints what to run; we quote each word, nothing is pasted into a
 shell unquoted). `--sync-dst-dir DIR` first copies this folder to DIR on every host with rsync,
-and the job runs there. D2LPERF_INTERFACE=eth0 picks the network interface (`-iface`).
+and the job runs there. D2LPERF_INTERFACE=eth0 picks the network interface (`-iface`);
+D2LPERF_VERBOSE=1 prints the mpiexec command before running it.
 `--timeout SECONDS` sets D2LPERF_TIMEOUT for every rank: how long any wait of the distributed
 store may block before it raises, naming the rank it waited for, the key and the command.
 
@@ -286,8 +287,10 @@ def main(argv=None):
     if args.sync_dst_dir:
         sync_to_hosts(hosts, args.sync_dst_dir)
     signal.signal(signal.SIGTERM, lambda number, _: sys.exit(128 + number))  # ends the job too
-    job = Job(mpiexec_command(args, environment),
-              hosts if args.launcher == 'ssh' else None, environment)
+    words = mpiexec_command(args, environment)
+    if os.environ.get('D2LPERF_VERBOSE'):
+        print(f'd2lperf.launch: {shlex.join(words)}', file=sys.stderr, flush=True)
+    job = Job(words, hosts if args.launcher == 'ssh' else None, environment)
     return job.report(job.wait())
 
 

@@ -31,7 +31,8 @@ def test_async_pushes_are_each_applied_once(tmp_path):
     result = run_program(tmp_path, ASYNC, 4, D2LPERF_NUM_SERVERS=1, D2LPERF_VERBOSE=1)
     assert result.returncode == 0, result.report()
     assert result.lines('RESULT') == [f'RESULT {rank} 3 dist_async [600.0]' for rank in range(3)]
-    logged = re.findall(r'^\[d2lperf rank (\d)\] (push|pull) key 3: 48 bytes, [\d.]+ ms$',
+    logged = re.findall(r'^\[d2lperf rank (\d)\] (push|pull) key 3 \(id \d+\): 48 bytes, '
+                        r'[\d.]+ ms$',
                         ''.join(result.stderr.values()), flags=re.MULTILINE)
     assert sorted(set(logged)) == [(str(rank), what) for rank in range(3)
                                    for what in ('pull', 'push')]

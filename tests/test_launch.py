@@ -1,4 +1,5 @@
 """The launcher: a failed or killed rank ends the job, named, with nothing left running."""
+import json
 import os
 import signal
 import subprocess
@@ -107,6 +108,61 @@ def test_ssh_launcher_starts_one_proxy_a_host(tmp_path):
     assert sorted((tmp_path / 'ssh.log').read_text().split()) == ['127.0.0.1', 'localhost']
     for rank in (0, 1):
         assert (tmp_path / f'sum.{rank}').read_text() == '[3.0, 3.0] hi there; rm -rf /'
+
+
+FAKE_RSYNC = '''#!{python}
+"""A stand-in rsync: copies SOURCE/ to HOST:DESTINATION/ on this machine, and logs its words."""
+import json, os, shutil, sys
+source, target = sys.argv[-2], sys.argv[-1]
+host, _, destination = target.partition(':')
+with open(os.environ['FAKE_RSYNC_LOG'], 'a') as log:
+    log.write(json.dumps(sys.argv[1:]) + '\\n')
+shutil.copytree(source, destination, dirs_exist_ok=True, ignore=shutil.ignore_patterns('bin'))
+'''
+
+WHERE = '''
+import os, d2lperf as d2l
+from d2lperf.kvstore.dist import create_dist
+kv = create_dist('dist_sync')
+kv.barrier()
+with open(f'where.{kv.rank}', 'w') as file:
+    file.write(os.getcwd())
+'''
+
+
+@pytest.mark.skipif(not MPIEXEC.exists(), reason='no mpiexec next to this Python')
+def test_sync_dst_dir_copies_the_folder_to_every_host_and_runs_the_job_there(tmp_path,
+                                                                             tmp_path_factory):
+    bin_folder = tmp_path / 'bin'
+    bin_folder.mkdir()
+    for name, text in (('ssh', FAKE_SSH), ('rsync', FAKE_RSYNC.format(python=sys.executable))):
+        (bin_folder / name).write_text(text)
+        (bin_folder / name).chmod(0o755)
+    (tmp_path / 'hosts').write_text('localhost:2\n127.0.0.1:1\n')
+    (tmp_path / 'where.py').write_text(WHERE)
+    remote = tmp_path_factory.mktemp('remote') / 'course dir'
+    result = run_module(tmp_path, ['d2lperf.launch', '-n', '2', '-s', '1', '--launcher', 'ssh',
+                                   '-H', 'hosts', '--sync-dst-dir', str(remote),
+                                   sys.executable, 'where.py'], timeout=90,
+                        PATH=f'{bin_folder}:{os.environ["PATH"]}', D2LPERF_VERBOSE='1',
+                        FAKE_SSH_LOG=tmp_path / 'ssh.log', FAKE_RSYNC_LOG=tmp_path / 'rsync.log')
+    assert result.returncode == 0, result.stderr
+    copies = [json.loads(line) for line in (tmp_path / 'rsync.log').read_text().splitlines()]
+    assert [words[-1] for words in copies] == [f'localhost:{remote}/', f'127.0.0.1:{remote}/']
+    assert all(words[:2] == ['-a', '--protect-args'] for words in copies)
+    assert f"-wdir '{remote}'" in result.stderr             # the command the launcher printed
+    for rank in (0, 1):                                    # the job ran in the copy
+        assert (remote / f'where.{rank}').read_text() == str(remote)
+    assert (remote / 'where.py').exists() and not (tmp_path / 'where.0').exists()
+
+
+def test_the_interface_reaches_mpiexec(monkeypatch):
+    args = launch.parse(['-n', '1', 'python', 'train.py'])
+    monkeypatch.delenv('D2LPERF_INTERFACE', raising=False)
+    assert '-iface' not in launch.mpiexec_command(args, {})
+    monkeypatch.setenv('D2LPERF_INTERFACE', 'lo')
+    words = launch.mpiexec_command(args, {})
+    assert words[words.index('-iface') + 1] == 'lo'
 
 
 @checks(50)

@@ -157,7 +157,7 @@ class DistKVStore:
             started = time.perf_counter()
             total = self.local_sum(values)
             self.to_servers('push', identity, total, f'push of key {key!r}')
-            log(self.rank, f'push key {key!r}', total.nbytes, started)
+            log(self.rank, f'push key {key!r} (id {identity})', total.nbytes, started)
 
     def pull(self, key, out):
         """Copy the stored value of `key` into `out` (an array or a list of them).
@@ -178,7 +178,7 @@ class DistKVStore:
             if own is None:          # the received buffer is ours: wrapped, not copied
                 for target in outs:
                     target[...] = from_host(value, target.device)
-            log(self.rank, f'pull key {key!r}', value.nbytes, started)
+            log(self.rank, f'pull key {key!r} (id {identity})', value.nbytes, started)
 
     def pushpull(self, key, value, out=None):
         """Push every key, then pull every key into `out` (by default into the pushed arrays):

@@ -251,5 +251,7 @@ def log(rank, what, nbytes, started):
     if not verbose():
         return
     milliseconds = (time.perf_counter() - started) * 1e3
-    print(f'[d2lperf rank {rank}] {what}: {nbytes} bytes, {milliseconds:.3f} ms',
-          file=sys.stderr, flush=True)
+    # One write, newline included: mpiexec forwards what it reads, and a newline written on
+    # its own can arrive after another rank's line.
+    sys.stderr.write(f'[d2lperf rank {rank}] {what}: {nbytes} bytes, {milliseconds:.3f} ms\n')
+    sys.stderr.flush()
