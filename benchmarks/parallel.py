@@ -17,13 +17,23 @@ Rows (pairs `cpu(0)` + `cpu(1)` always; `cpu(0)` + `gpu(0)` and `gpu(0)` → `cp
   among the busy CPU devices (`engine.set_blas_division(True)`).
 * elementwise: 10 `tanh` of a large vector; NumPy runs these on one core, so a second
   virtual CPU device has a core of its own to use.
+
+A second table: the same 300 × 300 float32 product repeated, as plain NumPy on one BLAS thread
+and on every thread, and through the package, whose BLAS threads fit the cores other programs
+leave free (`engine.blas.threads_that_fit`), first on an idle machine, then while another
+process keeps one core busy.
 """
 import os
 import platform
+import subprocess
+import sys
 import time
 
+import numpy
+import threadpoolctl
+
 import d2lperf as d2l
-from d2lperf import engine, np, npx
+from d2lperf import engine, hardware, np, npx
 from d2lperf.utils import median_seconds
 
 REPEATS = d2l.workload(7, 5)
@@ -93,28 +103,67 @@ def rows():
                *compute_and_copy(g, cpu0))
 
 
-def cpu_seconds():
-    """(seconds all cores were busy, seconds this process was busy), where Linux tells us."""
-    try:
-        with open('/proc/stat') as f:
-            fields = [int(v) for v in f.readline().split()[1:]]
-    except OSError:
-        return None
-    ticks = os.sysconf('SC_CLK_TCK')
-    own = os.times()
-    return (sum(fields) - fields[3] - fields[4]) / ticks, own.user + own.system
-
-
 def report_other_load(run, prefix=''):
     """Run `run()`, then print how many cores other processes kept busy meanwhile."""
-    before, start = cpu_seconds(), time.perf_counter()
+    before = hardware.cpu_times()
     result = run()
-    after, wall = cpu_seconds(), time.perf_counter() - start
-    if before and after:
-        others = (after[0] - before[0]) - (after[1] - before[1])
-        print(f'{prefix}other processes kept {max(0.0, others) / wall:.2f} cores busy on average '
-              f'during the {wall:.0f} s of this run (0.00: an idle machine)')
+    after = hardware.cpu_times()
+    print(f'{prefix}other processes kept {hardware.load_by_others(before, after):.2f} cores busy '
+          f'on average during the {after.wall_seconds - before.wall_seconds:.0f} s of this run '
+          '(0.00: an idle machine)')
     return result
+
+
+# --- BLAS threads that fit the free cores ---------------------------------------------------
+
+PRODUCT_N, PRODUCTS = 300, d2l.workload(300, 100)
+
+
+def plain_products(a, threads):
+    """PRODUCTS plain NumPy products of `a` with itself on `threads` BLAS threads."""
+    with threadpoolctl.threadpool_limits(limits=threads, user_api='blas'):
+        for _ in range(PRODUCTS):
+            a @ a
+
+
+def package_products(x):
+    """The same products through the engine, whose BLAS threads fit the free cores."""
+    for _ in range(PRODUCTS):
+        np.dot(x, x)
+    npx.waitall()
+
+
+def busy_core():
+    """Another process that keeps one core busy, as a browser tab or a build would."""
+    return subprocess.Popen([sys.executable, '-c', 'while True: pass'])
+
+
+def blas_rows():
+    """(load, one thread, every thread, package) seconds for PRODUCTS products, idle and with a
+    core taken; the package's count is fitted again every blas.SAMPLE_SECONDS, so each
+    condition is warmed for a second first."""
+    threads = max(info['num_threads'] for info in threadpoolctl.threadpool_info()
+                  if info['user_api'] == 'blas')
+    a = numpy.random.default_rng(0).uniform(size=(PRODUCT_N, PRODUCT_N)).astype(numpy.float32)
+    x = np.array(a)
+    for load in ('idle', 'one core busy'):
+        busy = busy_core() if load != 'idle' else None
+        try:
+            warm_until = time.perf_counter() + 1.0
+            while time.perf_counter() < warm_until:
+                package_products(x)
+            # Every thread last, apart: with a core taken, the scheduler needs a while to
+            # settle the threads after such a run, which would slow whatever ran next.
+            times = median_seconds({'one': lambda: plain_products(a, 1),
+                                    'package': lambda: package_products(x)}, REPEATS,
+                                   min_seconds=0)
+            times['every'] = median_seconds(lambda: plain_products(a, threads), REPEATS,
+                                            min_seconds=0)
+        finally:
+            if busy is not None:
+                busy.kill()
+                busy.wait()
+        yield load, times['one'], times['every'], times['package'], threads
 
 
 def main():
@@ -129,6 +178,15 @@ def main():
         print('\nratio: two devices = together / slower alone; compute + copy = both / '
               'max(compute, copy) (first alone = compute, second alone = copy)')
     report_other_load(table)
+
+    print(f'\n# BLAS threads that fit the free cores: {PRODUCTS} products {PRODUCT_N}² float32, '
+          'seconds')
+    print('| load | NumPy, 1 thread | NumPy, every thread | d2lperf (fitted) | '
+          'd2lperf ÷ 1 thread | d2lperf ÷ every thread |')
+    print('|---|--:|--:|--:|--:|--:|')
+    for load, one, every, package, threads in blas_rows():
+        print(f'| {load} | {one:.4f} | {every:.4f} ({threads}) | {package:.4f} | '
+              f'{package / one:.2f} | {package / every:.2f} |')
 
 
 if __name__ == '__main__':

@@ -16,6 +16,7 @@ from hypothesis import given
 
 import d2lperf as d2l
 from d2lperf import autograd, device as device_module, engine, np
+from d2lperf.engine import blas as blas_module
 from d2lperf.engine.blas import SharedCores
 from d2lperf.engine.workers import COMPUTE, COPY_IN, COPY_OUT, copy_lane
 from fakes import cupy as fake_cupy
@@ -224,6 +225,69 @@ def test_an_unchanged_count_is_not_set_again():
         shared_cores.leave()
         shared_cores.leave()
     assert blas.history == [1, 2] * 3
+
+
+class FakeLoad:
+    """cpu_times() of a machine where other programs keep `others` cores busy."""
+    def __init__(self, others):
+        self.others, self.busy, self.wall, self.calls = others, 0.0, None, 0
+
+    def __call__(self):
+        self.calls += 1
+        wall = time.perf_counter()
+        if self.wall is not None:
+            self.busy += self.others * (wall - self.wall)
+        self.wall = wall
+        return blas_module.CpuTimes(self.busy, 0.0, wall)
+
+
+@pytest.mark.parametrize('limit, cores, others, busy, expected', [
+    (2, 2, 0.0, 1, 2), (2, 2, 0.4, 1, 2), (2, 2, 0.6, 1, 1), (2, 2, 1.0, 1, 1),
+    (2, 2, 3.5, 1, 1), (8, 8, 2.0, 1, 6), (8, 8, 2.0, 2, 3), (4, 8, 0.0, 1, 4),
+    (8, 8, 0.0, 3, 2)])
+def test_threads_that_fit_leave_the_cores_others_use(limit, cores, others, busy, expected):
+    assert blas_module.threads_that_fit(limit, cores, others, busy) == expected
+
+
+def test_a_busy_core_takes_a_blas_thread_away_and_an_idle_one_gives_it_back(monkeypatch):
+    monkeypatch.setattr(blas_module, 'SAMPLE_SECONDS', 0.0)     # read the load every time
+    load = FakeLoad(others=1.0)
+    shared_cores = SharedCores(2, controllers=[FakeBlas(2)], sample=load)
+    blas = shared_cores.controllers[0]
+    shared_cores.fit()                       # the first sample: no interval measured yet
+    assert blas.threads == 2
+    time.sleep(0.01)
+    shared_cores.fit()                       # sampled again: one core was taken
+    assert blas.threads == 1 and shared_cores.others == pytest.approx(1.0)
+    load.others = 0.0
+    time.sleep(0.01)
+    shared_cores.fit()
+    assert blas.threads == 2 and blas.history == [1, 2]
+
+
+def test_the_load_is_read_at_most_every_sample_interval():
+    load = FakeLoad(others=0.0)
+    shared_cores = SharedCores(2, controllers=[FakeBlas(2)], sample=load)
+    for _ in range(1000):
+        shared_cores.fit()
+    assert load.calls == 1
+
+
+def test_deciding_costs_far_less_than_a_small_product():
+    shared_cores = SharedCores(2, controllers=[FakeBlas(2)], sample=FakeLoad(0.0))
+    shared_cores.fit()
+    a = numpy.ones((64, 64), numpy.float32)
+    fits = products = float('inf')
+    for _ in range(5):                        # best of five: the least disturbed
+        start = time.perf_counter()
+        for _ in range(1000):
+            shared_cores.fit()
+        fits = min(fits, time.perf_counter() - start)
+        start = time.perf_counter()
+        for _ in range(1000):
+            a @ a
+        products = min(products, time.perf_counter() - start)
+    assert fits < products, (fits, products)
 
 
 def blas_threads():
