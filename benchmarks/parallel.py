@@ -25,12 +25,6 @@ process keeps one core busy.
 """
 import os
 import platform
-import subprocess
-import sys
-import time
-
-import numpy
-import threadpoolctl
 
 import d2lperf as d2l
 from d2lperf import engine, hardware, np, npx
@@ -114,58 +108,6 @@ def report_other_load(run, prefix=''):
     return result
 
 
-# --- BLAS threads that fit the free cores ---------------------------------------------------
-
-PRODUCT_N, PRODUCTS = 300, d2l.workload(300, 100)
-
-
-def plain_products(a, threads):
-    """PRODUCTS plain NumPy products of `a` with itself on `threads` BLAS threads."""
-    with threadpoolctl.threadpool_limits(limits=threads, user_api='blas'):
-        for _ in range(PRODUCTS):
-            a @ a
-
-
-def package_products(x):
-    """The same products through the engine, whose BLAS threads fit the free cores."""
-    for _ in range(PRODUCTS):
-        np.dot(x, x)
-    npx.waitall()
-
-
-def busy_core():
-    """Another process that keeps one core busy, as a browser tab or a build would."""
-    return subprocess.Popen([sys.executable, '-c', 'while True: pass'])
-
-
-def blas_rows():
-    """(load, one thread, every thread, package) seconds for PRODUCTS products, idle and with a
-    core taken; the package's count is fitted again every blas.SAMPLE_SECONDS, so each
-    condition is warmed for a second first."""
-    threads = max(info['num_threads'] for info in threadpoolctl.threadpool_info()
-                  if info['user_api'] == 'blas')
-    a = numpy.random.default_rng(0).uniform(size=(PRODUCT_N, PRODUCT_N)).astype(numpy.float32)
-    x = np.array(a)
-    for load in ('idle', 'one core busy'):
-        busy = busy_core() if load != 'idle' else None
-        try:
-            warm_until = time.perf_counter() + 1.0
-            while time.perf_counter() < warm_until:
-                package_products(x)
-            # Every thread last, apart: with a core taken, the scheduler needs a while to
-            # settle the threads after such a run, which would slow whatever ran next.
-            times = median_seconds({'one': lambda: plain_products(a, 1),
-                                    'package': lambda: package_products(x)}, REPEATS,
-                                   min_seconds=0)
-            times['every'] = median_seconds(lambda: plain_products(a, threads), REPEATS,
-                                            min_seconds=0)
-        finally:
-            if busy is not None:
-                busy.kill()
-                busy.wait()
-        yield load, times['one'], times['every'], times['package'], threads
-
-
 def main():
     print(f'# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, '
           f'{d2l.num_gpus()} GPUs; median of {REPEATS} interleaved repeats, seconds')
@@ -179,14 +121,17 @@ def main():
               'max(compute, copy) (first alone = compute, second alone = copy)')
     report_other_load(table)
 
-    print(f'\n# BLAS threads that fit the free cores: {PRODUCTS} products {PRODUCT_N}² float32, '
-          'seconds')
-    print('| load | NumPy, 1 thread | NumPy, every thread | d2lperf (fitted) | '
+    print('\n# BLAS threads that fit the free cores: the same products as plain NumPy and '
+          'through d2lperf, idle and while another process keeps one core busy; seconds')
+    print('| load | products | NumPy, 1 thread | NumPy, every thread | d2lperf (fitted) | '
           'd2lperf ÷ 1 thread | d2lperf ÷ every thread |')
-    print('|---|--:|--:|--:|--:|--:|')
-    for load, one, every, package, threads in blas_rows():
-        print(f'| {load} | {one:.4f} | {every:.4f} ({threads}) | {package:.4f} | '
-              f'{package / one:.2f} | {package / every:.2f} |')
+    print('|---|---|--:|--:|--:|--:|--:|')
+    for row in hardware.compute.products_under_load(repeats=REPEATS):
+        one, every, fitted = (row[k] for k in ('one_thread_seconds', 'every_thread_seconds',
+                                               'd2lperf_seconds'))
+        print(f"| {row['load']} | {row['products']} × {row['n']}² float32 | {one:.4f} | "
+              f"{every:.4f} ({row['threads']}) | {fitted:.4f} | {fitted / one:.2f} | "
+              f"{fitted / every:.2f} |")
 
 
 if __name__ == '__main__':

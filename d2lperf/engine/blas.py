@@ -3,12 +3,13 @@
 OpenBLAS's thread count is one setting for the whole process, and a product is only as fast
 as its slowest thread: a thread that waits for a core another program holds makes every
 product wait for it. `threads_that_fit` is the policy: the cores other programs leave free
-(`load_by_others`, sampled every `SAMPLE_SECONDS`), divided among the CPU devices computing
-at once when asked (`engine.set_blas_division(True)`). `SharedCores` applies it before each
+(`load_by_others`, sampled every `SAMPLE_SECONDS`, counted in whole cores by `cores_taken`),
+divided among the CPU devices computing at once when asked (`engine.set_blas_division(True)`). `SharedCores` applies it before each
 operation of a CPU device; `OpenBLASThreads` reads and sets the count from any thread.
 Taught in "Automatic Parallelism" and "Hardware".
 """
 import collections
+import functools
 import itertools
 import threading
 import time
@@ -36,13 +37,24 @@ def load_by_others(before, after):
     return max(0.0, others / max(after.wall_seconds - before.wall_seconds, 1e-9))
 
 
-def threads_that_fit(limit, cores, others, busy_devices=1):
-    """The BLAS threads one product may use: the cores that other programs leave free (a core
-    counts as taken once they keep it more than half busy), shared among this process's CPU
-    devices computing at once, never more than `limit` (the count the process started with)
-    and never fewer than one."""
-    free = max(1, int(cores - others + 0.5))
-    return max(1, min(limit, free // max(1, busy_devices)))
+def cores_taken(others, taken=0):
+    """Whole cores that other programs hold, from the cores they kept busy on average and the
+    count before: one more once they keep it more than half busy, one fewer only once they
+    leave it three quarters idle. Without that margin our own threads, which squeeze theirs,
+    would flip the count, and every change of BLAS's thread count changes the last bits of
+    some products (a matrix times a vector is summed in another order)."""
+    while others > taken + 0.5:
+        taken += 1
+    while taken > 0 and others < taken - 0.75:
+        taken -= 1
+    return taken
+
+
+def threads_that_fit(limit, cores, taken, busy_devices=1):
+    """The BLAS threads one product may use: the cores that other programs leave free, shared
+    among this process's CPU devices computing at once, never more than `limit` (the count the
+    process started with) and never fewer than one."""
+    return max(1, min(limit, (cores - taken) // max(1, busy_devices)))
 
 
 def _psutil():
@@ -86,6 +98,8 @@ class SharedCores:
         self.limit = None            # the thread count in force before the first fit
         self.current = None          # the count this object last set
         self.others = 0.0            # cores other programs kept busy, last sampled
+        self.taken = 0               # whole cores they hold, by cores_taken
+        self.changes = 0             # how often the count was changed
         self.sample = sample or cpu_times
         self.last_sample = None
         self.lock = threading.Lock()
@@ -111,6 +125,7 @@ class SharedCores:
             now = self.sample()
             if self.last_sample is not None:
                 self.others = load_by_others(self.last_sample, now)
+                self.taken = cores_taken(self.others, self.taken)
             self.last_sample = now
             self.apply()
 
@@ -140,7 +155,7 @@ class SharedCores:
         # Devices enter and leave only while division is on; the most busy at once since the
         # last idle moment share the cores until the next one.
         self.sharing = max(self.sharing, self.busy) if self.busy else 1
-        self.set(threads_that_fit(self.limit, self.cores, self.others, self.sharing))
+        self.set(threads_that_fit(self.limit, self.cores, self.taken, self.sharing))
 
     def libraries(self):
         if self.controllers is None:
@@ -155,6 +170,7 @@ class SharedCores:
             for lib in self.libraries():
                 lib.set_num_threads(threads)
             self.current = threads
+            self.changes += 1
 
 
 class OpenBLASThreads:
@@ -176,8 +192,11 @@ class OpenBLASThreads:
         raise LookupError(f'no openblas_get_num_threads in {path}')
 
 
+@functools.lru_cache(maxsize=1)
 def openblas_thread_controls():
-    """One `OpenBLASThreads` per OpenBLAS the process has loaded (none: nothing to divide)."""
+    """One `OpenBLASThreads` per OpenBLAS the process has loaded (none: nothing to divide),
+    found once: NumPy loads its BLAS when it is imported."""
     import threadpoolctl
-    return [OpenBLASThreads(info['filepath']) for info in threadpoolctl.threadpool_info()
-            if info['internal_api'] == 'openblas' and info.get('threading_layer') != 'openmp']
+    return tuple(OpenBLASThreads(info['filepath']) for info in threadpoolctl.threadpool_info()
+                 if info['internal_api'] == 'openblas'
+                 and info.get('threading_layer') != 'openmp')
