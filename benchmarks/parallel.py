@@ -17,13 +17,17 @@ Rows (pairs `cpu(0)` + `cpu(1)` always; `cpu(0)` + `gpu(0)` and `gpu(0)` → `cp
   among the busy CPU devices (`engine.set_blas_division(True)`).
 * elementwise: 10 `tanh` of a large vector; NumPy runs these on one core, so a second
   virtual CPU device has a core of its own to use.
+
+A second table: the same 300 × 300 float32 product repeated, as plain NumPy on one BLAS thread
+and on every thread, and through the package, whose BLAS threads fit the cores other programs
+leave free (`engine.blas.threads_that_fit`), first on an idle machine, then while another
+process keeps one core busy.
 """
 import os
 import platform
-import time
 
 import d2lperf as d2l
-from d2lperf import engine, np, npx
+from d2lperf import engine, hardware, np, npx
 from d2lperf.utils import median_seconds
 
 REPEATS = d2l.workload(7, 5)
@@ -93,27 +97,14 @@ def rows():
                *compute_and_copy(g, cpu0))
 
 
-def cpu_seconds():
-    """(seconds all cores were busy, seconds this process was busy), where Linux tells us."""
-    try:
-        with open('/proc/stat') as f:
-            fields = [int(v) for v in f.readline().split()[1:]]
-    except OSError:
-        return None
-    ticks = os.sysconf('SC_CLK_TCK')
-    own = os.times()
-    return (sum(fields) - fields[3] - fields[4]) / ticks, own.user + own.system
-
-
 def report_other_load(run, prefix=''):
     """Run `run()`, then print how many cores other processes kept busy meanwhile."""
-    before, start = cpu_seconds(), time.perf_counter()
+    before = hardware.cpu_times()
     result = run()
-    after, wall = cpu_seconds(), time.perf_counter() - start
-    if before and after:
-        others = (after[0] - before[0]) - (after[1] - before[1])
-        print(f'{prefix}other processes kept {max(0.0, others) / wall:.2f} cores busy on average '
-              f'during the {wall:.0f} s of this run (0.00: an idle machine)')
+    after = hardware.cpu_times()
+    print(f'{prefix}other processes kept {hardware.load_by_others(before, after):.2f} cores busy '
+          f'on average during the {after.wall_seconds - before.wall_seconds:.0f} s of this run '
+          '(0.00: an idle machine)')
     return result
 
 
@@ -129,6 +120,18 @@ def main():
         print('\nratio: two devices = together / slower alone; compute + copy = both / '
               'max(compute, copy) (first alone = compute, second alone = copy)')
     report_other_load(table)
+
+    print('\n# BLAS threads that fit the free cores: the same products as plain NumPy and '
+          'through d2lperf, idle and while another process keeps one core busy; seconds')
+    print('| load | products | NumPy, 1 thread | NumPy, every thread | d2lperf (fitted) | '
+          'd2lperf ÷ 1 thread | d2lperf ÷ every thread |')
+    print('|---|---|--:|--:|--:|--:|--:|')
+    for row in hardware.compute.products_under_load(repeats=REPEATS):
+        one, every, fitted = (row[k] for k in ('one_thread_seconds', 'every_thread_seconds',
+                                               'd2lperf_seconds'))
+        print(f"| {row['load']} | {row['products']} × {row['n']}² float32 | {one:.4f} | "
+              f"{every:.4f} ({row['threads']}) | {fitted:.4f} | {fitted / one:.2f} | "
+              f"{fitted / every:.2f} |")
 
 
 if __name__ == '__main__':

@@ -7,11 +7,13 @@ counts agree with a hand computation.
 import math
 import os
 import sys
+import time
 
 import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
+import d2lperf as d2l
 from d2lperf import hardware, utils
 from fakes import cupy as fake_cupy
 
@@ -282,3 +284,29 @@ def test_a_child_that_has_ended_is_counted_as_this_process():
                     'while time.process_time() - t < 0.5: pass'], check=True)
     after = hardware.cpu_times()
     assert after.own_seconds - before.own_seconds >= 0.45
+
+
+# --- BLAS threads and a busy core -----------------------------------------------------------
+
+def test_threads_by_size_times_both_thread_counts():
+    rows = hardware.threads_by_size([32, 64], repeats=1)
+    assert [r['n'] for r in rows] == [32, 64]
+    assert all(r['one_thread_seconds'] > 0 and r['every_thread_seconds'] > 0 for r in rows)
+    assert all(r['threads'] == hardware.blas_threads() for r in rows)
+
+
+def test_under_load_the_package_leaves_the_busy_core_to_its_owner():
+    from d2lperf import engine
+    rows = hardware.products_under_load(n=64, products=5, repeats=1)
+    assert [r['load'] for r in rows] == ['as found', 'one more core busy']
+    assert all(r[k] > 0 for r in rows for k in r if k.endswith('_seconds'))
+    cores = engine._engine.workers.cores
+    with hardware.busy_core():
+        deadline = time.perf_counter() + 10
+        while cores.others < 0.6 and time.perf_counter() < deadline:
+            (d2l.np.ones((64, 64)) @ d2l.np.ones((64, 64))).wait_to_read()
+            time.sleep(0.05)
+    assert cores.others >= 0.6, cores.others            # another program's core, seen
+    if cores.limit == cores.cores > 1:
+        assert cores.current <= cores.cores - 1, (cores.current, cores.cores)
+        assert d2l.engine.blas_thread_changes() >= 1

@@ -16,6 +16,7 @@ from hypothesis import given
 
 import d2lperf as d2l
 from d2lperf import autograd, device as device_module, engine, np
+from d2lperf.engine import blas as blas_module
 from d2lperf.engine.blas import SharedCores
 from d2lperf.engine.workers import COMPUTE, COPY_IN, COPY_OUT, copy_lane
 from fakes import cupy as fake_cupy
@@ -226,6 +227,83 @@ def test_an_unchanged_count_is_not_set_again():
     assert blas.history == [1, 2] * 3
 
 
+class FakeLoad:
+    """cpu_times() of a machine where other programs keep `others` cores busy."""
+    def __init__(self, others):
+        self.others, self.busy, self.wall, self.calls = others, 0.0, None, 0
+
+    def __call__(self):
+        self.calls += 1
+        wall = time.perf_counter()
+        if self.wall is not None:
+            self.busy += self.others * (wall - self.wall)
+        self.wall = wall
+        return blas_module.CpuTimes(self.busy, 0.0, wall)
+
+
+@pytest.mark.parametrize('limit, cores, taken, busy, expected', [
+    (2, 2, 0, 1, 2), (2, 2, 1, 1, 1), (2, 2, 3, 1, 1), (8, 8, 2, 1, 6), (8, 8, 2, 2, 3),
+    (4, 8, 0, 1, 4), (8, 8, 0, 3, 2)])
+def test_threads_that_fit_leave_the_cores_others_hold(limit, cores, taken, busy, expected):
+    assert blas_module.threads_that_fit(limit, cores, taken, busy) == expected
+
+
+@pytest.mark.parametrize('others, before, taken', [
+    (0.0, 0, 0), (0.4, 0, 0), (0.6, 0, 1), (1.0, 0, 1), (3.5, 0, 3), (2.6, 0, 3),
+    (0.4, 1, 1), (0.3, 1, 1), (0.2, 1, 0), (1.2, 3, 1), (2.3, 3, 3), (0.0, 3, 0)])
+def test_cores_taken_counts_whole_cores_with_a_margin(others, before, taken):
+    assert blas_module.cores_taken(others, before) == taken
+
+
+def test_a_load_between_the_margins_does_not_flip_the_count():
+    taken = 0
+    for others in [0.9, 0.4, 0.6, 0.3, 0.7, 0.26]:      # our own threads squeeze theirs
+        taken = blas_module.cores_taken(others, taken)
+        assert taken == 1
+
+
+def test_a_busy_core_takes_a_blas_thread_away_and_an_idle_one_gives_it_back(monkeypatch):
+    monkeypatch.setattr(blas_module, 'SAMPLE_SECONDS', 0.0)     # read the load every time
+    load = FakeLoad(others=1.0)
+    shared_cores = SharedCores(2, controllers=[FakeBlas(2)], sample=load)
+    blas = shared_cores.controllers[0]
+    shared_cores.fit()                       # the first sample: no interval measured yet
+    assert blas.threads == 2
+    time.sleep(0.01)
+    shared_cores.fit()                       # sampled again: one core was taken
+    assert blas.threads == 1 and shared_cores.others == pytest.approx(1.0)
+    assert shared_cores.changes == 1
+    load.others = 0.0
+    time.sleep(0.01)
+    shared_cores.fit()
+    assert blas.threads == 2 and blas.history == [1, 2]
+
+
+def test_the_load_is_read_at_most_every_sample_interval():
+    load = FakeLoad(others=0.0)
+    shared_cores = SharedCores(2, controllers=[FakeBlas(2)], sample=load)
+    for _ in range(1000):
+        shared_cores.fit()
+    assert load.calls == 1
+
+
+def test_deciding_costs_far_less_than_a_small_product():
+    shared_cores = SharedCores(2, controllers=[FakeBlas(2)], sample=FakeLoad(0.0))
+    shared_cores.fit()
+    a = numpy.ones((64, 64), numpy.float32)
+    fits = products = float('inf')
+    for _ in range(5):                        # best of five: the least disturbed
+        start = time.perf_counter()
+        for _ in range(1000):
+            shared_cores.fit()
+        fits = min(fits, time.perf_counter() - start)
+        start = time.perf_counter()
+        for _ in range(1000):
+            a @ a
+        products = min(products, time.perf_counter() - start)
+    assert fits < products, (fits, products)
+
+
 def blas_threads():
     import threadpoolctl
     return max(info['num_threads'] for info in threadpoolctl.threadpool_info()
@@ -256,13 +334,27 @@ def threads_seen_by_cpu1_while_cpu0_is_busy(division):
     return threads[0]
 
 
-def test_switched_on_two_busy_cpu_devices_run_with_divided_blas_threads():
+@pytest.fixture
+def no_other_load(monkeypatch):
+    """The engine sees no other program on the machine: its BLAS count is the division's
+    alone, whatever else this machine runs meanwhile."""
+    shared_cores = engine.current().workers.cores
+    engine.wait_all()
+    monkeypatch.setattr(shared_cores, 'sample', FakeLoad(others=0.0))
+    monkeypatch.setattr(shared_cores, 'taken', 0)
+    monkeypatch.setattr(shared_cores, 'last_sample', None)
+    if shared_cores.limit is not None:
+        shared_cores.set(shared_cores.limit)
+    yield shared_cores
+
+
+def test_switched_on_two_busy_cpu_devices_run_with_divided_blas_threads(no_other_load):
     before, cores = blas_threads(), engine.current().workers.cores.cores
     assert threads_seen_by_cpu1_while_cpu0_is_busy(True) == max(1, min(before, cores // 2))
     assert blas_threads() == before
 
 
-def test_by_default_busy_devices_keep_every_blas_thread():
+def test_by_default_busy_devices_keep_every_blas_thread(no_other_load):
     assert engine.set_blas_division(False) is False       # the default
     before = blas_threads()
     assert threads_seen_by_cpu1_while_cpu0_is_busy(False) == before

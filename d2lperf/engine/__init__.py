@@ -87,6 +87,13 @@ def set_blas_division(enabled):
     return _engine.set_blas_division(enabled)
 
 
+def blas_thread_changes():
+    """How often the engine has changed BLAS's thread count (to fit the free cores, or to
+    divide them among devices): a change alters the last bits of some products, so two runs
+    agree bit for bit only if neither changed it."""
+    return _engine.workers.cores.changes if hasattr(_engine, 'workers') else 0
+
+
 def start_recording():
     """Keep an `OpRecord` of every operation pushed from now on; returns the list they go to.
 

@@ -1,39 +1,107 @@
-"""BLAS threads shared by virtual CPU devices: the one setting that all of them touch.
+"""BLAS threads that fit the cores: the one setting that every CPU device touches.
 
-Virtual CPU devices are threads on the same cores, and OpenBLAS's thread count is one
-setting for the whole process. `SharedCores` can divide it among the devices computing at
-once (`engine.set_blas_division(True)`); `OpenBLASThreads` reads and sets it from any
-thread. Taught in "Automatic Parallelism".
+OpenBLAS's thread count is one setting for the whole process, and a product is only as fast
+as its slowest thread: a thread that waits for a core another program holds makes every
+product wait for it. `threads_that_fit` is the policy: the cores other programs leave free
+(`load_by_others`, sampled every `SAMPLE_SECONDS`, counted in whole cores by `cores_taken`),
+divided among the CPU devices computing at once when asked (`engine.set_blas_division(True)`). `SharedCores` applies it before each
+operation of a CPU device; `OpenBLASThreads` reads and sets the count from any thread.
+Taught in "Automatic Parallelism" and "Hardware".
 """
+import collections
+import functools
 import itertools
 import threading
+import time
 
 from ..device import available_cores
 
+SAMPLE_SECONDS = 0.2      # how often the load of other programs is read: ~20 µs each time
+
+CpuTimes = collections.namedtuple('CpuTimes', 'busy_seconds own_seconds wall_seconds')
+
+
+def cpu_times():
+    """A snapshot for `load_by_others`: CPU seconds all cores and this process have been busy,
+    and the wall clock. The process's own seconds include those of its children once they have
+    ended (a training run started with `subprocess.run` is ours, not another program's)."""
+    cores, own = _psutil().cpu_times(), _this_process().cpu_times()
+    idle = cores.idle + getattr(cores, 'iowait', 0.0)
+    own_seconds = own.user + own.system + own.children_user + own.children_system
+    return CpuTimes(sum(cores) - idle, own_seconds, time.perf_counter())
+
+
+def load_by_others(before, after):
+    """Cores that other programs kept busy, on average, between two `cpu_times()` snapshots."""
+    others = (after.busy_seconds - before.busy_seconds) - (after.own_seconds - before.own_seconds)
+    return max(0.0, others / max(after.wall_seconds - before.wall_seconds, 1e-9))
+
+
+def cores_taken(others, taken=0):
+    """Whole cores that other programs hold, from the cores they kept busy on average and the
+    count before: one more once they keep it more than half busy, one fewer only once they
+    leave it three quarters idle. Without that margin our own threads, which squeeze theirs,
+    would flip the count, and every change of BLAS's thread count changes the last bits of
+    some products (a matrix times a vector is summed in another order)."""
+    while others > taken + 0.5:
+        taken += 1
+    while taken > 0 and others < taken - 0.75:
+        taken -= 1
+    return taken
+
+
+def threads_that_fit(limit, cores, taken, busy_devices=1):
+    """The BLAS threads one product may use: the cores that other programs leave free, shared
+    among this process's CPU devices computing at once, never more than `limit` (the count the
+    process started with) and never fewer than one."""
+    return max(1, min(limit, (cores - taken) // max(1, busy_devices)))
+
+
+def _psutil():
+    import psutil             # on first use: importing it costs milliseconds
+    return psutil
+
+
+_process = None
+
+
+def _this_process():
+    global _process
+    if _process is None:
+        _process = _psutil().Process()
+    return _process
+
 
 class SharedCores:
-    """Optionally divide the BLAS threads of the process among the CPU devices busy at once.
+    """Keep the BLAS threads at `threads_that_fit` while CPU devices compute.
 
-    While switched on and k > 1 CPU devices compute, the count drops to cores // k, so k
-    devices run k products with fewer threads each instead of k × cores threads sharing the
-    cores; once no device is busy, the count in force before comes back. Not as soon as one
-    is left: devices that work in step (data parallelism) each idle for a moment between
+    `fit()` runs before each operation of a CPU device: at most every `SAMPLE_SECONDS` it reads
+    the load of other programs, and it sets the count only when the answer changes, so that
+    deciding costs a clock read per operation. With division switched on, the devices busy at
+    once share the free cores, and keep sharing them until no device is busy, not as soon as
+    one is left: devices that work in step (data parallelism) each idle for a moment between
     operations, and giving every thread back then lets the next product of the other device
     start on all of them, beside this device's own; on 2 cores that made a two-device LeNet
-    step 1.4× slower than keeping the division until both were done. It is off
-    by default because on the 2-core machine this course is tested on, dividing made two
+    step 1.4× slower than keeping the division until both were done. Division is off by
+    default because on the 2-core machine this course is tested on, dividing made two
     concurrent 1000 × 1000 products about 1.2× slower than letting them share every thread
     (benchmarks/parallel.py).
     """
 
-    def __init__(self, cores=None, controllers=None):
+    def __init__(self, cores=None, controllers=None, sample=None):
         self.cores = cores or available_cores()
         self.enabled = False
         self.devices = 0             # CPU devices with a compute worker
         self.active = False          # enabled, and at least two such devices
         self.busy = 0
-        self.saved = None            # the thread count in force before dividing
+        self.sharing = 1             # devices sharing the free cores until no device is busy
+        self.limit = None            # the thread count in force before the first fit
         self.current = None          # the count this object last set
+        self.others = 0.0            # cores other programs kept busy, last sampled
+        self.taken = 0               # whole cores they hold, by cores_taken
+        self.changes = 0             # how often the count was changed
+        self.sample = sample or cpu_times
+        self.last_sample = None
         self.lock = threading.Lock()
         self.idle = threading.Condition(self.lock)
         self.controllers = controllers     # found on first use: importing them costs time
@@ -47,6 +115,19 @@ class SharedCores:
         old, self.enabled = self.enabled, bool(enabled)
         self.active = self.enabled and self.devices > 1
         return old
+
+    def fit(self):
+        """Before an operation: the count that fits the free cores, read again when stale."""
+        last = self.last_sample
+        if last is not None and time.perf_counter() - last.wall_seconds < SAMPLE_SECONDS:
+            return
+        with self.lock:
+            now = self.sample()
+            if self.last_sample is not None:
+                self.others = load_by_others(self.last_sample, now)
+                self.taken = cores_taken(self.others, self.taken)
+            self.last_sample = now
+            self.apply()
 
     def enter(self):
         """A device starts computing."""
@@ -63,19 +144,18 @@ class SharedCores:
                 self.idle.notify_all()
 
     def wait_until_idle(self):
-        """Block until no device computes, so that the full thread count is back."""
+        """Block until no device computes, so that the undivided thread count is back."""
         with self.lock:
             while self.busy:
                 self.idle.wait()
 
     def apply(self):
-        if self.busy > 1:
-            if self.saved is None:
-                self.saved = self.get()
-            self.set(max(1, min(self.saved, self.cores // self.busy)))
-        elif not self.busy and self.saved is not None:
-            self.set(self.saved)
-            self.saved = self.current = None
+        if self.limit is None:
+            self.limit = self.current = self.get()
+        # Devices enter and leave only while division is on; the most busy at once since the
+        # last idle moment share the cores until the next one.
+        self.sharing = max(self.sharing, self.busy) if self.busy else 1
+        self.set(threads_that_fit(self.limit, self.cores, self.taken, self.sharing))
 
     def libraries(self):
         if self.controllers is None:
@@ -90,6 +170,7 @@ class SharedCores:
             for lib in self.libraries():
                 lib.set_num_threads(threads)
             self.current = threads
+            self.changes += 1
 
 
 class OpenBLASThreads:
@@ -111,8 +192,11 @@ class OpenBLASThreads:
         raise LookupError(f'no openblas_get_num_threads in {path}')
 
 
+@functools.lru_cache(maxsize=1)
 def openblas_thread_controls():
-    """One `OpenBLASThreads` per OpenBLAS the process has loaded (none: nothing to divide)."""
+    """One `OpenBLASThreads` per OpenBLAS the process has loaded (none: nothing to divide),
+    found once: NumPy loads its BLAS when it is imported."""
     import threadpoolctl
-    return [OpenBLASThreads(info['filepath']) for info in threadpoolctl.threadpool_info()
-            if info['internal_api'] == 'openblas' and info.get('threading_layer') != 'openmp']
+    return tuple(OpenBLASThreads(info['filepath']) for info in threadpoolctl.threadpool_info()
+                 if info['internal_api'] == 'openblas'
+                 and info.get('threading_layer') != 'openmp')

@@ -6,7 +6,8 @@ compute lane, and lanes that move data, so that a copy overlaps with computation
 not depend on it. On a GPU each lane owns a CUDA stream (compute; host to device; device to
 host), so the copy engines of the GPU work while its cores compute; the CUDA events that
 order the streams, and the waits for them, are all here. Virtual CPU devices share the
-machine's cores (`blas.SharedCores`). `running_device()` says which device's operations the
+machine's cores, and their BLAS threads fit the cores other programs leave free
+(`blas.SharedCores`). `running_device()` says which device's operations the
 current thread runs. `PoliteLock`, the engine's lock, keeps all these
 threads from convoying on the GIL. `run_now` is the naive engine's policy: the caller's
 thread, at once. Taught in "Automatic Parallelism".
@@ -106,7 +107,8 @@ class Worker:
     """One thread for one lane of one device, running its ready operations in arrival order.
 
     `run(op, worker)` is the engine's: it executes the operation, with `worker.launch`, and
-    releases what it held. `cores` (CPU compute lanes only) is told when the device is busy.
+    releases what it held. `cores` (CPU compute lanes only) fits the BLAS threads before each
+    operation and is told when the device is busy.
     """
 
     def __init__(self, device, lane, run, cores=None):
@@ -134,10 +136,13 @@ class Worker:
             op = get()
             if op is STOP:
                 return
-            if cores is not None and cores.active:
+            if cores is None:
+                run(op, self)
+            elif cores.active:
                 if not self._run_while_busy(op, run, cores):
                     return
             else:
+                cores.fit()
                 run(op, self)
             # Keep no reference to the last operation: freeing it when the next one
             # arrives would put that work on the critical path.
@@ -148,12 +153,14 @@ class Worker:
         False once told to stop."""
         cores.enter()
         try:
+            cores.fit()
             run(op, self)
             del op
             while not self.ready.empty():
                 op = self.ready.get()
                 if op is STOP:
                     return False
+                cores.fit()
                 run(op, self)
                 del op
             return True

@@ -2,7 +2,8 @@
 
     machine   what is in the box: CPU, cores, caches, memory, BLAS, GPUs; the load of others
     memory    bandwidth of each cache level and of main memory, latency, the order of reads
-    compute   vectorization, BLAS matrix multiply by size and precision, the roofline
+    compute   vectorization, BLAS matrix multiply by size and precision, BLAS threads
+              and a busy core, the roofline
     io        cores writing one cache line, storage reads, messages over the network stack
     gpu       device memory, host-device copies, kernel launches, tensor-core products
 
@@ -17,8 +18,9 @@ from .machine import (cache_sizes, cpu_times, describe_load,             # noqa:
                       load_by_others, system_summary)
 from .memory import (CACHE_LINE_BYTES, chase_cycle, memory_bandwidth,    # noqa: F401
                      pointer_chase, read_patterns, stream_kernel, walk)
-from .compute import (kernel_counts, matmul_flops, predict_seconds,      # noqa: F401
-                      roofline_bound, roofline_kernels, vectorization)
+from .compute import (blas_threads, busy_core, kernel_counts,           # noqa: F401
+                      matmul_flops, predict_seconds, products_under_load, roofline_bound,
+                      roofline_kernels, threads_by_size, vectorization)
 from . import gpu, io                                                    # noqa: F401
 
 

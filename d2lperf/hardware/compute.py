@@ -1,11 +1,17 @@
 """Arithmetic on the reader's CPU: vectorization, BLAS matrix multiply, and the roofline.
 
 The same matrix product in Python loops, in NumPy without BLAS and with it; GFLOP/s against
-size and precision; five kernels placed against the roofline of this machine's peak and
-bandwidth, and a paper estimate of a kernel from its operations and its bytes. Taught in
-"Hardware".
+size and precision; BLAS threads, which pay only above a size and cost dearly when a core is
+taken; five kernels placed against the roofline of this machine's peak and bandwidth, and a
+paper estimate of a kernel from its operations and its bytes. Taught in "Hardware".
 """
+import contextlib
+import subprocess
+import sys
+import time
+
 import numpy
+import threadpoolctl
 
 from ..utils import median_seconds, workload
 from .memory import stream_kernel
@@ -59,6 +65,98 @@ def matmul_flops(sizes=None, dtypes=('float32', 'float64'), repeats=3):
             rows.append({'dtype': dtype, 'n': n, 'flops': matmul_flops_count(n),
                          'seconds': seconds,
                          'gflop_per_s': matmul_flops_count(n) / seconds / 1e9})
+    return rows
+
+
+# --- BLAS threads: when they pay, and what a busy core does to them ----------------------
+
+def blas_threads():
+    """The BLAS thread count in force (1 where no BLAS library is found)."""
+    return max([pool['num_threads'] for pool in threadpoolctl.threadpool_info()
+                if pool['user_api'] == 'blas'], default=1)
+
+
+@contextlib.contextmanager
+def blas_thread_count(threads):
+    """BLAS on `threads` threads meanwhile, set through OpenBLAS itself: a microsecond, where
+    threadpoolctl's context takes a millisecond, longer than a small product."""
+    from ..engine.blas import openblas_thread_controls
+    controls = openblas_thread_controls()
+    before = [control.get_num_threads() for control in controls]
+    for control in controls:
+        control.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        for control, count in zip(controls, before):
+            control.set_num_threads(count)
+
+
+def _products(a, count, threads):
+    def run():
+        with blas_thread_count(threads):
+            for _ in range(count):
+                a @ a
+    return run
+
+
+def threads_by_size(sizes=None, repeats=5):
+    """Seconds of one n x n float32 product on one BLAS thread and on every thread, by size."""
+    sizes = sizes or [64, 96, 128, 192, 256, workload(512, 384)]
+    threads, rng, rows = blas_threads(), numpy.random.default_rng(0), []
+    for n in sizes:
+        a = rng.random((n, n), dtype=numpy.float32)
+        count = max(1, int(1e8 / n ** 3))             # about 2 ms of work a run
+        times = median_seconds({1: _products(a, count, 1),
+                                threads: _products(a, count, threads)}, repeats)
+        rows.append({'n': n, 'one_thread_seconds': times[1] / count,
+                     'every_thread_seconds': times[threads] / count, 'threads': threads})
+    return rows
+
+
+@contextlib.contextmanager
+def busy_core():
+    """Another process keeps one core busy meanwhile, as a browser tab or a build would."""
+    busy = subprocess.Popen([sys.executable, '-c', 'while True: pass'])
+    try:
+        yield busy
+    finally:
+        busy.kill()
+        busy.wait()
+
+
+def products_under_load(n=300, products=None, repeats=5):
+    """Seconds of `products` n x n float32 products, with the cores as found and with one more
+    kept busy by another process: plain NumPy on one BLAS thread and on every thread, and
+    d2lperf's `np.dot`, whose threads fit the cores other programs leave
+    (`engine.blas.threads_that_fit`). `others_cores`: the cores other programs kept busy."""
+    from .. import np, npx
+    from .machine import cpu_times, load_by_others
+    products = products or workload(300, 100)
+    threads, a = blas_threads(), numpy.random.default_rng(0).random((n, n), dtype=numpy.float32)
+    x = np.array(a)
+    def fitted():
+        for _ in range(products):
+            np.dot(x, x)
+        npx.waitall()
+    rows = []
+    for load in ('as found', 'one more core busy'):
+        with busy_core() if load != 'as found' else contextlib.nullcontext():
+            warm_until = time.perf_counter() + 1.0     # the package reads the load every 0.2 s
+            while time.perf_counter() < warm_until:
+                fitted()
+            before = cpu_times()
+            times = median_seconds({'one': _products(a, products, 1), 'd2lperf': fitted},
+                                   repeats, min_seconds=0)
+            others = load_by_others(before, cpu_times())
+            # Every thread last and apart: with a core taken, the scheduler needs a while to
+            # settle the threads after such a run, which would slow whatever ran next.
+            times['every'] = median_seconds(_products(a, products, threads), repeats,
+                                            min_seconds=0)
+        rows.append({'load': load, 'others_cores': others, 'n': n, 'products': products,
+                     'threads': threads, 'one_thread_seconds': times['one'],
+                     'every_thread_seconds': times['every'],
+                     'd2lperf_seconds': times['d2lperf']})
     return rows
 
 

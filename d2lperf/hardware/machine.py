@@ -4,18 +4,17 @@ and how much of it other programs are using while we measure.
 The first table of the chapter "Hardware", so that every later figure can be read against the
 machine that produced it.
 """
-import collections
 import glob
 import os
 import platform
 import subprocess
-import time
 
 import numpy
 import psutil
 import threadpoolctl
 
 from . import gpu
+from ..engine.blas import CpuTimes, cpu_times, load_by_others       # noqa: F401
 
 
 # --- What is in the box ------------------------------------------------------------------
@@ -72,26 +71,6 @@ def cache_sizes():
 
 
 # --- Who else is using it ------------------------------------------------------------------
-
-CpuTimes = collections.namedtuple('CpuTimes', 'busy_seconds own_seconds wall_seconds')
-
-
-def cpu_times():
-    """A snapshot for `load_by_others`: CPU seconds all cores and this process have been busy,
-    and the wall clock. A timing that varies is explained only if we know who else ran. The
-    process's own seconds include those of its children once they have ended (a training run
-    started with `subprocess.run` is ours, not another program's)."""
-    cores, own = psutil.cpu_times(), psutil.Process().cpu_times()
-    idle = cores.idle + getattr(cores, 'iowait', 0.0)
-    own_seconds = own.user + own.system + own.children_user + own.children_system
-    return CpuTimes(sum(cores) - idle, own_seconds, time.perf_counter())
-
-
-def load_by_others(before, after):
-    """Cores that other programs kept busy, on average, between two `cpu_times()` snapshots."""
-    others = (after.busy_seconds - before.busy_seconds) - (after.own_seconds - before.own_seconds)
-    return max(0.0, others / max(after.wall_seconds - before.wall_seconds, 1e-9))
-
 
 def describe_load(load, cores=None):
     """The load of other programs in words, for a verdict that cannot blame them blindly."""
