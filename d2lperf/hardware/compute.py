@@ -71,7 +71,12 @@ def matmul_flops(sizes=None, dtypes=('float32', 'float64'), repeats=3):
 # --- BLAS threads: when they pay, and what a busy core does to them ----------------------
 
 def blas_threads():
-    """The BLAS thread count in force (1 where no BLAS library is found)."""
+    """The BLAS thread count the process started with (1 where no BLAS library is found): the
+    count in force may be lower, where the engine fitted it to the cores others leave free."""
+    from .. import engine
+    cores = getattr(engine.current(), 'workers', None)
+    if cores is not None and cores.cores.limit is not None:
+        return cores.cores.limit
     return max([pool['num_threads'] for pool in threadpoolctl.threadpool_info()
                 if pool['user_api'] == 'blas'], default=1)
 
