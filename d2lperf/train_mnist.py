@@ -13,7 +13,7 @@ ran. Taught in "Parameter Servers".
 import argparse
 import sys
 
-from . import autograd, comm, data, kvstore, nn, np, npx
+from . import autograd, comm, data, engine, kvstore, nn, np, npx
 from .device import cpu, gpu, slow_down
 from .nn import lenet
 from .trainer import Trainer
@@ -142,6 +142,10 @@ def train(args):
               f'{",".join(str(d) for d in args.devices)}{slowed(args)}, '
               f'kvstore {store.type}, {train_iter.dataset_name}, {seen} examples, '
               f'worker {rank} of {num_workers}', flush=True)
+    changes = engine.blas_thread_changes()
+    if changes:     # then another run of the same job may differ in the last bits
+        print(f'BLAS thread count changed {changes} times to fit the cores other programs '
+              'left free', flush=True)
     return accuracy
 
 
