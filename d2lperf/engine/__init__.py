@@ -2,8 +2,9 @@
 
 Tracking (`tracking.py`: variables, operations, the rules that order them, failures) is kept
 apart from the running policy (`engines.py`: the threaded and the naive engine; `workers.py`:
-a thread per device and lane, CUDA streams; `blas.py`: BLAS threads shared by virtual CPU
-devices; `host_memory.py`: freed memory kept for the next step). The rest of the package calls
+a thread per device and lane, CUDA streams; `blas.py`: BLAS threads that fit the cores other
+programs leave, shared by virtual CPU devices; `host_memory.py`: freed memory kept for the next
+step). The rest of the package calls
 only the functions below, on the engine in use. `start_recording` keeps a record of every
 operation, the profiler's source. Taught in "Asynchronous Computation" and "Automatic
 Parallelism".
