@@ -6,8 +6,8 @@ of the array is still being sent or added, and computation that does not touch t
 runs beside it. Copies go on the copy lanes, reductions on the receiving device's compute
 lane. Every operation is named `'<algorithm> <phase> <step> chunk <c> <from>-><to> <action>'`
 (`NAME`), so a profile of a real run shows the chunks moving (`transfers_in`).
-`allreduce_on_first` is the source's simple version from "Training on Multiple GPUs".
-Taught in "Parameter Servers".
+`allreduce_on_first` is the MXNet edition's simple version, from "Training on Multiple
+GPUs". Taught in "Parameter Servers".
 """
 import re
 
@@ -47,9 +47,10 @@ def allreduce(arrays, algorithm='ring', op='sum'):
 def allreduce_on_first(data):
     """Sum the arrays in `data` (one a device) and give every one of them the sum, in place.
 
-    The simplest algorithm, the source's: copy every array to the first one's device and add
-    it there, then copy the sum back to each device. The first device does all the adding and
-    its links carry all the traffic ("Parameter Servers" improves on it).
+    The simplest algorithm, the one the MXNet edition of Dive into Deep Learning uses: copy
+    every array to the first one's device and add it there, then copy the sum back to each
+    device. The first device does all the adding and its links carry all the traffic
+    ("Parameter Servers" improves on it).
     """
     if not data:
         raise ValueError('allreduce needs at least one array')

@@ -31,7 +31,7 @@ def chunk_bounds(size, count):
 
 
 def naive(n):
-    """The source's: every device sends its array to device 0, which sends the result back."""
+    """The MXNet edition's: each device sends its array to device 0, which sends the result back."""
     reduce = [Transfer(i, 0, 0, True) for i in range(1, n)]
     broadcast = [Transfer(0, i, 0, False) for i in range(1, n)]
     return Schedule('naive', n, 1, _nonempty([Step('reduce', 1, reduce),
