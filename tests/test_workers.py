@@ -344,6 +344,7 @@ def no_other_load(monkeypatch):
     monkeypatch.setattr(shared_cores, 'taken', 0)
     monkeypatch.setattr(shared_cores, 'last_sample', None)
     if shared_cores.limit is not None:
+        shared_cores.current = None          # set it, whatever another test left in force
         shared_cores.set(shared_cores.limit)
     yield shared_cores
 
@@ -521,3 +522,22 @@ def test_a_slowed_device_computes_the_same_values():
 def test_slow_down_refuses_what_it_cannot_do(device, factor, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         device_module.slow_down(device, factor)
+
+
+def test_an_openblas_loaded_later_gets_the_count_too(monkeypatch):
+    """SciPy brings its own OpenBLAS when scikit-learn is imported after NumPy: the engine must
+    set the count on it too, not only on the libraries it found first."""
+    first, second = FakeBlas(2), FakeBlas(2)
+    loaded = [(first,)]
+    monkeypatch.setattr(blas_module, 'openblas_thread_controls', lambda: loaded[0])
+    shared_cores = SharedCores(2, sample=FakeLoad(0.0))
+    shared_cores.enter()
+    shared_cores.enter()
+    assert first.threads == 1
+    loaded[0] = (first, second)
+    shared_cores.leave()
+    shared_cores.leave()
+    assert first.threads == 2 and second.threads == 2
+    shared_cores.enter()
+    shared_cores.enter()
+    assert first.threads == 1 and second.threads == 1

@@ -9,8 +9,8 @@ operation of a CPU device; `OpenBLASThreads` reads and sets the count from any t
 Taught in "Automatic Parallelism" and "Hardware".
 """
 import collections
-import functools
 import itertools
+import sys
 import threading
 import time
 
@@ -97,6 +97,7 @@ class SharedCores:
         self.sharing = 1             # devices sharing the free cores until no device is busy
         self.limit = None            # the thread count in force before the first fit
         self.current = None          # the count this object last set
+        self.set_on = None           # the libraries it set it on
         self.others = 0.0            # cores other programs kept busy, last sampled
         self.taken = 0               # whole cores they hold, by cores_taken
         self.changes = 0             # how often the count was changed
@@ -104,7 +105,7 @@ class SharedCores:
         self.last_sample = None
         self.lock = threading.Lock()
         self.idle = threading.Condition(self.lock)
-        self.controllers = controllers     # found on first use: importing them costs time
+        self.controllers = controllers     # None: every OpenBLAS loaded, found when needed
 
     def add_device(self):
         self.devices += 1
@@ -152,25 +153,25 @@ class SharedCores:
     def apply(self):
         if self.limit is None:
             self.limit = self.current = self.get()
+            self.set_on = self.libraries()
         # Devices enter and leave only while division is on; the most busy at once since the
         # last idle moment share the cores until the next one.
         self.sharing = max(self.sharing, self.busy) if self.busy else 1
         self.set(threads_that_fit(self.limit, self.cores, self.taken, self.sharing))
 
     def libraries(self):
-        if self.controllers is None:
-            self.controllers = openblas_thread_controls()
-        return self.controllers
+        return openblas_thread_controls() if self.controllers is None else self.controllers
 
     def get(self):
         return max([lib.get_num_threads() or 1 for lib in self.libraries()], default=1)
 
     def set(self, threads):
-        if threads != self.current:
-            for lib in self.libraries():
+        libraries = self.libraries()
+        if threads != self.current or libraries is not self.set_on:    # or a new OpenBLAS
+            for lib in libraries:
                 lib.set_num_threads(threads)
-            self.current = threads
-            self.changes += 1
+            self.changes += threads != self.current
+            self.current, self.set_on = threads, libraries
 
 
 class OpenBLASThreads:
@@ -192,11 +193,19 @@ class OpenBLASThreads:
         raise LookupError(f'no openblas_get_num_threads in {path}')
 
 
-@functools.lru_cache(maxsize=1)
+_controls = (None, ())      # (len(sys.modules) when found, the controls found then)
+
+
 def openblas_thread_controls():
-    """One `OpenBLASThreads` per OpenBLAS the process has loaded (none: nothing to divide),
-    found once: NumPy loads its BLAS when it is imported."""
-    import threadpoolctl
-    return tuple(OpenBLASThreads(info['filepath']) for info in threadpoolctl.threadpool_info()
-                 if info['internal_api'] == 'openblas'
-                 and info.get('threading_layer') != 'openmp')
+    """One `OpenBLASThreads` per OpenBLAS the process has loaded (none: nothing to divide).
+    Found again only after new modules were imported, since finding them takes milliseconds:
+    SciPy, imported after NumPy by scikit-learn, brings an OpenBLAS of its own."""
+    global _controls
+    if _controls[0] != len(sys.modules):
+        import threadpoolctl
+        found = tuple(OpenBLASThreads(info['filepath'])
+                      for info in threadpoolctl.threadpool_info()
+                      if info['internal_api'] == 'openblas'
+                      and info.get('threading_layer') != 'openmp')
+        _controls = (len(sys.modules), found)
+    return _controls[1]
