@@ -31,3 +31,18 @@ def test_chapter_notebooks_carry_no_outputs():
     for markdown in CHAPTERS:
         notebook = jupytext.read(markdown.with_suffix('.ipynb'))
         assert all(not c.get('outputs') for c in notebook.cells if c.cell_type == 'code')
+
+
+@pytest.mark.parametrize('markdown', CHAPTERS, ids=lambda p: p.stem)
+def test_each_glue_name_is_glued_once(markdown):
+    """myst-nb refuses a name glued twice in one page, and only the book build would say so."""
+    import collections
+    import re
+    names = collections.Counter(re.findall(r"\bglue\(\s*'([^']+)'", markdown.read_text()))
+    assert not [name for name, count in names.items() if count > 1], names.most_common(3)
+
+
+@pytest.mark.parametrize('markdown', CHAPTERS, ids=lambda p: p.stem)
+def test_lines_fit_in_100_characters(markdown):
+    long = [n for n, line in enumerate(markdown.read_text().splitlines(), 1) if len(line) > 100]
+    assert not long, f'{markdown.name}: lines {long} are over 100 characters'
