@@ -1,7 +1,9 @@
 """Hybridization: the 512 -> 256 -> 128 -> 2 MLP, called 1000 times, every way we have.
 
 One table from one run, ratios to the floor (NumPy written by hand with preallocated
-buffers) measured side by side: imperative d2lperf, hybridized d2lperf, and PyTorch eager,
+buffers) measured side by side: imperative d2lperf, hybridized d2lperf (the calls pushed and
+waited for once, or each call waited for with `asnumpy()` as an inference loop does, with the
+engine's helping waits on and off), and PyTorch eager,
 torch.jit.trace and torch.compile when PyTorch is installed. On a GPU, also hybridized with
 CUDA-graph replay against eager CuPy and PyTorch eager on the same GPU.
 
@@ -18,7 +20,7 @@ import platform
 import numpy
 
 import d2lperf as d2l
-from d2lperf import np, npx, nn
+from d2lperf import engine, np, npx, nn
 from d2lperf.utils import median_seconds
 
 WIDTHS, FEATURES = (256, 128, 2), 512
@@ -52,7 +54,7 @@ def numpy_by_hand(ws, batch):
         out = numpy.matmul(h2, w3t)
         numpy.add(out, b3, out=out)
         return out
-    return call, lambda: None
+    return call, noop
 
 
 def d2lperf_modes(batch, device):
@@ -63,7 +65,25 @@ def d2lperf_modes(batch, device):
     hybridized.hybridize()
     hybridized(x).wait_to_read()
     return {'d2lperf imperative': (lambda: imperative(x), npx.waitall),
-            'd2lperf hybridized': (lambda: hybridized(x), npx.waitall)}, imperative
+            'd2lperf hybridized': (lambda: hybridized(x), npx.waitall),
+            'd2lperf hybridized, each call waited for': (lambda: hybridized(x).asnumpy(), noop),
+            'd2lperf hybridized, each call waited for, helping off':
+                (without_helping(lambda: hybridized(x).asnumpy()), noop)}, imperative
+
+
+def noop():
+    pass
+
+
+def without_helping(fn):
+    """`fn` run while a waiting thread sleeps until a worker has done the work."""
+    def call():
+        engine.set_helping(False)
+        try:
+            return fn()
+        finally:
+            engine.set_helping(True)
+    return call
 
 
 def torch_modes(ws, batch, device='cpu'):
@@ -81,7 +101,7 @@ def torch_modes(ws, batch, device='cpu'):
             layer.bias.copy_(torch.from_numpy(b))
     model = model.to(device).eval()
     x = torch.randn(batch, FEATURES, device=device)
-    sync = torch.cuda.synchronize if device == 'cuda' else (lambda: None)
+    sync = torch.cuda.synchronize if device == 'cuda' else noop
     modes = {}
     with torch.no_grad():
         modes[f'PyTorch eager ({device})'] = model

@@ -88,6 +88,13 @@ def set_blas_division(enabled):
     return _engine.set_blas_division(enabled)
 
 
+def set_helping(enabled):
+    """Let a thread that waits for a result run the ready work it waits for itself (True, the
+    default), or sleep until a worker has done it (False); returns the old setting. See
+    `ThreadedEngine.help` for the rule and why it is safe."""
+    return _engine.set_helping(enabled)
+
+
 def blas_thread_changes():
     """How often the engine has changed BLAS's thread count (to fit the free cores, or to
     divide them among devices): a change alters the last bits of some products, so two runs

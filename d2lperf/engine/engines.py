@@ -38,6 +38,10 @@ class Engine:
         """Divide BLAS threads among busy CPU devices; returns the old setting."""
         return False
 
+    def set_helping(self, enabled):
+        """Let a waiting thread run the work it waits for; returns the old setting."""
+        return False
+
 
 class ThreadedEngine(Engine):
     """Track dependencies under one lock; run ready operations on per-device workers."""
@@ -50,6 +54,8 @@ class ThreadedEngine(Engine):
         self.in_flight = 0
         self.limit = max_in_flight
         self.errors = []
+        self.waiting_all = 0                            # threads asleep in wait_all
+        self.helping = True
 
     @property
     def max_in_flight(self):
@@ -74,6 +80,7 @@ class ThreadedEngine(Engine):
                 granted += append_read(var, op)
             for var in op.writes:
                 granted += append_write(var, op)
+                var.writer = op
             op.waiting -= granted
             ready = not op.waiting
         if ready:
@@ -99,6 +106,8 @@ class ThreadedEngine(Engine):
                 complete_read(var, granted)
             for var in op.writes:
                 var.error = error
+                if var.writer is op:
+                    var.writer = None
                 complete_write(var, granted)
             for other in granted:
                 other.waiting -= 1
@@ -108,7 +117,7 @@ class ThreadedEngine(Engine):
                 self.errors.append(error)
             if op.device is not None:
                 self.in_flight -= 1
-                if not self.in_flight:
+                if not self.in_flight and self.waiting_all:
                     self.idle.notify_all()
                 if self.limit and self.in_flight < self.limit:
                     self.room.notify()
@@ -116,21 +125,39 @@ class ThreadedEngine(Engine):
             self._dispatch(other)
 
     def wait_for(self, var):
-        with self.lock:
-            busy = var.writing or var.pending
-        if busy:
-            done = threading.Lock()
-            done.acquire()
-            self.push(done.release, [var], [], None, 'wait_for')
-            done.acquire()
+        """Block until the last write of `var` pushed so far is done; helping where it can."""
+        while (writer := var.writer) is not None:
+            if not (self.helping and self.help(writer, var)):
+                self.sleep_until_written(var)
+                break
         if var.error is not None:
             raise var.error
         synchronize(var)              # a GPU worker may have only launched the write
 
+    def help(self, writer, var):
+        """Instead of sleeping until a worker has written `var`, run the ready operations of the
+        writer's lane on this thread, in the lane's order, until the write is done; how many ran.
+
+        The waiter would only sleep meanwhile, and the lane's thread would have to wake up, run
+        them and wake the waiter: two thread hand-offs, each longer than a small operation.
+        Every rule holds: the operations were ready (their dependencies met), they run in the
+        lane's order and one at a time (whoever holds the lane's `runner`), and they complete
+        as on the worker. Nothing runs where the lane is busy on its own thread, where the
+        write still waits for other work, or on a GPU."""
+        return self.workers.help(writer, lambda: var.writer is not writer)
+
+    def sleep_until_written(self, var):
+        done = threading.Lock()
+        done.acquire()
+        self.push(done.release, [var], [], None, 'wait_for')
+        done.acquire()
+
     def wait_all(self):
         with self.lock:
+            self.waiting_all += 1
             while self.in_flight:
                 self.idle.wait()
+            self.waiting_all -= 1
             errors, self.errors = self.errors, []
         self.workers.synchronize()
         if errors:
@@ -139,6 +166,11 @@ class ThreadedEngine(Engine):
     def stop(self):
         self.wait_all()
         self.workers.stop()
+
+    def set_helping(self, enabled):
+        """See `help`; returns the old setting."""
+        old, self.helping = self.helping, bool(enabled)
+        return old
 
     def set_blas_division(self, enabled):
         """See `blas.SharedCores` for what was measured."""

@@ -29,13 +29,14 @@ class OperationError(RuntimeError):
 class Var:
     """A tag for one piece of data, with the queue of operations waiting to use it."""
 
-    __slots__ = ('id', 'pending', 'num_reading', 'writing', 'error', '__weakref__')
+    __slots__ = ('id', 'pending', 'num_reading', 'writing', 'writer', 'error', '__weakref__')
 
     def __init__(self):
         self.id = next(_var_ids)
         self.pending = collections.deque()   # (operation, is_write) not yet granted
         self.num_reading = 0                 # granted reads still running
         self.writing = False                 # a granted write still running
+        self.writer = None                   # the last pushed write, until it completes
         self.error = None                    # the OperationError that failed it, for good
 
     def __repr__(self):
@@ -103,16 +104,19 @@ def complete_write(var, granted):
 
 class OpRecord:
     """What a trace keeps of one operation, for dependency graphs and the profiler: `worker`
-    names the thread (or GPU stream) that ran it, `start` and `end` are `time.perf_counter()`
-    seconds; on a GPU, `events` are the CUDA events around its kernels (for device times)."""
+    names the lane (thread or GPU stream) that ran it, and `helped` the thread that ran it in the
+    lane's place while waiting for it (None: the lane's own thread); `start` and `end` are
+    `time.perf_counter()` seconds; on a GPU, `events` are the CUDA events around its kernels
+    (for device times)."""
 
-    __slots__ = ('name', 'device', 'lane', 'reads', 'writes', 'worker', 'start', 'end', 'events')
+    __slots__ = ('name', 'device', 'lane', 'reads', 'writes', 'worker', 'helped', 'start', 'end',
+                 'events')
 
     def __init__(self, op):
         self.name, self.device, self.lane = op.name, op.device, op.lane
         self.reads = [v.id for v in op.reads]
         self.writes = [v.id for v in op.writes]
-        self.worker, self.start, self.end, self.events = None, None, None, None
+        self.worker, self.helped, self.start, self.end, self.events = (None,) * 5
 
     def __repr__(self):
         return f'OpRecord({self.name!r}, reads={self.reads}, writes={self.writes})'
@@ -134,7 +138,9 @@ def execute(op, where, launch=None):
     """Run one operation as every engine does; return (its error or None, whether its own).
 
     An operation that inherits a failure does not run; `launch(op)` runs it where given (a GPU
-    stream's way, the naive engine's), else `op.fn()`. The record gets `where` and the times."""
+    stream's way, the naive engine's), else `op.fn()`. The record gets `where` and the times.
+    Ctrl-C while a waiting caller runs the operation itself fails the operation like any error,
+    so that the engine's bookkeeping stays whole and the next wait on its output says so."""
     record = op.record
     if record is not None:
         record.worker, record.start = where, time.perf_counter()
@@ -146,7 +152,7 @@ def execute(op, where, launch=None):
                 op.fn()
             else:
                 launch(op)
-        except Exception as cause:                       # noqa: BLE001 - any failure travels on
+        except (Exception, KeyboardInterrupt) as cause:  # noqa: BLE001 - any failure travels on
             error = OperationError(op.name, cause)
     if record is not None:
         record.end = time.perf_counter()

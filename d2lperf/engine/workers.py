@@ -100,30 +100,35 @@ def run_now(op):
         write_events.pop(var, None)
 
 
-STOP = None                     # what a worker's queue holds to end its thread
+STOP = None                     # what a worker's wake-ups hold to end its thread
+WAKE = True                     # one per ready operation: look at the queue
 
 
 class Worker:
     """One thread for one lane of one device, running its ready operations in arrival order.
 
-    `run(op, worker)` is the engine's: it executes the operation, with `worker.launch`, and
-    releases what it held. `cores` (CPU compute lanes only) fits the BLAS threads before each
-    operation and is told when the device is busy.
+    The ready operations wait in `queued`; whoever holds `runner` runs them, one at a time
+    and in order: the lane's thread, or a caller that waits for one of them (`help`). `run(op,
+    worker)` is the engine's: it executes the operation, with `worker.launch`, and releases what
+    it held. `cores` (CPU compute lanes only) fits the BLAS threads before each operation and
+    is told when the device is busy.
     """
 
     def __init__(self, device, lane, run, cores=None):
         self.device, self.lane, self.name = device, lane, f'{device} {lane}'
-        self.ready = queue.SimpleQueue()
+        self.run, self.cores = run, cores
+        self.queued = collections.deque()
+        self.wakeups = queue.SimpleQueue()       # WAKE per queued operation, STOP at the end
+        self.runner = threading.Lock()
         self.stream, self.launch = None, None     # on a GPU: its stream, and run_on_stream
         self.launched = collections.deque()   # GPU: (event, op), kept alive until the event
-        self.cores = cores
         started = threading.Event()
-        self.thread = threading.Thread(target=self._loop, args=(run, started),
+        self.thread = threading.Thread(target=self._loop, args=(started,),
                                        name=f'd2lperf-{self.name}', daemon=True)
         self.thread.start()
         started.wait()
 
-    def _loop(self, run, started):
+    def _loop(self, started):
         running.device = self.device
         if self.device.kind == 'gpu':
             self.stream, self.launch = use_gpu_stream(self.device), self.run_on_stream
@@ -131,45 +136,62 @@ class Worker:
         elif self.lane == COMPUTE:
             self.launch = self.run_at_device_speed
         started.set()
-        get, cores = self.ready.get, self.cores
-        while True:
-            op = get()
-            if op is STOP:
-                return
-            if cores is None:
-                run(op, self)
-            elif cores.active:
-                if not self._run_while_busy(op, run, cores):
-                    return
-            else:
-                cores.fit()
-                run(op, self)
-            # Keep no reference to the last operation: freeing it when the next one
-            # arrives would put that work on the critical path.
-            del op
+        get = self.wakeups.get
+        while get() is not STOP:
+            self.run_queued()
 
-    def _run_while_busy(self, op, run, cores):
-        """Count this device as busy from its first ready operation until its queue is empty;
-        False once told to stop."""
-        cores.enter()
+    def submit(self, op):
+        self.queued.append(op)
+        self.wakeups.put(WAKE)
+
+    def run_queued(self, finished=None, helper=False):
+        """Run the queued operations in order until none is left or `finished()`; how many ran
+        (None: another thread is running them). The device counts as busy meanwhile; the
+        records of operations run by a `helper` thread carry its name."""
+        if not self.runner.acquire(False):
+            return None
+        cores, queued, ran = self.cores, self.queued, 0
+        busy = cores is not None and cores.active
+        if busy:
+            cores.enter()
         try:
-            cores.fit()
-            run(op, self)
-            del op
-            while not self.ready.empty():
-                op = self.ready.get()
-                if op is STOP:
-                    return False
-                cores.fit()
-                run(op, self)
+            while queued and not (finished and finished()):
+                op = queued.popleft()
+                if cores is not None:
+                    cores.fit()
+                self.run(op, self)
+                if helper and op.record is not None:
+                    op.record.helped = threading.current_thread().name
+                ran += 1
+                # Keep no reference to the last operation: freeing it when the next one
+                # arrives would put that work on the critical path.
                 del op
-            return True
         finally:
-            cores.leave()
+            if busy:
+                cores.leave()
+            self.runner.release()
+        return ran
+
+    def help(self, finished):
+        """Run this lane's ready operations on the calling thread, in the lane's order, until
+        `finished()`: how many it ran. A thread that would otherwise sleep until the lane's
+        thread woke up, ran them and woke it in turn does the work itself. GPU lanes only
+        launch kernels on their stream, so they are never helped."""
+        if self.device.kind != 'cpu':
+            return 0
+        caller = getattr(running, 'device', None)
+        running.device = self.device
+        try:
+            ran = self.run_queued(finished, helper=True)
+        finally:
+            running.device = caller
+        if self.queued:
+            self.wakeups.put(WAKE)     # the lane's thread may have woken and found us running
+        return ran or 0
 
     def stop(self):
         """End the thread once the operations queued before this call have run."""
-        self.ready.put(STOP)
+        self.wakeups.put(STOP)
         self.thread.join()
 
     def run_at_device_speed(self, op):
@@ -230,7 +252,13 @@ class Workers:
     def submit(self, op):
         """Queue a ready operation on its device's lane."""
         worker = self.lanes.get((op.device, op.lane)) or self.start(op.device, op.lane)
-        worker.ready.put(op)
+        worker.submit(op)
+
+    def help(self, op, finished):
+        """Run, on the calling thread, the ready operations queued on `op`'s lane until
+        `finished()`: how many ran (0 where nobody may help; see `Worker.help`)."""
+        worker = self.lanes.get((op.device, op.lane)) if op.device is not None else None
+        return worker.help(finished) if worker is not None else 0
 
     def start(self, device, lane):
         with self.lock:
@@ -298,7 +326,8 @@ class PoliteLock:
         self._lock.release()
 
     def __enter__(self):
-        self.acquire()
+        if not self._lock.acquire(False):
+            self.acquire()
 
     def __exit__(self, *exc_info):
         self._lock.release()

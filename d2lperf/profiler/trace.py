@@ -22,7 +22,8 @@ def chrome_trace(records=None):
         events.append({'name': r.name, 'cat': r.lane, 'ph': 'X', 'pid': pid,
                        'tid': workers[r.worker][1], 'ts': (r.start - origin) * 1e6,
                        'dur': (r.end - r.start) * 1e6,
-                       'args': {'device': str(r.device), 'reads': r.reads, 'writes': r.writes}})
+                       'args': {'device': str(r.device), 'reads': r.reads, 'writes': r.writes,
+                                'helped by': r.helped}})
     events += [{'name': 'process_name', 'ph': 'M', 'pid': pid, 'args': {'name': device}}
                for device, pid in devices.items()]
     return {'traceEvents': events, 'displayTimeUnit': 'ms'}
