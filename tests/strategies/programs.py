@@ -6,7 +6,7 @@ import math
 import numpy
 from hypothesis import strategies as st
 
-from d2lperf import np
+from d2lperf import engine, np
 
 # -- programs: instructions over a pool of named arrays, spread over devices ------------------
 
@@ -25,13 +25,15 @@ _view_shape = st.sampled_from([(16,), (2, 8), (8, 2), (2, 2, 4), (4, 4)])
 _view_of_view = st.sampled_from(['T', 'flat', 'head', 'reversed'])
 
 
-def programs(device_count=2):
+def programs(device_count=2, failures=False):
     """(a device index per named array, instructions): arithmetic, in-place updates, slice
     assignments, views (indexing, reshape, transpose, views of views) and updates and
     assignments through them, updates that read their own target through a view, products,
-    and copies between devices."""
+    copies between devices, and reads of values in the middle of the program (waits). With
+    `failures`, also operations that fail, writing an array (only d2lperf can run those)."""
     device = st.integers(0, device_count - 1)
-    instructions = st.one_of(
+    failing = [st.tuples(st.just('fail'), _name)] if failures else []
+    instructions = st.one_of(*failing,
         st.tuples(st.just('binary'), _name, _name, _name,
                   st.sampled_from(['add', 'subtract', 'multiply', 'maximum'])),
         st.tuples(st.just('affine'), _name, _name, _scalar, _scalar),
@@ -58,6 +60,8 @@ def programs(device_count=2):
         st.tuples(st.just('snapshot'), _name, device),
         st.tuples(st.just('snapshot_sum'), _name, st.sampled_from([None, 0, 1])),
         st.tuples(st.just('snapshot_view'), _slot),
+        st.tuples(st.just('read'), _name),
+        st.tuples(st.just('read_view'), _slot),
     )
     return st.tuples(st.lists(device, min_size=len(NAMES), max_size=len(NAMES)),
                      st.lists(instructions, min_size=1, max_size=30))
@@ -114,26 +118,51 @@ class D2LBackend:
     def host(x):
         return x.asnumpy()
 
+    @staticmethod
+    def fail(x):
+        """Overwrite `x` by an operation that raises: `x`, its views and what is computed
+        from them fail from then on, at the waits that read them."""
+        def boom():
+            raise ArithmeticError('made to fail')
+        engine.push(boom, [], [x.var], x.device, 'made_to_fail')
+
 
 class Interpreter:
-    """Run one program on a backend; returns every array, view and snapshot it made."""
+    """Run one program on a backend; returns every array, view and snapshot it made, and
+    the values read in the middle of the program, in order.
 
-    def __init__(self, backend):
-        self.be = backend
-        self.arrays, self.views, self.snapshots = {}, {}, []
+    With `failures`, what a read or an instruction raised is kept instead of failing the run,
+    as ('raised', the failed operation's name), so that two engines can be compared on where
+    errors rise."""
+
+    def __init__(self, backend, failures=False):
+        self.be, self.failures = backend, failures
+        self.arrays, self.views, self.snapshots, self.reads = {}, {}, [], []
 
     def run(self, program):
         devices, body = program
         for i, (name, device) in enumerate(zip(NAMES, devices)):
             self.arrays[name] = self.be.make(initial_values(i), device)
         for instruction in body:
-            getattr(self, 'do_' + instruction[0])(*instruction[1:])
+            self.reads += self.outcome(getattr(self, 'do_' + instruction[0]), *instruction[1:])
         return self.results()
 
     def results(self):
-        out = [self.be.host(self.arrays[n]) for n in NAMES]
-        out += [self.be.host(v) for v in self.views.values()]
-        return out + [self.be.host(s) for s in self.snapshots]
+        out = list(self.reads)
+        for x in [self.arrays[n] for n in NAMES] + list(self.views.values()) + self.snapshots:
+            out += self.outcome(self.be.host, x)
+        return out
+
+    def outcome(self, fn, *args):
+        """[what `fn(*args)` returned] where it returns something, [] where not, or, with
+        failures on, [('raised', name)] where it raised."""
+        try:
+            result = fn(*args)
+        except engine.OperationError as error:
+            if not self.failures:
+                raise
+            return [('raised', error.op_name)]
+        return [] if result is None else [result]
 
     # -- instructions ---------------------------------------------------------------------
     def do_binary(self, dst, x, y, op):
@@ -233,6 +262,17 @@ class Interpreter:
     def do_snapshot_view(self, slot):
         if slot in self.views:
             self.snapshots.append(self.views[slot].copy())
+
+    def do_read(self, name):
+        """Wait for an array's values in the middle of the program (a copy, kept as it is)."""
+        return numpy.array(self.be.host(self.arrays[name]))
+
+    def do_read_view(self, slot):
+        if slot in self.views:
+            return numpy.array(self.be.host(self.views[slot]))
+
+    def do_fail(self, name):
+        self.be.fail(self.arrays[name])
 
 
 def view_of(x, how):
