@@ -134,6 +134,9 @@ def inherited_error(op):
     return None
 
 
+failures = 0      # operations that have failed in this process: until one has, none inherits
+
+
 def execute(op, where, launch=None):
     """Run one operation as every engine does; return (its error or None, whether its own).
 
@@ -141,10 +144,11 @@ def execute(op, where, launch=None):
     stream's way, the naive engine's), else `op.fn()`. The record gets `where` and the times.
     Ctrl-C while a waiting caller runs the operation itself fails the operation like any error,
     so that the engine's bookkeeping stays whole and the next wait on its output says so."""
+    global failures
     record = op.record
     if record is not None:
         record.worker, record.start = where, time.perf_counter()
-    error = inherited_error(op)
+    error = inherited_error(op) if failures else None
     own = error is None
     if own:
         try:
@@ -154,6 +158,7 @@ def execute(op, where, launch=None):
                 launch(op)
         except (Exception, KeyboardInterrupt) as cause:  # noqa: BLE001 - any failure travels on
             error = OperationError(op.name, cause)
+            failures += 1
     if record is not None:
         record.end = time.perf_counter()
     return error, own and error is not None

@@ -13,6 +13,7 @@ threads from convoying on the GIL. `run_now` is the naive engine's policy: the c
 thread, at once. Taught in "Automatic Parallelism".
 """
 import collections
+import functools
 import queue
 import threading
 import time
@@ -134,7 +135,7 @@ class Worker:
             self.stream, self.launch = use_gpu_stream(self.device), self.run_on_stream
             gpu_lanes.append(self.name)
         elif self.lane == COMPUTE:
-            self.launch = self.run_at_device_speed
+            self.launch = functools.partial(run_at_speed, self.device)
         started.set()
         get = self.wakeups.get
         while get() is not STOP:
@@ -193,9 +194,6 @@ class Worker:
         """End the thread once the operations queued before this call have run."""
         self.wakeups.put(STOP)
         self.thread.join()
-
-    def run_at_device_speed(self, op):
-        run_at_speed(self.device, op)
 
     def run_on_stream(self, op):
         """Launch `op` on this lane's stream: after the kernels that wrote what it reads.
