@@ -6,7 +6,9 @@
 Rows: µs per tiny operation (`x + 1` on a 1×2 float32 array) for plain NumPy (the floor:
 no engine at all), one Python thread round trip (queue to a worker and back: the floor of
 any design that computes on another thread), the naive engine, the threaded engine waiting
-after every operation, the threaded engine asynchronously, and PyTorch eager when installed.
+after every operation (the waiter runs the operation itself, then the same with helping
+waits off, so that a worker thread runs it), the threaded engine asynchronously, and PyTorch
+eager when installed.
 Then the time to *issue* 10 products of 1000×1000 matrices over the time to finish them.
 Each figure is the median of several repeats.
 """
@@ -57,8 +59,9 @@ def thread_round_trip():
     return result
 
 
-def engine_tiny_ops(kind, wait_each):
+def engine_tiny_ops(kind, wait_each, helping=True):
     engine.use(kind)
+    engine.set_helping(helping)
     x = np.ones((1, 2))
     x.wait_to_read()
 
@@ -109,6 +112,7 @@ def main():
             ('thread round trip, queue to worker and back', thread_round_trip()),
             ('naive engine (synchronous, caller thread)', engine_tiny_ops('naive', False)),
             ('threaded engine, wait after every op', engine_tiny_ops('threaded', True)),
+            ('  the same, helping waits off', engine_tiny_ops('threaded', True, False)),
             ('threaded engine, asynchronous', engine_tiny_ops('threaded', False)),
             ('PyTorch eager (1 thread)', torch_eager())]
     print(f'# {platform.processor() or platform.machine()}, {OPS} ops of x + 1 on a 1x2 array, '
@@ -118,6 +122,11 @@ def main():
     for name, us in rows:
         if us is not None:
             print(f'| {name:46s} | {us:5.1f} | {us / floor:7.1f} |')
+    per_op = dict(rows)
+    naive, helped = per_op['naive engine (synchronous, caller thread)'], per_op[
+        'threaded engine, wait after every op']
+    print(f'\nwaiting after every op: {helped / naive:.1f}× the naive engine with helping '
+          f'waits, {per_op["  the same, helping waits off"] / naive:.1f}× without')
     n, issued, finished = issue_over_finish()
     print(f'\nissuing 10 products of {n}x{n}: {issued * 1e3:.3f} ms; finishing them: '
           f'{finished * 1e3:.1f} ms; issue / finish = {100 * issued / finished:.2f}%')

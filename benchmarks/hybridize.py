@@ -207,6 +207,24 @@ def main():
           f'{os.environ.get("D2LPERF_ENGINE", "threaded")}; {args.calls} calls, median of '
           f'{args.repeats}\n')
     print(table(main_rows(args.batches, args.calls, args.repeats)))
+    print(naive_engine_line(args.calls, args.repeats))
+
+
+def naive_engine_line(calls, repeats):
+    """Batch 1, each call waited for, on the naive engine (every operation on the caller's
+    thread, no bookkeeping of dependencies): the least any engine could cost at this call
+    path, timed against the floor in a round of its own."""
+    engine.use('naive')
+    try:
+        modes, net = d2lperf_modes(1, d2l.cpu())
+        waited = modes['d2lperf hybridized, each call waited for']
+        times = time_modes({'floor': numpy_by_hand(weights(net), 1), 'naive': waited}, calls,
+                           repeats)
+    finally:
+        engine.use('threaded')
+    return (f'\nnaive engine, batch 1, each call waited for: {times["naive"] * 1e6:.1f} µs, '
+            f'{times["naive"] / times["floor"]:.2f}× the floor ({times["floor"] * 1e6:.1f} µs) '
+            'in the same round')
 
 
 if __name__ == '__main__':

@@ -17,6 +17,10 @@ Rows (pairs `cpu(0)` + `cpu(1)` always; `cpu(0)` + `gpu(0)` and `gpu(0)` → `cp
   among the busy CPU devices (`engine.set_blas_division(True)`).
 * elementwise: 10 `tanh` of a large vector; NumPy runs these on one core, so a second
   virtual CPU device has a core of its own to use.
+* small elementwise: 300 `tanh` of a 300 × 300 and of a 600 × 600 matrix (about 25 and 100 µs
+  each), where the engine's own Python work per operation, which holds the interpreter lock,
+  is no longer small beside the operation; beside them, the same `tanh` loop on two plain
+  Python threads (no engine), the floor of any design written in Python.
 
 A second table: the same 300 × 300 float32 product repeated, as plain NumPy on one BLAS thread
 and on every thread, and through the package, whose BLAS threads fit the cores other programs
@@ -25,6 +29,9 @@ process keeps one core busy.
 """
 import os
 import platform
+import threading
+
+import numpy
 
 import d2lperf as d2l
 from d2lperf import engine, hardware, np, npx
@@ -42,6 +49,31 @@ def matmuls(x):
 
 def elementwise(x):
     return [np.tanh(x) for _ in range(10)]
+
+
+def small_elementwise(x, count=300):
+    """Results dropped as they come, as in a loop that keeps only the last one: 300 kept
+    would measure the allocator more than the engine."""
+    for _ in range(count):
+        np.tanh(x)
+
+
+def numpy_threads(n, count=300):
+    """The same tanh loop on one and on two plain Python threads: (one, one, both, ratio)."""
+    a = numpy.random.default_rng(0).uniform(size=(n, n)).astype(numpy.float32)
+
+    def loop():
+        for _ in range(count):
+            numpy.tanh(a)
+
+    def two_threads():
+        threads = [threading.Thread(target=loop) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    times = median_seconds({'one': loop, 'both': two_threads}, REPEATS, min_seconds=0)
+    return times['one'], times['one'], times['both'], times['both'] / times['one']
 
 
 def copy_all(ys, device):
@@ -88,6 +120,11 @@ def rows():
            *side_by_side(matmuls, a, b))
     engine.set_blas_division(old)
     yield ('two devices', f'tanh {VECTOR:,}, cpu(0) + cpu(1)', *side_by_side(elementwise, u, v))
+    for n in (300, 600):
+        x, y = (np.random.uniform(size=(n, n), device=d) for d in (cpu0, cpu1))
+        yield ('two devices', f'tanh {n}² × 300, cpu(0) + cpu(1)',
+               *side_by_side(small_elementwise, x, y))
+        yield ('two NumPy threads', f'tanh {n}² × 300, no engine', *numpy_threads(n))
     yield ('compute + copy', f'matmul {N}² on cpu(0), copy to cpu(1)', *compute_and_copy(a, cpu1))
     if d2l.num_gpus():
         g = np.random.uniform(size=(GPU_N, GPU_N), device=d2l.gpu(0))

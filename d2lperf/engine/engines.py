@@ -2,7 +2,8 @@
 
 `ThreadedEngine` tracks dependencies under one lock and hands each ready operation to a worker
 thread of its device and lane (`workers.py`), so the caller's thread returns at once and
-independent work overlaps. `NaiveEngine` runs each operation at once on the caller's thread,
+independent work overlaps; a caller that then waits for a result runs the ready work it waits
+for itself (`ThreadedEngine.help`) rather than sleeping through two thread hand-offs. `NaiveEngine` runs each operation at once on the caller's thread,
 for debugging (`D2LPERF_ENGINE=naive`): a failure then points at the line that caused it.
 Both keep the interface of `Engine`. Taught in "Asynchronous Computation" and "Automatic
 Parallelism".
