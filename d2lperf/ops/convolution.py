@@ -21,6 +21,7 @@ every other use of those arrays. Taught in "Training on Multiple GPUs".
 """
 import numpy
 
+from ..engine import pieces
 from .registry import defop
 
 
@@ -58,10 +59,11 @@ def windows(xp, image, kernel, stride):
 
 
 def im2col(xp, x, kernel, stride, pad):
-    """Every patch as a column: (C·kh·kw, OH·OW·N), the right factor of the product."""
+    """Every patch as a column: (C·kh·kw, OH·OW·N), the right factor of the product; a large
+    copy runs in pieces on every core the device has (`pieces.copy`)."""
     patches = windows(xp, batch_last(xp, x, pad), kernel, stride)
     c, kh, kw = patches.shape[:3]
-    return patches.reshape(c * kh * kw, -1)
+    return pieces.copy(xp, patches).reshape(c * kh * kw, -1)
 
 
 def offsets(kernel, stride, grid):
@@ -81,8 +83,12 @@ def col2im(xp, cols, x_shape, kernel, stride, pad):
     grid = out_size(h, kh, stride[0], ph), out_size(w, kw, stride[1], pw)
     cols = cols.reshape((c, kh * kw) + grid + (n,))
     image = xp.zeros((c, h + 2 * ph, w + 2 * pw, n), cols.dtype)
-    for k, where in offsets(kernel, stride, grid):
-        image[where] += cols[:, k]
+
+    def channels(start, stop):                  # channels never mix: a piece per block
+        block, block_cols = image[start:stop], cols[start:stop]
+        for k, where in offsets(kernel, stride, grid):
+            block[where] += block_cols[:, k]
+    pieces.over_axis(xp, c, cols.nbytes, channels)
     return batch_first(image, x_shape, pad)
 
 
@@ -156,9 +162,15 @@ def pool_windows(xp, data, kernel, stride, pad, pool_type):
 def pooling(xp, data, kernel, stride, pad, pool_type):
     """Max or average over each window; an average counts padding as zeros (MXNet's rule)."""
     patches = pool_windows(xp, data, kernel, stride, pad, pool_type)
-    if pool_type == 'max':
-        return patches.max(axis=(1, 2)).transpose(3, 0, 1, 2)
-    return patches.mean(axis=(1, 2), dtype=data.dtype).transpose(3, 0, 1, 2)
+    out = xp.empty((patches.shape[0],) + patches.shape[3:], data.dtype)
+
+    def channels(start, stop):
+        if pool_type == 'max':
+            patches[start:stop].max(axis=(1, 2), out=out[start:stop])
+        else:
+            patches[start:stop].mean(axis=(1, 2), dtype=data.dtype, out=out[start:stop])
+    pieces.over_axis(xp, len(out), data.size * data.itemsize, channels)
+    return out.transpose(3, 0, 1, 2)
 
 
 def pooling_vjp(xp, g, out, data, kernel, stride, pad, pool_type):
@@ -171,8 +183,12 @@ def pooling_vjp(xp, g, out, data, kernel, stride, pad, pool_type):
         winner = patches.reshape((c, kh * kw) + patches.shape[3:]).argmax(axis=1)
     else:
         share = g_image / (kh * kw)
-    for k, where in offsets(kernel, stride, g.shape[2:]):
-        dx[where] += g_image * (winner == k) if pool_type == 'max' else share
+    def channels(start, stop):
+        block = dx[start:stop]
+        for k, where in offsets(kernel, stride, g.shape[2:]):
+            block[where] += (g_image[start:stop] * (winner[start:stop] == k)
+                             if pool_type == 'max' else share[start:stop])
+    pieces.over_axis(xp, c, dx.nbytes, channels)
     return (batch_first(dx, data.shape, pad),)
 
 

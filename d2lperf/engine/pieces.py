@@ -1,0 +1,96 @@
+"""Intra-op parallelism: one large operation cut into pieces that run on the device's cores at once.
+
+NumPy runs a copy, an elementwise function or a reduction on one core, and lets go of the
+interpreter lock while it does. An operation cut along one axis into pieces, each run by its
+own thread, keeps every core busy and gives, bit for bit, the values of the whole: every
+element is computed by the same code from the same inputs, only on another core. Products are
+not cut: BLAS has threads of its own. A device runs one operation at a time, so a product never
+competes with the pieces of another operation of the same device.
+
+How many pieces (`count`): one below `SPLIT_BYTES`, where waking a second thread costs more than
+it saves; else the BLAS thread count, which fits the cores other programs leave free
+(`blas.SharedCores`), shared among the CPU devices the engine has started, so that two virtual
+devices on two cores each run whole, as before. The first piece runs on the calling thread, the
+others on a small pool of threads. Taught in "Training on Multiple GPUs" ("Sharing the cores
+well").
+"""
+import concurrent.futures
+import os
+
+# Measured on the course's 2-core VM (`python benchmarks/parallel.py`, "pieces" table): a strided
+# copy of 4 MB cut in two took about as long as the whole, one of 8 MB about 0.6 times.
+SPLIT_BYTES = 8 << 20
+
+_pool = None
+
+
+def count(nbytes):
+    """How many pieces an operation that moves `nbytes` should be cut into (1: run it whole)."""
+    if nbytes < SPLIT_BYTES:
+        return 1
+    from . import current                      # the engine in use (a package import, no cycle)
+    workers = getattr(current(), 'workers', None)
+    if workers is None:                         # the naive engine: one thread, on purpose
+        return 1
+    cores = workers.cores
+    return max(1, (cores.current or 1) // max(1, cores.devices))
+
+
+def spans(size, pieces):
+    """`pieces` (start, stop) spans that cover range(size) in order, as even as can be; fewer
+    where size < pieces, so that none is empty."""
+    pieces = max(1, min(pieces, size))
+    bounds = [size * i // pieces for i in range(pieces + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def run(piece, size, pieces):
+    """Call `piece(start, stop)` for each span of range(size): the first on this thread, the
+    others on the pool, all at once; return when all are done. A piece's error is raised here,
+    after every piece has finished (the first one raised, if several did)."""
+    parts = spans(size, pieces)
+    if len(parts) == 1:
+        piece(0, size)
+        return
+    futures = [pool().submit(piece, start, stop) for start, stop in parts[1:]]
+    error = None
+    try:
+        piece(*parts[0])
+    except Exception as raised:                  # noqa: BLE001 - raised below, once all are done
+        error = raised
+    for future in futures:
+        raised = future.exception()
+        error = error or raised
+    if error is not None:
+        raise error
+
+
+def pool():
+    global _pool
+    if _pool is None:
+        _pool = concurrent.futures.ThreadPoolExecutor(
+            max(1, (os.cpu_count() or 2) - 1), thread_name_prefix='d2lperf-piece')
+    return _pool
+
+
+def copy(xp, view):
+    """A contiguous copy of `view` (`xp.ascontiguousarray`), in pieces along its first axis
+    that is long enough (im2col's columns are such a copy)."""
+    pieces = count(view.nbytes) if xp.__name__ == 'numpy' else 1
+    if pieces == 1:
+        return xp.ascontiguousarray(view)
+    out = xp.empty(view.shape, view.dtype)
+    axis = next((a for a, n in enumerate(view.shape) if n >= pieces), 0)
+
+    def piece(start, stop):
+        where = (slice(None),) * axis + (slice(start, stop),)
+        out[where] = view[where]
+    run(piece, view.shape[axis], pieces)
+    return out
+
+
+def over_axis(xp, size, nbytes, piece):
+    """Run `piece(start, stop)` over range(size) (an axis the caller's work is independent
+    along), in pieces where `nbytes` is large enough, else whole."""
+    pieces = count(nbytes) if xp.__name__ == 'numpy' else 1
+    run(piece, size, pieces)
