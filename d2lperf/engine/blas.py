@@ -6,10 +6,13 @@ product wait for it. `threads_that_fit` is the policy: the cores other programs 
 (`load_by_others`, sampled every `SAMPLE_SECONDS`, counted in whole cores by `cores_taken`),
 divided among the CPU devices computing at once when asked (`engine.set_blas_division(True)`). `SharedCores` applies it before each
 operation of a CPU device; `OpenBLASThreads` reads and sets the count from any thread.
+`spin_briefly` makes OpenBLAS's idle threads give their cores back soon after a product.
 Taught in "Automatic Parallelism" and "Hardware".
 """
 import collections
+import ctypes
 import itertools
+import os
 import sys
 import threading
 import time
@@ -191,6 +194,32 @@ class OpenBLASThreads:
                 self.set_num_threads = getattr(library, name % 'set')
                 return
         raise LookupError(f'no openblas_get_num_threads in {path}')
+
+
+SPIN = 16       # OpenBLAS's idle threads spin 2**SPIN cycles (tens of µs), not 2**28 (~0.1 s)
+
+
+def spin_briefly():
+    """Let OpenBLAS's threads sleep tens of microseconds after a product, not a tenth of a
+    second, unless OPENBLAS_THREAD_TIMEOUT says otherwise: the user's choice is kept.
+
+    Between products OpenBLAS keeps its threads spinning, so that the next product starts at
+    once. Meanwhile they hold cores that the pieces of the next operation (`engine.pieces`),
+    another device's worker or another program could use: measured in benchmarks/RESULTS.md,
+    a LeNet step at 2 threads takes 0.85 times as long when they sleep soon, and back-to-back
+    products of 128² are not slower. Libraries loaded later read the variable as they load;
+    those loaded already read it again and restart their threads, which is safe only while
+    none computes: called once, as d2lperf is imported."""
+    if 'OPENBLAS_THREAD_TIMEOUT' in os.environ:
+        return
+    os.environ['OPENBLAS_THREAD_TIMEOUT'] = str(SPIN)
+    import threadpoolctl
+    for info in threadpoolctl.threadpool_info():
+        if info['internal_api'] == 'openblas' and info.get('threading_layer') != 'openmp':
+            library = ctypes.CDLL(info['filepath'])
+            if hasattr(library, 'openblas_read_env') and hasattr(library, 'blas_thread_shutdown_'):
+                library.openblas_read_env()
+                library.blas_thread_shutdown_()      # restarted, and told, by the next product
 
 
 _controls = (None, ())      # (len(sys.modules) when found, the controls found then)

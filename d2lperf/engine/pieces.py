@@ -33,7 +33,8 @@ def count(nbytes):
     if workers is None:                         # the naive engine: one thread, on purpose
         return 1
     cores = workers.cores
-    return max(1, (cores.current or 1) // max(1, cores.devices))
+    threads = min(cores.current or 1, cores.get())      # `threadpool_limits` may have set less
+    return max(1, threads // max(1, cores.devices))
 
 
 def spans(size, pieces):
@@ -94,3 +95,4 @@ def over_axis(xp, size, nbytes, piece):
     along), in pieces where `nbytes` is large enough, else whole."""
     pieces = count(nbytes) if xp.__name__ == 'numpy' else 1
     run(piece, size, pieces)
+
