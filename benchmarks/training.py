@@ -11,7 +11,8 @@ Rows, all measured side by side in this run:
   thread and at every core.
 * Data parallelism: the same batch split over two virtual CPU devices with one BLAS thread
   each, against one device with every core.
-* ResNet-18 (the chapter's variant), seconds per step at a small batch.
+* ResNet-18 (the chapter's variant), seconds per step at batch 16, against the same network
+  in PyTorch eager with the same threads.
 * GPU rows with CuPy, where a GPU is present.
 Each figure is the best of several interleaved repeats.
 """
@@ -220,14 +221,14 @@ def torch_step_fn(x_host, y_host):
     return step, torch
 
 
-def with_threads(threads, make_step, torch=None):
+def with_threads(threads, make_step, torch=None, steps=STEPS):
     """Time `make_step()` with BLAS (and torch) limited to `threads`."""
     with threadpool_limits(threads):
         if torch is not None:
             old = torch.get_num_threads()
             torch.set_num_threads(threads)
         try:
-            return best_seconds(make_step)
+            return best_seconds(make_step, steps=steps)
         finally:
             if torch is not None:
                 torch.set_num_threads(old)
@@ -265,21 +266,71 @@ def data_parallel_rows(cores):
             ('two virtual devices, BLAS threads divided', cores, BATCH / two_seconds)]
 
 
-def resnet_row():
+RESNET_BATCH = 16
+
+
+def resnet_step_fn():
     net = d2l.resnet18(10)
     net.initialize(d2l.nn.init.Normal(0.01))
     trainer = d2l.Trainer(net.collect_params(), 'sgd', {'learning_rate': LR})
-    small = 16
-    x = np.random.uniform(size=(small, 1, 28, 28))
-    y = np.array(numpy.arange(small) % 10)
+    x = np.random.uniform(size=(RESNET_BATCH, 1, 28, 28))
+    y = np.array(numpy.arange(RESNET_BATCH) % 10)
 
     def step():
         with autograd.record():
             loss = LOSS(net(x), y)
         loss.backward()
-        trainer.step(small)
+        trainer.step(RESNET_BATCH)
         npx.waitall()
-    return small, best_seconds(step, steps=d2l.workload(3, 1))
+    return step
+
+
+def torch_resnet_step_fn():
+    """The same ResNet-18 (3×3 stride-1 stem, no max-pooling, batch norm in training mode)
+    in PyTorch eager, one SGD step on the same batch size."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    nn = torch.nn
+
+    class Residual(nn.Module):
+        def __init__(self, cin, cout, strides):
+            super().__init__()
+            self.conv1 = nn.Conv2d(cin, cout, 3, strides, 1)
+            self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1)
+            self.conv3 = nn.Conv2d(cin, cout, 1, strides) if strides > 1 or cin != cout else None
+            self.bn1, self.bn2 = nn.BatchNorm2d(cout), nn.BatchNorm2d(cout)
+
+        def forward(self, x):
+            y = self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(x)))))
+            return torch.relu(y + (self.conv3(x) if self.conv3 is not None else x))
+
+    layers, cin = [nn.Conv2d(1, 64, 3, 1, 1), nn.BatchNorm2d(64), nn.ReLU()], 64
+    for cout, first in ((64, True), (128, False), (256, False), (512, False)):
+        layers += [Residual(cin, cout, 1 if first else 2), Residual(cout, cout, 1)]
+        cin = cout
+    net = nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(512, 10))
+    optimizer = torch.optim.SGD(net.parameters(), lr=LR)
+    x = torch.rand(RESNET_BATCH, 1, 28, 28)
+    y = torch.arange(RESNET_BATCH) % 10
+
+    def step():
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(net(x), y).backward()
+        optimizer.step()
+    return step, torch
+
+
+def resnet_rows(cores):
+    """Seconds per step of ResNet-18 at batch 16, d2lperf and PyTorch, at every core."""
+    steps = d2l.workload(3, 1)
+    rows = [('d2lperf, hybridized', cores, with_threads(cores, resnet_step_fn(), steps=steps))]
+    torch_step = torch_resnet_step_fn()
+    if torch_step is not None:
+        rows.append(('PyTorch eager', cores,
+                     with_threads(cores, torch_step[0], torch_step[1], steps=steps)))
+    return rows
 
 
 def gpu_rows():
@@ -309,9 +360,14 @@ def main():
     print(f'| what | cores | img/s | × one device |\n|---|--:|--:|--:|')
     for name, threads, ips in rows:
         print(f'| {name} | {threads} | {ips:.0f} | {ips / rows[0][2]:.2f} |')
-    small, seconds = resnet_row()
-    print(f'\nResNet-18 (28x28, batch {small}): {seconds * 1e3:.0f} ms per step, '
-          f'{small / seconds:.1f} img/s')
+    print(f'\nResNet-18 (28x28, batch {RESNET_BATCH}), one training step')
+    rows = resnet_rows(cores)
+    print('| what | threads | ms per step | img/s | × PyTorch |\n|---|--:|--:|--:|--:|')
+    torch_seconds = dict((name, seconds) for name, _, seconds in rows).get('PyTorch eager')
+    for name, threads, seconds in rows:
+        vs_torch = f'{torch_seconds / seconds:.2f}' if torch_seconds else '-'
+        print(f'| {name} | {threads} | {seconds * 1e3:.0f} | {RESNET_BATCH / seconds:.1f} | '
+              f'{vs_torch} |')
     for name, where, ips in gpu_rows():
         print(f'| {name} | {where} | {ips:.0f} img/s |')
 

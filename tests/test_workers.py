@@ -279,6 +279,20 @@ def test_a_busy_core_takes_a_blas_thread_away_and_an_idle_one_gives_it_back(monk
     assert blas.threads == 2 and blas.history == [1, 2]
 
 
+def test_a_count_set_from_outside_is_the_new_limit():
+    """`threadpool_limits(1)` around a one-thread benchmark row: the engine must not put the
+    second thread back, and takes every thread again once the limit is lifted."""
+    shared_cores, blas = shared(2, 2)
+    shared_cores.apply()
+    blas.threads = 1                              # threadpool_limits(1) enters
+    shared_cores.enter()
+    shared_cores.leave()
+    assert blas.threads == 1 and shared_cores.limit == 1
+    blas.threads = 2                              # ... and exits
+    shared_cores.apply()
+    assert blas.threads == 2 and shared_cores.limit == 2
+
+
 def test_the_load_is_read_at_most_every_sample_interval():
     load = FakeLoad(others=0.0)
     shared_cores = SharedCores(2, controllers=[FakeBlas(2)], sample=load)

@@ -98,7 +98,7 @@ class SharedCores:
         self.active = False          # enabled, and at least two such devices
         self.busy = 0
         self.sharing = 1             # devices sharing the free cores until no device is busy
-        self.limit = None            # the thread count in force before the first fit
+        self.limit = None            # the count before the first fit, or last set by others
         self.current = None          # the count this object last set
         self.set_on = None           # the libraries it set it on
         self.others = 0.0            # cores other programs kept busy, last sampled
@@ -154,9 +154,13 @@ class SharedCores:
                 self.idle.wait()
 
     def apply(self):
+        """Set the count that fits. A count someone else set since (`threadpool_limits(1)`
+        around a benchmark's one-thread row) is the new limit: never more than they asked."""
         if self.limit is None:
             self.limit = self.current = self.get()
             self.set_on = self.libraries()
+        elif (outside := self.get()) != self.current:
+            self.limit = self.current = outside
         # Devices enter and leave only while division is on; the most busy at once since the
         # last idle moment share the cores until the next one.
         self.sharing = max(self.sharing, self.busy) if self.busy else 1
