@@ -13,6 +13,8 @@ from hypothesis import given, settings, strategies as st
 import d2lperf as d2l
 from d2lperf import autograd, engine, np, npx
 from d2lperf.engine import pieces
+from d2lperf.engine.blas import SharedCores
+from test_workers import FakeBlas
 
 pytestmark = pytest.mark.usefixtures('fresh_engine')
 
@@ -113,15 +115,21 @@ def test_a_failing_piece_fails_its_operation_once_at_the_wait(cut_everything, mo
     engine.wait_all()
 
 
-def test_small_operations_and_a_device_among_two_run_whole(monkeypatch):
+def test_small_operations_and_a_device_among_two_busy_run_whole():
     assert pieces.count(pieces.SPLIT_BYTES - 1) == 1
-    cores = engine.current().workers.cores
-    monkeypatch.setattr(cores, 'get', lambda: 2)
-    monkeypatch.setattr(cores, 'current', 2)
-    monkeypatch.setattr(cores, 'devices', 1)
-    assert pieces.count(pieces.SPLIT_BYTES) == 2
-    monkeypatch.setattr(cores, 'devices', 2)
-    assert pieces.count(pieces.SPLIT_BYTES) == 1
+    shared = SharedCores(2, controllers=[FakeBlas(2)])
+    old = engine.current().workers.cores
+    engine.current().workers.cores = shared
+    try:
+        shared.apply()
+        assert pieces.count(pieces.SPLIT_BYTES) == 2      # one device: both cores
+        shared.add_device(), shared.add_device(), shared.enable(True)
+        shared.enter(), shared.enter()                    # two devices busy, threads divided
+        assert pieces.count(pieces.SPLIT_BYTES) == 1
+        shared.leave(), shared.leave()
+        assert pieces.count(pieces.SPLIT_BYTES) == 2
+    finally:
+        engine.current().workers.cores = old
 
 
 def test_the_naive_engine_runs_whole():
@@ -133,7 +141,6 @@ def test_fewer_blas_threads_set_from_outside_mean_fewer_pieces(monkeypatch):
     """`threadpool_limits(1)` around a benchmark's one-thread row: one piece, not two."""
     cores = engine.current().workers.cores
     monkeypatch.setattr(cores, 'current', 2)
-    monkeypatch.setattr(cores, 'devices', 1)
     monkeypatch.setattr(cores, 'get', lambda: 1)
     assert pieces.count(pieces.SPLIT_BYTES) == 1
 

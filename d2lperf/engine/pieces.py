@@ -8,9 +8,9 @@ not cut: BLAS has threads of its own. A device runs one operation at a time, so 
 competes with the pieces of another operation of the same device.
 
 How many pieces (`count`): one below `SPLIT_BYTES`, where waking a second thread costs more than
-it saves; else the BLAS thread count, which fits the cores other programs leave free
-(`blas.SharedCores`), shared among the CPU devices the engine has started, so that two virtual
-devices on two cores each run whole, as before. The first piece runs on the calling thread, the
+it saves; else the BLAS thread count in force, which fits the cores other programs leave free
+and, with `engine.set_blas_division(True)`, is divided among the CPU devices computing at once
+(`blas.SharedCores`): two virtual devices on two cores then each run whole, as before. The first piece runs on the calling thread, the
 others on a small pool of threads. Taught in "Training on Multiple GPUs" ("Sharing the cores
 well").
 """
@@ -33,8 +33,7 @@ def count(nbytes):
     if workers is None:                         # the naive engine: one thread, on purpose
         return 1
     cores = workers.cores
-    threads = min(cores.current or 1, cores.get())      # `threadpool_limits` may have set less
-    return max(1, threads // max(1, cores.devices))
+    return max(1, min(cores.current or 1, cores.get()))   # `threadpool_limits` may set less
 
 
 def spans(size, pieces):
