@@ -40,13 +40,14 @@ def cut_everything(monkeypatch):
 
 @st.composite
 def layer_cases(draw):
-    """Convolution or pooling on NCHW inputs: batches smaller than the pieces, odd sizes."""
+    """Convolution, pooling or ReLU on NCHW inputs (and on a view laid out batch last):
+    batches smaller than the pieces, odd sizes."""
     kernel = (draw(st.integers(1, 3)), draw(st.integers(1, 3)))
     stride = (draw(st.integers(1, 2)), draw(st.integers(1, 2)))
     pad = (draw(st.integers(0, kernel[0] - 1)), draw(st.integers(0, kernel[1] - 1)))
     shape = (draw(st.integers(1, 5)), draw(st.integers(1, 7)),
              draw(st.integers(kernel[0], 7)), draw(st.integers(kernel[1], 7)))
-    layer = draw(st.sampled_from(['convolution', 'max', 'avg']))
+    layer = draw(st.sampled_from(['convolution', 'max', 'avg', 'relu', 'relu of a transpose']))
     return layer, shape, kernel, stride, pad, draw(st.integers(1, 4)), draw(st.integers(0, 999))
 
 
@@ -62,6 +63,8 @@ def forward_and_gradients(case):
         if layer == 'convolution':
             y = npx.convolution(x, w, b, kernel=kernel, stride=stride, pad=pad,
                                 num_filter=filters)
+        elif layer.startswith('relu'):
+            y = npx.relu(x.transpose(3, 1, 2, 0) if 'transpose' in layer else x)
         else:
             y = npx.pooling(x, kernel=kernel, stride=stride, pad=pad, pool_type=layer)
         loss = (y * y).sum()
@@ -77,8 +80,9 @@ def test_operations_cut_into_pieces_give_the_values_of_the_whole(case):
     with pytest.MonkeyPatch.context() as patch:
         used = cut_into_three(patch)
         cut = forward_and_gradients(case)
-    channels = case[1][1]
-    assert used and (channels == 1 or any(count > 1 for count in used))
+    layer, shape = case[:2]
+    cut_along = max(shape) if layer.startswith('relu') else shape[1]
+    assert used and (cut_along == 1 or any(count > 1 for count in used))
     for a, b in zip(cut, whole):
         numpy.testing.assert_array_equal(a, b, strict=True)
 

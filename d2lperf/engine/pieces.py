@@ -95,3 +95,21 @@ def over_axis(xp, size, nbytes, piece):
     pieces = count(nbytes) if xp.__name__ == 'numpy' else 1
     run(piece, size, pieces)
 
+
+
+def elementwise(xp, piece, like, *inputs):
+    """A new array shaped and laid out as `like`, filled by `piece(out, *inputs)` (a NumPy
+    function with `out=`), in pieces along the axis outermost in memory where large: every
+    piece a block of whole rows of memory."""
+    out = xp.empty_like(like)
+    axis = max(range(out.ndim), key=lambda a: (out.shape[a] > 1, abs(out.strides[a])),
+               default=0)
+
+    def block(start, stop):
+        where = (slice(None),) * axis + (slice(start, stop),)
+        piece(out[where], *[x[where] for x in inputs])
+    if out.ndim:
+        over_axis(xp, out.shape[axis], out.nbytes, block)
+    else:
+        piece(out, *inputs)
+    return out

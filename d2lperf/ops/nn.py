@@ -6,11 +6,22 @@ a contraction: the compiler runs it as a product followed by a fused bias and ac
 """
 import numpy
 
+from ..engine import pieces
 from .registry import defop
 from .rules import floating, same
 
-defop('relu', lambda xp, a: xp.maximum(a, 0), same, lambda xp, g, out, a: (g * (out > 0),),
-      kind='elementwise', c_expr='max({a}, ({t})0)')
+def relu(xp, a):
+    """max(a, 0), in pieces on every core the device has where `a` is large (`pieces`)."""
+    return pieces.elementwise(xp, lambda out, a: xp.maximum(a, 0, out=out), a, a)
+
+
+def relu_vjp(xp, g, out, a):
+    def block(d_a, g, out):
+        xp.multiply(g, out > 0, out=d_a)
+    return (pieces.elementwise(xp, block, g, g, out),)
+
+
+defop('relu', relu, same, relu_vjp, kind='elementwise', c_expr='max({a}, ({t})0)')
 defop('sigmoid', lambda xp, a: 1 / (1 + xp.exp(-a)), floating,
       lambda xp, g, out, a: (g * out * (1 - out),),
       kind='elementwise', c_expr='({t})1 / (({t})1 + exp(-{a}))')
