@@ -47,7 +47,8 @@ def layer_cases(draw):
     pad = (draw(st.integers(0, kernel[0] - 1)), draw(st.integers(0, kernel[1] - 1)))
     shape = (draw(st.integers(1, 5)), draw(st.integers(1, 7)),
              draw(st.integers(kernel[0], 7)), draw(st.integers(kernel[1], 7)))
-    layer = draw(st.sampled_from(['convolution', 'max', 'avg', 'relu', 'relu of a transpose']))
+    layer = draw(st.sampled_from(['convolution', 'max', 'avg', 'relu', 'relu of a transpose',
+                                  'batch norm', 'batch norm of a transpose']))
     return layer, shape, kernel, stride, pad, draw(st.integers(1, 4)), draw(st.integers(0, 999))
 
 
@@ -59,18 +60,26 @@ def forward_and_gradients(case):
     b = np.array(rng.normal(size=filters).astype(numpy.float32))
     for a in (x, w, b):
         a.attach_grad()
+    extra = []
     with autograd.record():
         if layer == 'convolution':
             y = npx.convolution(x, w, b, kernel=kernel, stride=stride, pad=pad,
                                 num_filter=filters)
         elif layer.startswith('relu'):
             y = npx.relu(x.transpose(3, 1, 2, 0) if 'transpose' in layer else x)
+        elif layer.startswith('batch norm'):
+            data = x.transpose(3, 1, 2, 0) if 'transpose' in layer else x
+            channels = data.shape[1]
+            gamma, beta = w.reshape(-1)[:1] * np.ones(channels), b[:1] * np.ones(channels)
+            stats = [np.zeros(channels), np.ones(channels)]
+            y = npx.batch_norm(data, gamma, beta, *stats)
+            extra = stats
         else:
             y = npx.pooling(x, kernel=kernel, stride=stride, pad=pad, pool_type=layer)
         loss = (y * y).sum()
     loss.backward()
-    grads = [x.grad] + ([w.grad, b.grad] if layer == 'convolution' else [])
-    return [y.asnumpy()] + [g.asnumpy() for g in grads]
+    grads = [x.grad] + ([w.grad, b.grad] if layer in ('convolution',) or 'norm' in layer else [])
+    return [y.asnumpy()] + [g.asnumpy() for g in grads + extra]
 
 
 @settings(max_examples=40, deadline=None)
@@ -81,7 +90,7 @@ def test_operations_cut_into_pieces_give_the_values_of_the_whole(case):
         used = cut_into_three(patch)
         cut = forward_and_gradients(case)
     layer, shape = case[:2]
-    cut_along = max(shape) if layer.startswith('relu') else shape[1]
+    cut_along = max(shape) if layer.startswith('relu') else shape[1]    # else channels
     assert used and (cut_along == 1 or any(count > 1 for count in used))
     for a, b in zip(cut, whole):
         numpy.testing.assert_array_equal(a, b, strict=True)

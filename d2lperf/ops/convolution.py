@@ -218,28 +218,57 @@ def batch_norm_infer(data, gamma, beta, running_mean, running_var, eps, momentum
     return tuple(data.shape), numpy.dtype(data.dtype)
 
 
+def channel_rows(xp, x):
+    """x (N, C, ...) as a contiguous (C, ...·N) array, a row per channel: free (a view) when x
+    lies in memory batch last, as these ops' results do."""
+    image = x.transpose((1,) + tuple(range(2, x.ndim)) + (0,))
+    return xp.ascontiguousarray(image).reshape(x.shape[1], -1)
+
+
+def from_rows(rows, shape):
+    """The (N, C, ...) view of rows made by `channel_rows`."""
+    image = rows.reshape((shape[1],) + tuple(shape[2:]) + (shape[0],))
+    return image.transpose((image.ndim - 1,) + tuple(range(image.ndim - 1)))
+
+
 def batch_norm_train(xp, data, gamma, beta, running_mean, running_var, eps, momentum):
-    """Normalize with the batch's statistics, and move the running ones towards them."""
-    axes, n = stats_axes(data.ndim), data.size // data.shape[1]
-    mean, var = data.mean(axis=axes), data.var(axis=axes)
-    running_mean *= momentum
-    running_mean += (1 - momentum) * mean
-    running_var *= momentum
-    running_var += (1 - momentum) * var * (n / max(n - 1, 1))      # unbiased, as MXNet keeps
-    scale = gamma / xp.sqrt(var + eps)
-    return data * per_channel(scale, data.ndim) + per_channel(beta - mean * scale, data.ndim)
+    """Normalize with the batch's statistics, and move the running ones towards them.
+
+    Each channel's statistics are sums along its own contiguous row, so they do not depend on
+    how many channels are computed together: a large batch is done in blocks of channels at
+    once (`pieces`), with the values of the whole, bit for bit."""
+    rows, n = channel_rows(xp, data), data.size // data.shape[1]
+    out = xp.empty_like(rows)
+
+    def channels(start, stop):
+        block, c = rows[start:stop], slice(start, stop)
+        mean, var = block.mean(axis=1), block.var(axis=1)
+        running_mean[c] *= momentum
+        running_mean[c] += (1 - momentum) * mean
+        running_var[c] *= momentum
+        running_var[c] += (1 - momentum) * var * (n / max(n - 1, 1))   # unbiased, as MXNet's
+        scale = gamma[c] / xp.sqrt(var + eps)
+        xp.multiply(block, scale[:, None], out=out[c])
+        out[c] += (beta[c] - mean * scale)[:, None]
+    pieces.over_axis(xp, len(rows), data.nbytes, channels)
+    return from_rows(out, data.shape)
 
 
 def batch_norm_train_vjp(xp, g, out, data, gamma, beta, running_mean, running_var, eps,
                          momentum):
-    axes, ndim = stats_axes(data.ndim), data.ndim
-    mean, inv_std = data.mean(axis=axes), 1 / xp.sqrt(data.var(axis=axes) + eps)
-    x_hat = (data - per_channel(mean, ndim)) * per_channel(inv_std, ndim)
-    d_beta, d_gamma = g.sum(axis=axes), (g * x_hat).sum(axis=axes)
-    n = data.size // data.shape[1]
-    d_data = per_channel(gamma * inv_std / n, ndim) * (
-        n * g - per_channel(d_beta, ndim) - x_hat * per_channel(d_gamma, ndim))
-    return d_data, d_gamma, d_beta, None, None
+    rows, g_rows, n = channel_rows(xp, data), channel_rows(xp, g), data.size // data.shape[1]
+    d_rows = xp.empty(rows.shape, xp.result_type(g, data))
+    d_gamma, d_beta = (xp.empty(len(rows), d_rows.dtype) for _ in range(2))
+
+    def channels(start, stop):
+        block, g_block, c = rows[start:stop], g_rows[start:stop], slice(start, stop)
+        mean, inv_std = block.mean(axis=1), 1 / xp.sqrt(block.var(axis=1) + eps)
+        x_hat = (block - mean[:, None]) * inv_std[:, None]
+        d_beta[c], d_gamma[c] = g_block.sum(axis=1), (g_block * x_hat).sum(axis=1)
+        xp.multiply((gamma[c] * inv_std / n)[:, None],
+                    n * g_block - d_beta[c, None] - x_hat * d_gamma[c, None], out=d_rows[c])
+    pieces.over_axis(xp, len(rows), data.nbytes, channels)
+    return from_rows(d_rows, data.shape), d_gamma, d_beta, None, None
 
 
 def batch_norm_predict(xp, data, gamma, beta, running_mean, running_var, eps, momentum):
