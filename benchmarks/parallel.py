@@ -22,7 +22,10 @@ Rows (pairs `cpu(0)` + `cpu(1)` always; `cpu(0)` + `gpu(0)` and `gpu(0)` → `cp
   is no longer small beside the operation; beside them, the same `tanh` loop on two plain
   Python threads (no engine), the floor of any design written in Python.
 
-A second table: the same 300 × 300 float32 product repeated, as plain NumPy on one BLAS thread
+A second table: a strided copy of 1 to 40 MB, whole and cut in two pieces run at once
+(`engine.pieces`): where cutting an operation starts to pay on this machine.
+
+A third table: the same 300 × 300 float32 product repeated, as plain NumPy on one BLAS thread
 and on every thread, and through the package, whose BLAS threads fit the cores other programs
 leave free (`engine.blas.threads_that_fit`), first on an idle machine, then while another
 process keeps one core busy.
@@ -35,6 +38,7 @@ import numpy
 
 import d2lperf as d2l
 from d2lperf import engine, hardware, np, npx
+from d2lperf.engine import pieces
 from d2lperf.utils import median_seconds
 
 REPEATS = d2l.workload(7, 5)
@@ -134,6 +138,23 @@ def rows():
                *compute_and_copy(g, cpu0))
 
 
+def pieces_rows(sizes_mb=(1, 2, 4, 8, 16, 40)):
+    """A strided copy (im2col's kind: every other float of a wider array) whole and cut in two
+    pieces (`engine.pieces`), by size: where cutting starts to pay on this machine."""
+    for mb in sizes_mb:
+        count = int(mb * 2**20 / 4)
+        wide = numpy.random.default_rng(0).uniform(size=(64, 2 * count // 64)).astype(
+            numpy.float32)
+        source = wide[:, ::2]
+        target = numpy.empty(source.shape, numpy.float32)
+
+        def copy(start, stop):
+            target[start:stop] = source[start:stop]
+        times = median_seconds({'whole': lambda: pieces.run(copy, 64, 1),
+                                'two': lambda: pieces.run(copy, 64, 2)}, 15, min_seconds=0)
+        yield mb, times['whole'], times['two']
+
+
 def report_other_load(run, prefix=''):
     """Run `run()`, then print how many cores other processes kept busy meanwhile."""
     before = hardware.cpu_times()
@@ -157,6 +178,12 @@ def main():
         print('\nratio: two devices = together / slower alone; compute + copy = both / '
               'max(compute, copy) (first alone = compute, second alone = copy)')
     report_other_load(table)
+
+    print('\n# Pieces: a strided copy whole and cut in two (`engine.pieces`), median of 15; '
+          f'operations from {pieces.SPLIT_BYTES >> 20} MB are cut')
+    print('| MB | whole, µs | two pieces, µs | two ÷ whole |\n|--:|--:|--:|--:|')
+    for mb, whole, two in pieces_rows():
+        print(f'| {mb} | {whole * 1e6:.0f} | {two * 1e6:.0f} | {two / whole:.2f} |')
 
     print('\n# BLAS threads that fit the free cores: the same products as plain NumPy and '
           'through d2lperf, idle and while another process keeps one core busy; seconds')

@@ -325,7 +325,8 @@ def torch_resnet_step_fn():
 def resnet_rows(cores):
     """Seconds per step of ResNet-18 at batch 16, d2lperf and PyTorch, at every core."""
     steps = d2l.workload(3, 1)
-    rows = [('d2lperf, hybridized', cores, with_threads(cores, resnet_step_fn(), steps=steps))]
+    rows = [('d2lperf (Gluon layers)', cores,
+             with_threads(cores, resnet_step_fn(), steps=steps))]
     torch_step = torch_resnet_step_fn()
     if torch_step is not None:
         rows.append(('PyTorch eager', cores,
