@@ -9,6 +9,7 @@ Rows, all measured side by side in this run:
   hybridized, PyTorch eager with the same thread count (skipped without torch), and a
   hand-written NumPy im2col implementation, the floor any NumPy library pays. Each at one
   thread and at every core.
+* Where the time of a d2lperf step goes, per kind of operation (the engine's records).
 * Data parallelism: the same batch split over two virtual CPU devices with one BLAS thread
   each, against one device with every core.
 * ResNet-18 (the chapter's variant), seconds per step at batch 16, against the same network
@@ -251,6 +252,22 @@ def lenet_rows(cores):
     return rows
 
 
+def lenet_step_profile(cores, steps=5):
+    """Milliseconds per step spent in each kind of operation, d2lperf imperative at every core:
+    where the step's time goes (from the engine's records)."""
+    x, y = batch()
+    step = d2lperf_step_fn([d2l.cpu(0)], x, y)
+    with threadpool_limits(cores):
+        step()
+        with d2l.profiler.profile() as records:
+            for _ in range(steps):
+                step()
+    per_op = {}
+    for r in records:
+        per_op[r.name] = per_op.get(r.name, 0.0) + (r.end - r.start) * 1e3 / steps
+    return sorted(per_op.items(), key=lambda item: -item[1])
+
+
 def data_parallel_rows(cores):
     """Two virtual devices sharing the cores, against one device that has them all."""
     x, y = batch()
@@ -356,6 +373,10 @@ def main():
     for name, threads, ips in rows:
         vs_torch = f'{ips / torch_ips[threads]:.2f}' if threads in torch_ips else '-'
         print(f'| {name} | {threads} | {ips:.0f} | {ips / floor[threads]:.2f} | {vs_torch} |')
+    profile = lenet_step_profile(cores)
+    print(f'\nWhere a step goes, d2lperf imperative at {cores} threads (ms per step): ' +
+          ', '.join(f'{name} {ms:.1f}' for name, ms in profile[:6]) +
+          f'; the other {len(profile) - 6} kinds {sum(ms for _, ms in profile[6:]):.1f}')
     print('\nData parallelism on virtual devices')
     rows = data_parallel_rows(cores)
     print(f'| what | cores | img/s | × one device |\n|---|--:|--:|--:|')

@@ -11,8 +11,9 @@ folder is a layer of several lessons, a module one lesson.
     engine/       the dependency engine ("Asynchronous Computation", "Automatic Parallelism"):
                   tracking (variables, operations, the rules that order them, failures) apart
                   from the policies that run them (threaded and naive engines; workers: a
-                  thread per device and lane, CUDA streams; blas: BLAS threads that fit the
-                  cores others leave free; host_memory: freed memory kept for the next step).
+                  thread per device and lane, CUDA streams, waiters that help; blas: BLAS
+                  threads that fit the cores others leave free; pieces: a large operation cut
+                  over the cores; host_memory: freed memory kept for the next step).
     ops/          every operation, by family, with its compute, shape, dtype and gradient
                   rules and what the compiler may do with it.
     tape          what autograd records on each array, the recording and training flags,
