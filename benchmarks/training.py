@@ -11,7 +11,7 @@ Rows, all measured side by side in this run:
   thread and at every core.
 * Where the time of a d2lperf step goes, per kind of operation (the engine's records).
 * Data parallelism: the same batch split over two virtual CPU devices with one BLAS thread
-  each, against one device with every core.
+  each, against one device with every core (with its large operations in pieces, and whole).
 * ResNet-18 (the chapter's variant), seconds per step at batch 16, against the same network
   in PyTorch eager with the same threads.
 * GPU rows with CuPy, where a GPU is present.
@@ -26,6 +26,7 @@ from threadpoolctl import threadpool_limits
 import d2lperf as d2l
 from d2lperf import autograd, engine, np, npx
 from d2lperf.device import available_cores
+from d2lperf.engine import pieces
 
 BATCH = 256
 STEPS = d2l.workload(8, 2)
@@ -279,7 +280,14 @@ def data_parallel_rows(cores):
     finally:
         engine.set_blas_division(old)
     one_seconds = with_threads(cores, one)
+    split_bytes, pieces.SPLIT_BYTES = pieces.SPLIT_BYTES, float('inf')
+    try:
+        whole_seconds = with_threads(cores, one)
+    finally:
+        pieces.SPLIT_BYTES = split_bytes
     return [('one device, every core', cores, BATCH / one_seconds),
+            ('one device, every core, no operation cut into pieces', cores,
+             BATCH / whole_seconds),
             ('two virtual devices, BLAS threads divided', cores, BATCH / two_seconds)]
 
 
