@@ -167,3 +167,80 @@ def test_every_algorithm_on_gpus(algorithm):
     comm.allreduce(arrays, algorithm)
     for array in arrays:
         numpy.testing.assert_allclose(array.asnumpy(), hosts[0] + hosts[1], rtol=1e-6)
+
+
+# -- the two halves: reduce-scatter and all-gather ----------------------------------------------
+
+HALF_ALGORITHMS = ('ring', 'split')
+
+
+@checks(120)
+@given(case=allreduce_cases(), algorithm=st.sampled_from(HALF_ALGORITHMS),
+       dtype=st.sampled_from(['float32', 'float64', 'int32', 'int64']))
+def test_reduce_scatter_leaves_each_device_the_reduction_of_its_chunk(case, algorithm, dtype):
+    hosts, _, op = case
+    hosts = [h.astype(dtype) for h in hosts]
+    arrays = on_devices(hosts)
+    shards = comm.reduce_scatter(arrays, algorithm, op)
+    whole = expected(hosts, op).reshape(-1)
+    bounds = comm.chunk_bounds(whole.size, len(hosts))
+    assert len(shards) == len(hosts)
+    for shard, array, (start, stop) in zip(shards, arrays, bounds):
+        assert shard.device == array.device and shard.shape == (stop - start,)
+        tolerance = 1e-5 if dtype == 'float32' else 1e-12
+        numpy.testing.assert_allclose(shard.asnumpy(), whole[start:stop], rtol=tolerance,
+                                      atol=tolerance)
+
+
+@checks(120)
+@given(case=allreduce_cases(), algorithm=st.sampled_from(HALF_ALGORITHMS),
+       dtype=st.sampled_from(['float32', 'float64', 'int32', 'int64']))
+def test_all_gather_gives_every_device_every_shard(case, algorithm, dtype):
+    hosts, _, _ = case
+    hosts = [h.astype(dtype) for h in hosts]
+    arrays = on_devices(hosts)
+    bounds = comm.chunk_bounds(hosts[0].size, len(hosts))
+    gathered = numpy.concatenate([h.reshape(-1)[start:stop]
+                                  for h, (start, stop) in zip(hosts, bounds)])
+    assert comm.all_gather(arrays, algorithm) == arrays
+    for array in arrays:
+        numpy.testing.assert_array_equal(array.asnumpy().reshape(-1), gathered, strict=True)
+
+
+@checks(40)
+@given(case=allreduce_cases(), algorithm=st.sampled_from(HALF_ALGORITHMS))
+def test_the_two_halves_make_the_allreduce(case, algorithm):
+    """Split's halves are its allreduce, bit for bit. The ring's allreduce leaves chunk i + 1 on
+    device i, its halves chunk i, so each chunk is summed in another order: equal to rounding,
+    and every device still ends with the same bits."""
+    hosts, _, op = case
+    halves, whole = on_devices(hosts), on_devices(hosts)
+    comm.reduce_scatter(halves, algorithm, op)
+    comm.all_gather(halves, algorithm)
+    comm.allreduce(whole, algorithm, op)
+    results = [a.asnumpy() for a in halves]
+    for result, b in zip(results, whole):
+        if algorithm == 'split':
+            numpy.testing.assert_array_equal(result, b.asnumpy())
+        else:
+            tolerance = 1e-5 if result.dtype == numpy.float32 else 1e-12
+            numpy.testing.assert_allclose(result, b.asnumpy(), rtol=tolerance, atol=tolerance)
+        numpy.testing.assert_array_equal(result, results[0])
+
+
+@pytest.mark.parametrize('n', [2, 3, 4, 8])
+def test_each_half_of_the_ring_sends_n_minus_one_over_n_of_the_data(n):
+    for collective in ('reduce-scatter', 'all-gather'):
+        plan = schedules.half(collective, 'ring', n)
+        assert len(plan.steps) == n - 1
+        assert sent_by_each(plan) == [n - 1] * n
+
+
+def test_halves_of_other_algorithms_and_bad_counts_are_refused():
+    arrays = on_devices([numpy.ones(4, numpy.float32)] * 2)
+    with pytest.raises(ValueError, match=r"reduce-scatter runs by \['ring', 'split'\], not 'tree'"):
+        comm.reduce_scatter(arrays, 'tree')
+    with pytest.raises(ValueError, match='all-gather needs at least one device, not 0'):
+        schedules.half('all-gather', 'ring', 0)
+    with pytest.raises(ValueError, match='reduce_scatter needs at least one array'):
+        comm.reduce_scatter([])

@@ -1,8 +1,10 @@
 """Communication between devices: splitting a minibatch among them, and allreduce across them.
 
     split       `split_and_load` and `split_batch`: one slice of a minibatch a device.
-    schedules   the allreduce algorithms as data: which chunk goes where, step by step.
-    allreduce   a schedule run as engine operations, in place, with any of four reductions.
+    schedules   the allreduce algorithms as data: which chunk goes where, step by step, and
+                their two halves apart (reduce-scatter, all-gather).
+    allreduce   a schedule run as engine operations, in place, with any of four reductions;
+                reduce_scatter and all_gather, the halves that sharded training uses.
     cost        what each algorithm costs on a topology, in the α-β model.
     replay      an allreduce replayed from the profiler's records: each chunk's contents
                 after every step, and when each transfer ran, drawn.
@@ -11,11 +13,13 @@ Data parallelism ("Training on Multiple GPUs") needs the first and the third; "P
 Servers" compares the algorithms, measured and modelled.
 """
 from .split import slice_sizes, split_and_load, split_batch
-from .schedules import chunk_bounds, schedule
-from .allreduce import REDUCTIONS, allreduce, allreduce_on_first, transfers_in
+from .schedules import chunk_bounds, half, schedule
+from .allreduce import (REDUCTIONS, all_gather, allreduce, allreduce_on_first, reduce_scatter,
+                        transfers_in)
 from .replay import chunk_states, draw_chunk_states, draw_transfers
 from . import cost
 
-__all__ = ['slice_sizes', 'split_and_load', 'split_batch', 'chunk_bounds', 'schedule',
-           'REDUCTIONS', 'allreduce', 'allreduce_on_first', 'transfers_in', 'chunk_states',
+__all__ = ['slice_sizes', 'split_and_load', 'split_batch', 'chunk_bounds', 'half', 'schedule',
+           'REDUCTIONS', 'allreduce', 'allreduce_on_first', 'reduce_scatter', 'all_gather',
+           'transfers_in', 'chunk_states',
            'draw_chunk_states', 'draw_transfers', 'cost']

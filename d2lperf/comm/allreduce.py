@@ -7,7 +7,8 @@ runs beside it. Copies go on the copy lanes, reductions on the receiving device'
 lane. Every operation is named `'<algorithm> <phase> <step> chunk <c> <from>-><to> <action>'`
 (`NAME`), so a profile of a real run shows the chunks moving (`transfers_in`).
 `allreduce_on_first` is the MXNet edition's simple version, from "Training on Multiple
-GPUs". Taught in "Parameter Servers".
+GPUs". `reduce_scatter` and `all_gather` are an allreduce's two halves apart, as sharded
+training uses them: device i owns chunk i. Taught in "Parameter Servers".
 """
 import re
 
@@ -16,7 +17,7 @@ import numpy
 from .. import engine
 from ..device import cpu, transfer
 from ..ndarray import NDArray
-from .schedules import chunk_bounds, schedule
+from .schedules import chunk_bounds, half, schedule
 
 REDUCTIONS = {'sum': 'add', 'max': 'maximum', 'min': 'minimum', 'prod': 'multiply'}
 
@@ -29,7 +30,36 @@ def allreduce(arrays, algorithm='ring', op='sum'):
     """
     arrays = list(arrays)
     _check(arrays, op)
-    plan = schedule(algorithm, len(arrays))
+    return _run(arrays, schedule(algorithm, len(arrays)), algorithm, op)
+
+
+def reduce_scatter(arrays, algorithm='ring', op='sum'):
+    """The first half of an allreduce: split every array (one a device, one shape and dtype)
+    into n chunks, and leave on device i the reduction of everyone's chunk i. In place;
+    returns device i's chunk i, a flat view of its array (its shard). The rest of each array
+    holds partial reductions. `algorithm`: 'ring' or 'split'."""
+    arrays = list(arrays)
+    _check(arrays, op, 'reduce_scatter')
+    _run(arrays, half('reduce-scatter', algorithm, len(arrays)), algorithm, op)
+    return _shards(arrays)
+
+
+def all_gather(arrays, algorithm='ring'):
+    """The second half of an allreduce: device i's chunk i (its shard) is copied into every
+    other array, so that all become the concatenation of the shards. In place; returns the
+    arrays. `algorithm`: 'ring' or 'split'."""
+    arrays = list(arrays)
+    _check(arrays, 'sum', 'all_gather')
+    return _run(arrays, half('all-gather', algorithm, len(arrays)), algorithm, 'sum')
+
+
+def _shards(arrays):
+    bounds = chunk_bounds(arrays[0].size, len(arrays))
+    return [array.reshape(-1)[start:stop] for array, (start, stop) in zip(arrays, bounds)]
+
+
+def _run(arrays, plan, algorithm, op):
+    """Push every transfer of `plan` as engine operations on the arrays' chunks."""
     parties = [Party(array, plan.chunks) for array in arrays]
     if plan.parties > len(arrays):
         host = NDArray(arrays[0].shape, arrays[0].dtype, cpu(0))
@@ -160,11 +190,11 @@ def _copy_into_host(target, source):
         source.get(out=target)                     # from a GPU, on this lane's stream
 
 
-def _check(arrays, op):
+def _check(arrays, op, what='allreduce'):
     if op not in REDUCTIONS:
         raise ValueError(f'unknown reduction op={op!r}; use one of {sorted(REDUCTIONS)}')
     if not arrays:
-        raise ValueError('allreduce needs at least one array, one a device')
+        raise ValueError(f'{what} needs at least one array, one a device')
     if not all(isinstance(a, NDArray) for a in arrays):
         kinds = sorted({type(a).__name__ for a in arrays})
         raise TypeError(f'allreduce takes d2lperf NDArrays, got {kinds}; wrap NumPy arrays '

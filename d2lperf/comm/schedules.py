@@ -109,6 +109,53 @@ SCHEDULES = {'naive': naive, 'cpu': cpu, 'split': split, 'tree': tree, 'ring': r
              'ring2': ring2}
 
 
+# -- the two halves of an allreduce, apart: device i owns chunk i ------------------------------
+
+def _ring_phase(n, phase, shift):
+    """One phase of the ring with chunks renumbered so that device i owns chunk i: in step s,
+    device i sends chunk i - s + shift to device i + 1."""
+    combine = phase == 'reduce-scatter'
+    return [Step(phase, s + 1, [Transfer(i, (i + 1) % n, (i - s + shift) % n, combine)
+                                for i in range(n)])
+            for s in range(n - 1)]
+
+
+def ring_reduce_scatter(n):
+    """The ring's first phase: after n - 1 steps device i holds the whole of chunk i."""
+    return Schedule('ring', n, n, _ring_phase(n, 'reduce-scatter', -1))
+
+
+def ring_all_gather(n):
+    """The ring's second phase: device i's chunk i travels around to every device."""
+    return Schedule('ring', n, n, _ring_phase(n, 'all-gather', 0))
+
+
+def split_reduce_scatter(n):
+    return Schedule('split', n, n, split(n).steps[:1])
+
+
+def split_all_gather(n):
+    return Schedule('split', n, n, split(n).steps[1:])
+
+
+# Only the algorithms whose allreduce is a reduce-scatter followed by an all-gather: the others
+# reduce everything on one device (naive, cpu) or up a tree, so their halves are no half.
+HALVES = {'reduce-scatter': {'ring': ring_reduce_scatter, 'split': split_reduce_scatter},
+          'all-gather': {'ring': ring_all_gather, 'split': split_all_gather}}
+
+
+def half(collective, algorithm, n):
+    """The schedule of `collective` ('reduce-scatter' or 'all-gather') by `algorithm` over `n`
+    devices, device i owning chunk i."""
+    algorithms = HALVES[collective]
+    if algorithm not in algorithms:
+        raise ValueError(f'{collective} runs by {sorted(algorithms)}, not {algorithm!r}: the '
+                         'other allreduce algorithms reduce on one device, not in chunks')
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f'a {collective} needs at least one device, not {n!r}')
+    return algorithms[algorithm](n) if n > 1 else Schedule(algorithm, 1, 1, [])
+
+
 def schedule(algorithm, n):
     """The schedule of `algorithm` over `n` devices."""
     if algorithm not in SCHEDULES:
