@@ -1,4 +1,4 @@
-"""SGD with momentum and weight decay against the same rule written in NumPy."""
+"""SGD with momentum and weight decay, and Adam, against the same rules written in NumPy."""
 import numpy
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -63,8 +63,9 @@ def test_momentum_states_need_momentum():
 
 def test_create_names_what_it_offers():
     assert isinstance(optimizer.create('sgd', learning_rate=0.5), optimizer.SGD)
-    with pytest.raises(ValueError, match="'adam'.*sgd"):
-        optimizer.create('adam')
+    assert isinstance(optimizer.create('adam', learning_rate=0.5), optimizer.Adam)
+    with pytest.raises(ValueError, match=r"'adagrad'.*\['adam', 'sgd'\]"):
+        optimizer.create('adagrad')
 
 
 def float16_sgd(weight, grads, lr, momentum, wd):
@@ -93,3 +94,105 @@ def test_sgd_updates_float16_weights_in_float16():
     fresh = optimizer.SGD(learning_rate=0.1, momentum=0.9, wd=0.01)
     fresh.set_states(sgd.get_states(), lambda key: d2l.cpu())
     assert fresh.states['w'].dtype == numpy.float16
+
+
+# -- Adam ------------------------------------------------------------------------------------
+
+def numpy_adam(weight, grads, lr, beta1, beta2, epsilon, wd, rescale):
+    """MXNet's Adam: the bias correction folded into the rate of each step."""
+    mean, var = numpy.zeros_like(weight), numpy.zeros_like(weight)
+    for t, grad in enumerate(grads, start=1):
+        g = rescale * grad + wd * weight
+        mean = beta1 * mean + (1 - beta1) * g
+        var = beta2 * var + (1 - beta2) * g * g
+        rate = lr * numpy.sqrt(1 - beta2 ** t) / (1 - beta1 ** t)
+        weight = weight - rate * mean / (numpy.sqrt(var) + epsilon)
+    return weight, mean, var
+
+
+@settings(max_examples=25, deadline=None)
+@given(lr=st.floats(1e-4, 0.1), betas=st.sampled_from([(0.9, 0.999), (0.5, 0.9)]),
+       wd=st.sampled_from([0.0, 1e-3]), rescale=st.sampled_from([1.0, 1 / 8]),
+       steps=st.integers(1, 5), seed=st.integers(0, 2**16))
+def test_adam_follows_mxnets_rule(lr, betas, wd, rescale, steps, seed):
+    rng = numpy.random.default_rng(seed)
+    weight0 = rng.normal(size=(3, 4))
+    grads = [rng.normal(size=(3, 4)) for _ in range(steps)]
+    adam = optimizer.Adam(learning_rate=lr, beta1=betas[0], beta2=betas[1], wd=wd,
+                          rescale_grad=rescale)
+    weight = np.array(weight0, dtype=numpy.float64)
+    for grad in grads:
+        adam.update('w', weight, np.array(grad, dtype=numpy.float64))
+    expected, mean, var = numpy_adam(weight0, grads, lr, *betas, 1e-8, wd, rescale)
+    numpy.testing.assert_allclose(weight.asnumpy(), expected, rtol=1e-12, atol=1e-12)
+    numpy.testing.assert_allclose(adam.states['w'][0].asnumpy(), mean, rtol=1e-12)
+    assert adam.counts == {'w': steps}
+
+
+def test_adams_defaults_are_mxnets():
+    adam = optimizer.Adam()
+    assert (adam.learning_rate, adam.beta1, adam.beta2, adam.epsilon, adam.wd) == (
+        0.001, 0.9, 0.999, 1e-8, 0.0)
+
+
+def test_adam_states_round_trip_through_a_store_with_their_step_counts(tmp_path):
+    """Saved after two steps and loaded into a fresh store and optimizer, the third step is
+    the one an unbroken run takes: the step count (the bias correction) travels with mean and
+    var."""
+    grad = np.array(numpy.arange(6, dtype=numpy.float32).reshape(2, 3))
+
+    def store_at(weight):
+        store = d2l.kvstore.create('local')
+        store.set_optimizer(optimizer.Adam(learning_rate=0.1))
+        store.init('w', weight)
+        return store
+
+    def pulled(store):
+        out = np.zeros((2, 3), dtype=numpy.float32)
+        store.pull('w', out=out)
+        return out
+
+    unbroken, broken = store_at(np.ones((2, 3))), store_at(np.ones((2, 3)))
+    for _ in range(2):
+        unbroken.push('w', grad)
+        broken.push('w', grad)
+    path = str(tmp_path / 'adam.states')
+    broken.save_optimizer_states(path)
+    resumed = store_at(pulled(broken))
+    resumed.load_optimizer_states(path)
+    unbroken.push('w', grad)
+    resumed.push('w', grad)
+    assert resumed.optimizer.counts['w'] == 3
+    numpy.testing.assert_array_equal(pulled(resumed).asnumpy(), pulled(unbroken).asnumpy())
+
+
+@pytest.mark.parametrize('params, words', [
+    ({'beta1': 1.0}, 'beta1 below 1'), ({'beta2': 1.5}, 'beta2 below 1'),
+    ({'epsilon': -1e-8}, 'Adam needs a finite number >= 0 for epsilon'),
+    ({'learning_rate': float('nan')}, 'Adam needs a finite.*learning_rate')])
+def test_bad_adam_settings_are_named(params, words):
+    with pytest.raises(ValueError, match=words):
+        optimizer.Adam(**params)
+
+
+def test_states_that_adam_did_not_save_are_refused():
+    adam = optimizer.Adam()
+    with pytest.raises(ValueError, match="key 'w' is not \\[t, mean..., var...\\]"):
+        adam.set_states({'w': numpy.zeros(4)}, lambda key: d2l.cpu())
+
+
+def test_the_trainer_runs_adam_on_every_copy():
+    net = d2l.nn.Dense(2)
+    net.initialize(d2l.nn.init.Constant(0.5), device=[d2l.cpu(0), d2l.cpu(1)])
+    trainer = d2l.Trainer(net.collect_params(), 'adam', {'learning_rate': 0.1})
+    xs = [np.ones((4, 3), device=d) for d in (d2l.cpu(0), d2l.cpu(1))]
+    with d2l.autograd.record():
+        losses = [net(x).sum() for x in xs]
+    for loss in losses:
+        loss.backward()
+    trainer.step(8)
+    copies = [p.data(d).asnumpy() for p in net.collect_params().values()
+              for d in (d2l.cpu(0), d2l.cpu(1))]
+    numpy.testing.assert_array_equal(copies[0], copies[1])
+    # Adam's first step moves every weight by the learning rate, whatever its gradient
+    numpy.testing.assert_allclose(copies[0], 0.5 - 0.1, rtol=1e-5)

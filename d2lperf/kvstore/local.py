@@ -96,7 +96,8 @@ class KVStore:
         """Wait for every worker: in one process there is nobody else to wait for."""
 
     def save_optimizer_states(self, path):
-        """The optimizer's states (SGD's momentum) to an .npz file, written atomically."""
+        """The optimizer's states (SGD's momentum, Adam's step count, mean and variance) to an
+        .npz file, written atomically."""
         states = {state_name(k): v for k, v in self._optimizer_or_error().get_states().items()}
         atomic_write(path, lambda file: numpy.savez(file, **states))
 
@@ -115,9 +116,11 @@ class KVStore:
                              f'{unknown}; load it into the store that saved it')
         for k, state in states.items():
             value = self.values[k]
-            if state.shape != value.shape or state.dtype != value.dtype:
+            shape, dtype = optimizer.state_of(value)
+            if state.shape != shape or state.dtype != dtype:
                 raise ValueError(f'{path} holds a state of {state.dtype}{list(state.shape)} '
-                                 f'for key {k!r}, whose value is {value.dtype}{list(value.shape)}')
+                                 f'for key {k!r}, whose value is {value.dtype}{list(value.shape)}'
+                                 f': {type(optimizer).__name__} keeps {dtype}{list(shape)}')
         optimizer.set_states(states, lambda k: self.values[k].device)
 
     # -- where values live and sums happen ------------------------------------------------
