@@ -48,6 +48,8 @@ from .keys import describe
 from .protocol import (HEADER_TAG, DeadlineError, ProtocolError, log, receive, send,
                        wait_for_sends, wait_until)
 
+LINE_FORWARDING_SECONDS = 0.5     # before a refusing server aborts the job (see run_server)
+
 
 class Server:
     """The state and the receive loop of one server process."""
@@ -260,5 +262,8 @@ def run_server(world, synchronous, num_workers):
     except (ProtocolError, DeadlineError) as error:
         print(f'd2lperf server (rank {world.rank}): {type(error).__name__}: {error}',
               file=sys.stderr, flush=True)
+        # The line goes through a pipe to MPICH's process manager, which forwards it; Abort
+        # tears the job down at once, sometimes before the forwarding. Give it a moment.
+        time.sleep(LINE_FORWARDING_SECONDS)
         world.Abort(3)
     sys.exit(0)
