@@ -104,3 +104,19 @@ def test_bad_inputs_are_refused():
         cost.allreduce_time('butterfly', 1e6, cost.pcie_server())
     with pytest.raises(ValueError, match='no host link'):
         cost.allreduce_time('cpu', 1e6, cost.Topology('no host', 4, 1e9, None, None, 0))
+
+
+@checks(40)
+@given(n=st.integers(2, 8), chunk=st.integers(1, 10**6), alpha=st.sampled_from([0.0, 1e-5]),
+       bandwidth=st.sampled_from([1e9, 16e9]), algorithm=st.sampled_from(['ring', 'split']))
+def test_the_halves_cost_half_an_allreduce_each(n, chunk, alpha, bandwidth, algorithm):
+    """On a switch each half moves (n-1)/n of the data through every port; the ring in n-1
+    messages, split in one step of n-1 messages a port: the textbook costs, and the two halves
+    add up to the allreduce."""
+    topology = cost.Topology('switch', n, bandwidth, bandwidth, None, alpha)
+    size = n * chunk
+    halves = [cost.half_time(c, algorithm, size, topology)
+              for c in ('reduce-scatter', 'all-gather')]
+    for seconds in halves:
+        assert seconds == pytest.approx((n - 1) * (alpha + chunk / bandwidth), rel=1e-9)
+    assert sum(halves) == pytest.approx(cost.allreduce_time(algorithm, size, topology), rel=1e-9)

@@ -12,13 +12,14 @@ through the first device's. The PCIe server is the MXNet edition's ("Parameter S
 GPUs. NVLink is the V100's, 25 GB/s a link and direction (NVIDIA's whitepaper), which puts the
 two rings of 8 V100s at about 3.7 ms; the MXNet edition's "about 6 ms" comes from 18 GB/s
 (`NVLINK_MXNET_EDITION`) and from rounding the ring's (n-1)/n to 1. Latencies are assumptions
-of the right order; the MXNet edition leaves them out (alpha=0). Taught in "Parameter Servers".
+of the right order; the MXNet edition leaves them out (alpha=0). `half_time` prices the two
+halves of an allreduce apart (reduce-scatter, all-gather). Taught in "Parameter Servers".
 """
 import collections
 
 import numpy
 
-from .schedules import chunk_bounds, schedule
+from .schedules import chunk_bounds, half, schedule
 
 GB = 1e9            # the MXNet edition's units: 160 MB / 16 GB/s = 10 ms
 PCIE3_X16 = 16 * GB
@@ -64,9 +65,21 @@ def ethernet(machines=4, bandwidth=10e9 / 8, alpha=50e-6):
 
 def allreduce_time(algorithm, size_bytes, topology):
     """Seconds `algorithm` takes to allreduce `size_bytes` on each of `topology`'s devices."""
+    return plan_time(schedule(algorithm, topology.devices), algorithm, size_bytes, topology)
+
+
+def half_time(collective, algorithm, size_bytes, topology):
+    """Seconds a 'reduce-scatter' or an 'all-gather' of `size_bytes` (each device's whole
+    array) takes by `algorithm` ('ring' or 'split'): half of the allreduce each, as sharded
+    training pays them."""
+    return plan_time(half(collective, algorithm, topology.devices), algorithm, size_bytes,
+                     topology)
+
+
+def plan_time(plan, algorithm, size_bytes, topology):
+    """Seconds a schedule takes: its steps, one after the other, priced on `topology`."""
     if size_bytes < 0:
         raise ValueError(f'size_bytes must be at least 0, not {size_bytes}')
-    plan = schedule(algorithm, topology.devices)
     if plan.parties > topology.devices and topology.host is None:
         raise ValueError(f'{topology.name} has no host link; give the topology a host '
                          f'bandwidth to price {algorithm!r}')
