@@ -3,8 +3,9 @@
 `ThreadedEngine` tracks dependencies under one lock and hands each ready operation to a worker
 thread of its device and lane (`workers.py`), so the caller's thread returns at once and
 independent work overlaps; a caller that then waits for a result runs the ready work it waits
-for itself (`ThreadedEngine.help`) rather than sleeping through two thread hand-offs. `NaiveEngine` runs each operation at once on the caller's thread,
-for debugging (`D2LPERF_ENGINE=naive`): a failure then points at the line that caused it.
+for itself (`ThreadedEngine.help`) rather than sleeping through two thread hand-offs.
+`NaiveEngine` runs each operation at once on the caller's thread, for debugging
+(`D2LPERF_ENGINE=naive`): a failure then points at the line that caused it.
 Both keep the interface of `Engine`. Taught in "Asynchronous Computation" and "Automatic
 Parallelism".
 """
@@ -100,7 +101,8 @@ class ThreadedEngine(Engine):
         self.complete(op, error, own)
 
     def complete(self, op, error, own):
-        """Release what `op` held; dispatch what that made ready; keep its own error for wait_all."""
+        """Release what `op` held; dispatch what that made ready; keep its own error for
+        wait_all."""
         granted, ready = [], []
         with self.lock:
             for var in op.reads:

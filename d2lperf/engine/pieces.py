@@ -1,4 +1,4 @@
-"""Intra-op parallelism: one large operation cut into pieces that run on the device's cores at once.
+"""Intra-op parallelism: a large operation cut into pieces that run on the device's cores at once.
 
 NumPy runs a copy, an elementwise function or a reduction on one core, and lets go of the
 interpreter lock while it does. An operation cut along one axis into pieces, each run by its
@@ -7,12 +7,12 @@ element is computed by the same code from the same inputs, only on another core.
 not cut: BLAS has threads of its own. A device runs one operation at a time, so a product never
 competes with the pieces of another operation of the same device.
 
-How many pieces (`count`): one below `SPLIT_BYTES`, where waking a second thread costs more than
-it saves; else the BLAS thread count in force, which fits the cores other programs leave free
-and, with `engine.set_blas_division(True)`, is divided among the CPU devices computing at once
-(`blas.SharedCores`): two virtual devices on two cores then each run whole, as before. The first piece runs on the calling thread, the
-others on a small pool of threads. Taught in "Training on Multiple GPUs" ("Sharing the cores
-well").
+How many pieces (`count`): one below `SPLIT_BYTES`, where waking a second thread costs more
+than it saves; else the BLAS thread count in force, which fits the cores other programs leave
+free and, with `engine.set_blas_division(True)`, is divided among the CPU devices computing at
+once (`blas.SharedCores`): two virtual devices on two cores then each run whole, as before. The
+first piece runs on the calling thread, the others on a small pool of threads. Taught in
+"Training on Multiple GPUs" ("Sharing the cores well").
 """
 import concurrent.futures
 import os

@@ -4,8 +4,9 @@ The dependency tracker (`tracking.py`) decides *when* an operation may run; this
 *where*. Every device has one worker thread per *lane*, as in MXNet's per-device engine: a
 compute lane, and lanes that move data, so that a copy overlaps with computation that does
 not depend on it. A thread that waits for a result may run a CPU lane's queue in its thread's
-place (`Worker.help`): one thread at a time runs a lane, in the lane's order. On a GPU each lane owns a CUDA stream (compute; host to device; device to
-host), so the copy engines of the GPU work while its cores compute; the CUDA events that
+place (`Worker.help`): one thread at a time runs a lane, in the lane's order. On a GPU each
+lane owns a CUDA stream (compute; host to device; device to host), so the copy engines of the
+GPU work while its cores compute; the CUDA events that
 order the streams, and the waits for them, are all here. Virtual CPU devices share the
 machine's cores, and their BLAS threads fit the cores other programs leave free
 (`blas.SharedCores`). `running_device()` says which device's operations the
@@ -161,9 +162,9 @@ class Worker:
                 op = queued.popleft()
                 if cores is not None:
                     cores.fit()
+                if helper and op.record is not None:       # before it completes: waiters
+                    op.record.helped = threading.current_thread().name     # may read it
                 self.run(op, self)
-                if helper and op.record is not None:
-                    op.record.helped = threading.current_thread().name
                 ran += 1
                 # Keep no reference to the last operation: freeing it when the next one
                 # arrives would put that work on the critical path.
