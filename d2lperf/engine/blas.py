@@ -5,8 +5,9 @@ as its slowest thread: a thread that waits for a core another program holds make
 product wait for it. `threads_that_fit` is the policy: the cores other programs leave free
 (`load_by_others`, sampled every `SAMPLE_SECONDS`, counted in whole cores by `cores_taken`),
 divided among the CPU devices computing at once when asked (`engine.set_blas_division(True)`).
-`SharedCores` applies it before each operation of a CPU device; `OpenBLASThreads` reads and sets the count from any thread.
-`spin_briefly` makes OpenBLAS's idle threads give their cores back soon after a product.
+`SharedCores` applies it before each operation of a CPU device; `OpenBLASThreads` reads and
+sets the count from any thread. `spin_briefly` makes OpenBLAS's idle threads give their cores
+back soon after a product.
 Taught in "Automatic Parallelism" and "Hardware".
 """
 import collections
