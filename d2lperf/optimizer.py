@@ -77,7 +77,7 @@ class Adam:
     var ← β2 · var + (1 − β2) · g²;  weight ← weight − lr_t · mean / (√var + ε), where
     lr_t = learning_rate · √(1 − β2^t) / (1 − β1^t) at the key's t-th update (bias correction,
     folded into the rate as MXNet does). Two states the size of the weight, where SGD with
-    momentum keeps one: why sharding the optimizer's state pays ("Data Parallelism at Scale").
+    momentum keeps one: why sharding the optimizer's state over devices pays (ZeRO).
     """
 
     def __init__(self, learning_rate=0.001, beta1=0.9, beta2=0.999, epsilon=1e-8, wd=0.0,
@@ -134,15 +134,16 @@ class Adam:
     def set_states(self, states, device_of):
         """Take `states` (as `get_states` gives them) back; each key's mean and var get its
         weight's shape and dtype at the key's next update."""
-        self.states, self.counts, self.saved = {}, {}, {}
+        counts, saved = {}, {}
         for key, flat in states.items():
             flat = numpy.asarray(flat, numpy.float64)
             if flat.ndim != 1 or flat.size % 2 != 1:
                 raise ValueError(f'the saved Adam state of key {key!r} is not [t, mean..., '
                                  f'var...] (shape {flat.shape}): it was not saved by Adam')
-            self.counts[key] = int(flat[0])
-            self.saved[key] = (flat[1:1 + flat.size // 2], flat[1 + flat.size // 2:],
-                               device_of(key))
+            half = flat.size // 2
+            counts[key] = int(flat[0])
+            saved[key] = (flat[1:1 + half], flat[1 + half:], device_of(key))
+        self.states, self.counts, self.saved = {}, counts, saved      # all or nothing
 
     def _restore(self, key, weight):
         mean, var, device = self.saved.pop(key)

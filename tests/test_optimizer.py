@@ -175,10 +175,16 @@ def test_bad_adam_settings_are_named(params, words):
         optimizer.Adam(**params)
 
 
-def test_states_that_adam_did_not_save_are_refused():
+def test_states_that_adam_did_not_save_are_refused_and_nothing_is_lost():
     adam = optimizer.Adam()
+    weight = np.ones((2,))
+    adam.update('v', weight, np.ones((2,)))
+    before = adam.get_states()
     with pytest.raises(ValueError, match="key 'w' is not \\[t, mean..., var...\\]"):
-        adam.set_states({'w': numpy.zeros(4)}, lambda key: d2l.cpu())
+        adam.set_states({'v': before['v'], 'w': numpy.zeros(4)}, lambda key: d2l.cpu())
+    after = adam.get_states()
+    assert set(after) == {'v'} and adam.counts == {'v': 1}
+    numpy.testing.assert_array_equal(after['v'], before['v'])
 
 
 def test_the_trainer_runs_adam_on_every_copy():
