@@ -12,6 +12,9 @@ Rows, all measured side by side in this run:
 * Where the time of a d2lperf step goes, per kind of operation (the engine's records).
 * Data parallelism: the same batch split over two virtual CPU devices with one BLAS thread
   each, against one device with every core (with its large operations in pieces, and whole).
+* Past the source ("Data Parallelism at Scale"): one step of LeNet with Adam on four virtual
+  devices, its gradients summed a parameter at a time during backward (the Trainer's way), in
+  64 KiB buckets, flat after backward, and with ZeRO stages 1-3, each against the first.
 * ResNet-18 (the chapter's variant), seconds per step at batch 16, against the same network
   in PyTorch eager with the same threads.
 * GPU rows with CuPy, where a GPU is present.
@@ -291,6 +294,33 @@ def data_parallel_rows(cores):
             ('two virtual devices, BLAS threads divided', cores, BATCH / two_seconds)]
 
 
+def sharded_rows():
+    """(what, seconds a step) on four virtual devices, timed round-robin."""
+    from d2lperf.data_parallel import Buckets, Zero
+    devices = [d2l.cpu(i) for i in range(1, 5)]
+    x, y = batch()
+    loss = d2l.SoftmaxCrossEntropyLoss()
+    ways = {'one sum a parameter, during backward': lambda p: Buckets(p, 'adam', cap_bytes=1),
+            'buckets of 64 KiB, during backward': lambda p: Buckets(p, 'adam', cap_bytes=2**16),
+            'one flat sum, after backward': lambda p: Buckets(p, 'adam', overlap=False),
+            'ZeRO stage 1': lambda p: Zero(p, 1, 'adam'),
+            'ZeRO stage 2': lambda p: Zero(p, 2, 'adam'),
+            'ZeRO stage 3': lambda p: Zero(p, 3, 'adam')}
+    steps = {}
+    for name, make in ways.items():
+        net = d2l.nn.models.lenet()
+        net.initialize(init=d2l.nn.init.Normal(sigma=0.1), device=devices)
+        x_parts, y_parts = d2l.split_batch(np.array(x), np.array(y), devices)
+        net(x_parts[0]).wait_to_read()
+        strategy = make(net.collect_params())
+
+        def step(strategy=strategy, net=net, x_parts=x_parts, y_parts=y_parts):
+            strategy.step(lambda: [loss(net(a), b) for a, b in zip(x_parts, y_parts)], BATCH)
+            npx.waitall()
+        steps[name] = step
+    return list(d2l.utils.median_seconds(steps, repeats=REPEATS * 2, min_seconds=0).items())
+
+
 RESNET_BATCH = 16
 
 
@@ -390,6 +420,11 @@ def main():
     print(f'| what | cores | img/s | × one device |\n|---|--:|--:|--:|')
     for name, threads, ips in rows:
         print(f'| {name} | {threads} | {ips:.0f} | {ips / rows[0][2]:.2f} |')
+    print('\nLeNet with Adam on four virtual devices: how the gradients are summed')
+    rows = sharded_rows()
+    print('| what | ms per step | × the first |\n|---|--:|--:|')
+    for name, seconds in rows:
+        print(f'| {name} | {seconds * 1e3:.1f} | {rows[0][1] / seconds:.2f} |')
     print(f'\nResNet-18 (28x28, batch {RESNET_BATCH}), one training step')
     rows = resnet_rows(cores)
     print('| what | threads | ms per step | img/s | × PyTorch |\n|---|--:|--:|--:|--:|')

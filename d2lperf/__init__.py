@@ -7,7 +7,8 @@ folder is a layer of several lessons, a module one lesson.
     utils         timers (one median-of-repeats loop for everything), workload sizes, atomic
                   file writes and the training-curve Animator.
     device        where an array lives (cpu(i), gpu(i)), which array module computes there,
-                  how data moves between two devices, and the one way CuPy is imported.
+                  how data moves between two devices, the one way CuPy is imported, and the
+                  bytes each device holds by kind, with the peak (`memory`).
     engine/       the dependency engine ("Asynchronous Computation", "Automatic Parallelism"):
                   tracking (variables, operations, the rules that order them, failures) apart
                   from the policies that run them (threaded and naive engines; workers: a
@@ -29,15 +30,19 @@ folder is a layer of several lessons, a module one lesson.
     nn/           Gluon-style blocks, layers, losses, initializers and parameters, compiled by
                   hybrid, and the networks the training chapters build (LeNet, ResNet-18).
     comm/         a minibatch split among devices; allreduce across them by six algorithms
-                  (schedules run as engine operations), and what each costs on a topology.
-    optimizer     the update rules (SGD with momentum and weight decay) that a trainer or a
-                  key-value store applies, with their states as plain arrays.
+                  (schedules run as engine operations), its two halves (reduce-scatter,
+                  all-gather), and what each costs on a topology.
+    optimizer     the update rules (SGD with momentum and weight decay, Adam) that a trainer
+                  or a key-value store applies, with their states as plain arrays.
     kvstore/      the (key, value) store ("Parameter Servers", "Distributed Training"): the
                   in-process stores (local, device); the distributed store's worker side,
                   its server and the wire protocol between them (over MPI, never pickled).
     trainer       minibatch SGD over a net's parameters on every device, its gradients
                   summed through a key-value store of any type (updated there, if it is
                   distributed).
+    data_parallel/  past the source ("Data Parallelism at Scale"): gradients summed in
+                  buckets while backward runs, ZeRO's stages 1-3 on reduce-scatter and
+                  all-gather, and the calculator that predicts what a step holds and moves.
     from_scratch  data parallelism by hand ("Training on Multiple GPUs"): parameters copied
                   to a device, and SGD where they live.
     evaluation    test accuracy on one device, or split among every device of a net.

@@ -4,10 +4,15 @@ A `Device` is a kind ('cpu' or 'gpu') and an index. CPU devices are virtual: `cp
 `cpu(1)` share the machine's cores but each gets its own engine workers, so two of them can
 compute side by side ("Automatic Parallelism"). GPUs compute with CuPy, imported only when a
 GPU is asked for, so the package runs on machines with neither CuPy nor a GPU. `transfer`
-says how data moves between two devices.
+says how data moves between two devices. `memory(device)` says how many bytes the arrays on a
+device hold, by kind (weights, gradients, optimizer state, activations, temporaries), and the
+peak ("Data Parallelism at Scale").
 """
+import collections
+import dataclasses
 import functools
 import os
+import threading
 
 import numpy
 
@@ -160,3 +165,115 @@ def try_devices(n):
     if num_gpus() >= n:
         return [gpu(i) for i in range(n)]
     return [cpu(i) for i in range(1, n + 1)]
+
+
+# -- memory: the bytes each device's arrays hold, by kind ----------------------------------
+
+KINDS = ('weights', 'gradients', 'optimizer state', 'activations', 'temporaries')
+
+# Every change is appended, never added up in place: deque.append is atomic, so an array freed
+# on an engine worker, or by the garbage collector in the middle of another update, never loses
+# one. Reading the counts adds the pending changes up, in order; so does making an array once
+# FOLD_AFTER are pending, few enough that the pending tuples never set off a garbage collection
+# of their own (Python collects after 700 new container objects).
+memory_changes = collections.deque()     # (device, kind, bytes): + when made, - when freed
+FOLD_AFTER = 512
+_fold_lock = threading.RLock()           # taken only to add up; appending never waits
+
+
+class Ledger:
+    """One device's running sums: bytes by kind, their total, the total's peak, and the bytes
+    by kind at that peak."""
+
+    __slots__ = ('by_kind', 'total', 'peak', 'at_peak')
+
+    def __init__(self):
+        self.by_kind = dict.fromkeys(KINDS, 0)
+        self.total = self.peak = 0
+        self.at_peak = dict(self.by_kind)
+
+
+_ledgers = collections.defaultdict(Ledger)      # device -> the changes added up so far
+
+
+def fold_changes():
+    """Add the pending changes up, in the order they happened, so that the peak is exact."""
+    with _fold_lock:
+        pop, ledgers = memory_changes.popleft, _ledgers
+        for _ in range(len(memory_changes)):
+            device, kind, nbytes = pop()
+            ledger = ledgers[device]
+            ledger.by_kind[kind] += nbytes
+            ledger.total += nbytes
+            if ledger.total > ledger.peak:
+                ledger.peak, ledger.at_peak = ledger.total, dict(ledger.by_kind)
+
+
+def mebibytes(nbytes):
+    return f'{nbytes / 2 ** 20:.2f} MiB'
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class Memory:
+    """What `memory(device)` found: the bytes held by kind (every kind, zeros included), their
+    total, the highest total since the start or the last `reset_peak`, and the bytes by kind
+    at that moment: the kind to shrink (shard, recompute, free sooner) for a model to fit."""
+
+    device: Device
+    by_kind: dict
+    total: int
+    peak: int
+    at_peak: dict
+
+    def __repr__(self):
+        rows = [f'{self.device}: {mebibytes(self.total)} held, peak {mebibytes(self.peak)}',
+                f'  {"":16s} {"now":>12s} {"at peak":>12s}']
+        rows += [f'  {kind:16s} {mebibytes(self.by_kind[kind]):>12s} '
+                 f'{mebibytes(self.at_peak[kind]):>12s}' for kind in KINDS]
+        return '\n'.join(rows)
+
+
+def memory(device):
+    """The bytes that arrays hold on `device` now, by kind, and the peak (a `Memory`).
+
+    An array counts from its creation until the last array sharing its memory (base or view)
+    is freed (see `ndarray.HeldVar`); a device never used holds nothing.
+    """
+    with _fold_lock:
+        fold_changes()
+        ledger = ledger_of(device, 'memory')
+        return Memory(device, dict(ledger.by_kind), ledger.total, ledger.peak,
+                      dict(ledger.at_peak))
+
+
+def reset_peak(device=None):
+    """Start measuring the peak afresh from the total held now: on `device`, or on every
+    device (as torch.cuda.reset_peak_memory_stats does)."""
+    with _fold_lock:
+        fold_changes()
+        ledgers = _ledgers.values() if device is None else [ledger_of(device, 'reset_peak')]
+        for ledger in ledgers:
+            ledger.peak, ledger.at_peak = ledger.total, dict(ledger.by_kind)
+
+
+def ledger_of(device, caller):
+    if not isinstance(device, Device):
+        raise TypeError(f'{caller} needs a Device such as d2l.cpu(1) or d2l.gpu(0), '
+                        f'not {device!r}')
+    return _ledgers[device]
+
+
+def label(array, kind):
+    """Count `array`'s bytes as `kind` (one of KINDS) from now on; returns the array.
+
+    The bytes are held by the array's engine variable, so labelling a view labels the memory
+    it shares with its base, and an array whose variable holds no bytes stays as it is.
+    """
+    if kind not in KINDS:
+        raise ValueError(f'{kind!r} is not a kind of memory; use one of {KINDS}')
+    var = array.var
+    nbytes = getattr(var, 'nbytes', 0)
+    if nbytes and var.kind != kind:     # one extend: nobody sees the bytes between two kinds
+        memory_changes.extend(((var.device, var.kind, -nbytes), (var.device, kind, nbytes)))
+        var.kind = kind
+    return array

@@ -5,12 +5,13 @@ An operation returns at once with a new NDArray whose shape and dtype are alread
 what needs the values waits for them: `wait_to_read`, `asnumpy`, `item`, `print`, `float`,
 `bool`. Taught in "Asynchronous Computation".
 """
+import math
 import numbers
 
 import numpy
 
 from . import engine
-from .device import Device, cpu, transfer
+from .device import FOLD_AFTER, Device, cpu, fold_changes, label, memory_changes, transfer
 from .ops import REGISTRY, as_array, index_shape
 from .tape import TAPE, TapeNode, needs_grad
 
@@ -82,6 +83,29 @@ class ArrayMethods:
     def copy(self): return apply('copy', self)
 
 
+class HeldVar(engine.Var):
+    """The engine variable of an array that owns its memory, and so holds its bytes.
+
+    The bytes count on their device (`device.memory`) from the moment the array is created
+    (pushed) until this variable dies, that is until the last array sharing it (base or view)
+    is freed; a view gets its base's variable, so it is never counted twice. They count as
+    'temporaries' until labelled (`device.label`). What an operation makes for itself while it
+    runs (im2col's columns, a compiled graph's intermediates) is no array and is not counted.
+    """
+
+    __slots__ = ('device', 'nbytes', 'kind')
+
+    def __init__(self, device, nbytes):
+        engine.Var.__init__(self)
+        self.device, self.nbytes, self.kind = device, nbytes, 'temporaries'
+        memory_changes.append((device, 'temporaries', nbytes))
+        if len(memory_changes) > FOLD_AFTER:
+            fold_changes()
+
+    def __del__(self, record=memory_changes.append):    # bound now: it runs at shutdown too
+        record((self.device, self.kind, -self.nbytes))
+
+
 class NDArray(ArrayMethods):
     """An asynchronous array on one device.
 
@@ -94,9 +118,10 @@ class NDArray(ArrayMethods):
     __array_ufunc__ = None          # make NumPy defer to our operators: `2.0 * x` stays async
 
     def __init__(self, shape, dtype, device, var=None):
-        """`shape` a tuple and `dtype` a numpy.dtype: pushes are hot, so nothing is converted."""
+        """`shape` a tuple and `dtype` a numpy.dtype: pushes are hot, so nothing is converted
+        (and math.prod, not numpy.prod, counts the bytes). A view passes its base's `var`."""
         self.shape, self.dtype, self.device = shape, dtype, device
-        self.var = var if var is not None else engine.Var()
+        self.var = var if var is not None else HeldVar(device, math.prod(shape) * dtype.itemsize)
         self.data = None
         self.node = None
         self.grad = None
@@ -159,7 +184,7 @@ class NDArray(ArrayMethods):
         """
         if self.dtype.kind != 'f':
             raise TypeError(f'only floating arrays can have gradients, not {self.dtype}')
-        self.grad = filled_like(self, 0)
+        self.grad = label(filled_like(self, 0), 'gradients')
         return self
 
     def backward(self, head_grad=None, retain_graph=False, on_gradient=None):

@@ -10,6 +10,7 @@ import math
 import numpy
 
 from . import np
+from .device import label
 
 
 class SGD:
@@ -46,7 +47,7 @@ class SGD:
             return
         velocity = self.states.get(key)
         if velocity is None:
-            velocity = self.states[key] = np.zeros(weight.shape, weight.dtype, weight.device)
+            velocity = self.states[key] = new_state(weight)
         velocity *= self.momentum
         velocity -= self.learning_rate * g
         weight += velocity
@@ -66,7 +67,8 @@ class SGD:
             raise ValueError(f'these optimizer states hold momentum for {len(states)} keys, '
                              'but this SGD has momentum=0: create it with the momentum the '
                              'states were saved with')
-        self.states = {key: np.array(numpy.asarray(value), device=device_of(key))
+        self.states = {key: label(np.array(numpy.asarray(value), device=device_of(key)),
+                                   'optimizer state')
                        for key, value in states.items()}
 
 
@@ -102,8 +104,7 @@ class Adam:
             self._restore(key, weight)
         state = self.states.get(key)
         if state is None:
-            state = self.states[key] = tuple(np.zeros(weight.shape, weight.dtype, weight.device)
-                                             for _ in range(2))
+            state = self.states[key] = (new_state(weight), new_state(weight))
         mean, var = state
         t = self.counts[key] = self.counts.get(key, 0) + 1
         rate = self.learning_rate * math.sqrt(1 - self.beta2 ** t) / (1 - self.beta1 ** t)
@@ -150,8 +151,14 @@ class Adam:
         if mean.size != weight.size:
             raise ValueError(f'the saved Adam state of key {key!r} holds {mean.size} values, '
                              f'its weight {weight.size}: states and weights do not match')
-        self.states[key] = tuple(np.array(v.reshape(weight.shape).astype(weight.dtype),
-                                          device=device) for v in (mean, var))
+        self.states[key] = tuple(label(np.array(v.reshape(weight.shape).astype(weight.dtype),
+                                                device=device), 'optimizer state')
+                                 for v in (mean, var))
+
+
+def new_state(weight):
+    """Zeros the shape, dtype and device of `weight`, counted as optimizer state."""
+    return label(np.zeros(weight.shape, weight.dtype, weight.device), 'optimizer state')
 
 
 def check_setting(name, value, optimizer='SGD'):

@@ -9,7 +9,11 @@ context managers. The tape lives apart from autograd.py so that ndarray, which r
 not import autograd, which sits above it: `TAPE.walk` is autograd's `backward`, set when
 autograd is imported, and `NDArray.backward` calls it. The two modules together are all of
 reverse mode.
+
+A node keeps its inputs alive until the graph is freed, for backward to read: the memory they
+hold counts as activations from then on (`device.memory`).
 """
+from .device import label
 
 
 class TapeNode:
@@ -19,6 +23,7 @@ class TapeNode:
 
     def __init__(self, op, inputs, attrs):
         self.op, self.inputs, self.attrs = op, tuple(inputs), attrs
+        keep_for_backward(self.inputs)
 
     def __repr__(self):
         return f'TapeNode({self.op.name}, {len(self.inputs)} inputs)'
@@ -35,6 +40,14 @@ class TapeState:
 
 
 TAPE = TapeState()
+
+
+def keep_for_backward(inputs):
+    """A node keeps its inputs until the graph is freed: an array that held temporaries now
+    holds activations (weights, gradients and optimizer state keep their kind)."""
+    for x in inputs:
+        if getattr(getattr(x, 'var', None), 'kind', None) == 'temporaries':
+            label(x, 'activations')
 
 
 def needs_grad(array):

@@ -14,12 +14,12 @@ Servers" compares the algorithms, measured and modelled.
 """
 from .split import slice_sizes, split_and_load, split_batch
 from .schedules import chunk_bounds, half, schedule
-from .allreduce import (REDUCTIONS, all_gather, allreduce, allreduce_on_first, reduce_scatter,
-                        transfers_in)
+from .allreduce import (REDUCTIONS, all_gather, allreduce, allreduce_on_first, bytes_sent,
+                        reduce_scatter, transfers_in)
 from .replay import chunk_states, draw_chunk_states, draw_transfers
 from . import cost
 
 __all__ = ['slice_sizes', 'split_and_load', 'split_batch', 'chunk_bounds', 'half', 'schedule',
            'REDUCTIONS', 'allreduce', 'allreduce_on_first', 'reduce_scatter', 'all_gather',
-           'transfers_in', 'chunk_states',
+           'transfers_in', 'bytes_sent', 'chunk_states',
            'draw_chunk_states', 'draw_transfers', 'cost']

@@ -5,7 +5,8 @@ gets an engine variable of its own, so a chunk moves on as soon as it is ready w
 of the array is still being sent or added, and computation that does not touch the arrays
 runs beside it. Copies go on the copy lanes, reductions on the receiving device's compute
 lane. Every operation is named `'<algorithm> <phase> <step> chunk <c> <from>-><to> <action>'`
-(`NAME`), so a profile of a real run shows the chunks moving (`transfers_in`).
+(`NAME`), a send's name ending with the bytes it moves, so that a profile of a real run shows
+the chunks moving and what they weigh (`transfers_in`, `bytes_sent`).
 `allreduce_on_first` is the MXNet edition's simple version, from "Training on Multiple
 GPUs". `reduce_scatter` and `all_gather` are an allreduce's two halves apart, as sharded
 training uses them: device i owns chunk i. Taught in "Parameter Servers".
@@ -134,21 +135,31 @@ class Party:
 
 
 NAME = re.compile(r'(?P<algorithm>\w+) (?P<phase>[\w-]+) (?P<step>\d+) chunk (?P<chunk>\d+) '
-                  r'(?P<source>\w+\(\d+\))->(?P<target>\w+\(\d+\)) (?P<action>\w+)$')
+                  r'(?P<source>\w+\(\d+\))->(?P<target>\w+\(\d+\)) (?P<action>\w+)'
+                  r'(?: (?P<bytes>\d+) B)?$')
 
 
 def transfers_in(records):
     """The allreduce operations among profiler records, as dicts: algorithm, phase, step,
-    chunk, source, target, action ('send', or the reduction), worker, start, end."""
+    chunk, source, target, action ('send', or the reduction), bytes (a send's; 0 for the
+    others), worker, start, end."""
     found = []
     for record in records:
         match = NAME.match(record.name)
         if match:
             fields = match.groupdict()
-            fields['step'], fields['chunk'] = int(fields['step']), int(fields['chunk'])
+            for field in ('step', 'chunk', 'bytes'):
+                fields[field] = int(fields[field] or 0)
             fields.update(worker=record.worker, start=record.start, end=record.end)
             found.append(fields)
     return found
+
+
+def bytes_sent(records, phase=None):
+    """Bytes the sends among `records` moved from one device to another (those of one `phase`,
+    such as 'reduce-scatter', if given), read off the engine's records of what ran."""
+    return sum(t['bytes'] for t in transfers_in(records)
+               if t['action'] == 'send' and phase in (None, t['phase']))
 
 
 def _push_transfer(parties, move, where, op):
@@ -160,18 +171,20 @@ def _push_transfer(parties, move, where, op):
     source, target = parties[move.source], parties[move.target]
     chunk, var = move.chunk, target.vars[move.chunk]
     name = f'{where} chunk {chunk} {source.device}->{target.device}'
+    start, stop = source.bounds[chunk]
+    sent = f'{name} send {(stop - start) * source.array.dtype.itemsize} B'
     copy_device, lane = engine.copy_lane(source.device, target.device)
     if not move.combine and target.device.kind == 'cpu':
         def copy_into():
             _copy_into_host(target.chunk(chunk), source.chunk(chunk))
-        engine.push(copy_into, [source.vars[chunk]], [var], copy_device, f'{name} send', lane)
+        engine.push(copy_into, [source.vars[chunk]], [var], copy_device, sent, lane)
         return
     received, move_data = {}, transfer(source.device, target.device)
 
     def send():
         received['data'] = move_data(source.chunk(chunk))
     buffer = engine.Var()
-    engine.push(send, [source.vars[chunk]], [buffer], copy_device, f'{name} send', lane)
+    engine.push(send, [source.vars[chunk]], [buffer], copy_device, sent, lane)
     reduction = getattr(target.device.xp, REDUCTIONS[op])
 
     def apply():

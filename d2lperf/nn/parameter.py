@@ -1,5 +1,5 @@
 """Parameters: named arrays a model learns, with a copy (and a gradient) on each device."""
-from ..device import Device, cpu
+from ..device import Device, cpu, label
 from . import init as initializers
 
 
@@ -37,8 +37,9 @@ class Parameter:
         first = self._init(self.shape, self._devices[0])
         self._data = {d: first if d == self._devices[0] else first.copyto(d)
                       for d in self._devices}
-        if self.grad_req == 'write':
-            for array in self._data.values():
+        for array in self._data.values():
+            label(array, 'weights')
+            if self.grad_req == 'write':
                 array.attach_grad()
 
     @property
@@ -46,6 +47,19 @@ class Parameter:
         """{device: NDArray}: one copy per device; None until initialized, a new dict after
         each initialization (compiled code watches it to know when to read arrays again)."""
         return self._data
+
+    def set_copies(self, arrays):
+        """Put `arrays` (one a device, in list_device() order) in place of the copies, or
+        drop them (None): ZeRO stage 3 keeps a chunk of each weight between steps, and gathers
+        the whole into fresh arrays for the next step."""
+        if arrays is not None:
+            arrays = list(arrays)
+            devices = [a.device for a in arrays]
+            if devices != self.list_device():
+                raise ValueError(f"parameter '{self.name}' lives on {self.list_device()}, and "
+                                 f'the arrays given are on {devices}')
+            arrays = dict(zip(devices, arrays))
+        self._data = arrays
 
     def data(self, device=None):
         """The copy on `device`. With one device, None means that one; with several, cpu(0)."""
@@ -89,7 +103,8 @@ class Parameter:
         if self._data is None:
             raise DeferredInitializationError(
                 f"parameter '{self.name}' has no value yet: call net.initialize() and run one "
-                'batch through the net so that its shape is known')
+                'batch through the net so that its shape is known (or, sharded by ZeRO stage 3, '
+                'it is whole only inside a step: Zero.weights() gathers it)')
         return self._data
 
     def __repr__(self):

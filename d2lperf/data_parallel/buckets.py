@@ -1,0 +1,161 @@
+"""Gradient buckets: sum the gradients a bucket at a time, each as soon as backward fills it.
+
+One allreduce a parameter pays a message's start-up cost (α) per parameter; one allreduce of
+everything waits for the whole backward pass before it starts. PyTorch's DDP (Li et al., VLDB
+2020) and Horovod's tensor fusion sit between the two: parameters are grouped, in the order
+backward completes their gradients (the reverse of the forward order), into buckets of about
+`cap_bytes`; when a bucket's last gradient is pushed, its gradients are packed into one flat
+buffer a device, the buffers are allreduced, and the sums unpacked into the gradients, while
+backward goes on with the layers below. A cap smaller than any parameter gives one parameter
+a bucket; an infinite cap gives one bucket. `overlap=False` waits for the whole backward pass
+before summing anything, the step of frameworks without an asynchronous engine.
+"""
+import math
+
+from .. import autograd, comm, engine, np, optimizer as optimizers
+from ..device import label
+
+
+def plan_buckets(params, cap_bytes):
+    """The parameters grouped into buckets, in reverse order: each bucket takes parameters until
+    it holds at least `cap_bytes` (the last may hold less). A list of lists of parameters."""
+    if not (isinstance(cap_bytes, (int, float)) and cap_bytes > 0):
+        raise ValueError(f'a bucket size is a number of bytes above 0 (math.inf for one bucket), '
+                         f'not {cap_bytes!r}')
+    buckets, current, held = [], [], 0
+    for param in reversed(list(params)):
+        current.append(param)
+        held += nbytes(param)
+        if held >= cap_bytes:
+            buckets.append(current)
+            current, held = [], 0
+    return buckets + [current] * bool(current)
+
+
+def nbytes(param):
+    weight = param.list_data()[0]
+    return weight.size * weight.dtype.itemsize
+
+
+class Buckets:
+    """Data-parallel training whose gradient sums go a bucket at a time.
+
+    `params`: `net.collect_params()`, initialized on the devices that compute (one copy each).
+    `step(forward, batch_size)` runs `forward()` (which returns one loss a device) under
+    `autograd.record`, backpropagates, sums, and updates every copy alike, as the Trainer does.
+    """
+
+    def __init__(self, params, optimizer='sgd', optimizer_params=None, cap_bytes=math.inf,
+                 overlap=True, algorithm='ring'):
+        self.names, self.params = trained(params)
+        self.devices = check_devices(self.params)
+        self.buckets = plan_buckets(self.params, cap_bytes)
+        self.overlap, self.algorithm = overlap, algorithm
+        self.optimizer = optimizers.create(optimizer, **(optimizer_params or {}))
+        self.bucket_of = {id(copy): i for i, bucket in enumerate(self.buckets)
+                          for param in bucket for copy in param.list_data()}
+        self.buffers = [self._buffers(bucket) for bucket in self.buckets]
+
+    def _buffers(self, bucket):
+        """One flat buffer a device for a bucket of several parameters (None for one: its
+        gradients are summed where they are)."""
+        if len(bucket) == 1:
+            return None
+        weight = bucket[0].list_data()[0]
+        size = sum(p.list_data()[0].size for p in bucket)
+        return [label(np.zeros((size,), weight.dtype, device), 'gradients')
+                for device in self.devices]
+
+    def step(self, forward, batch_size):
+        with autograd.record():
+            losses = list(forward())
+        self.backward(losses)
+        self.update(batch_size)
+
+    def backward(self, losses):
+        """Backpropagate every device's loss and sum the gradients, bucket by bucket."""
+        if not self.overlap:
+            for loss in losses:
+                loss.backward()
+            engine.wait_all()                # nothing is summed before backward has finished
+            for index in range(len(self.buckets)):
+                self.sum_bucket(index)
+            return
+        for loss in losses[:-1]:
+            loss.backward()
+        missing = [len(bucket) for bucket in self.buckets]
+
+        def arrived(copy):                   # the last device's gradient of `copy` is pushed
+            index = self.bucket_of.get(id(copy))
+            if index is not None:
+                missing[index] -= 1
+                if missing[index] == 0:
+                    self.sum_bucket(index)
+        losses[-1].backward(on_gradient=arrived)
+        for index, left in enumerate(missing):
+            if left:                         # a parameter the loss did not reach
+                self.sum_bucket(index)
+
+    def sum_bucket(self, index):
+        """Sum one bucket's gradients over the devices: in place for one parameter, else
+        packed into the flat buffers, allreduced, and unpacked."""
+        bucket, buffers = self.buckets[index], self.buffers[index]
+        if buffers is None:
+            comm.allreduce(bucket[0].list_grad(), self.algorithm)
+            return
+        for device, buffer in enumerate(buffers):
+            pack(buffer, [p.list_grad()[device] for p in bucket], index)
+        comm.allreduce(buffers, self.algorithm)
+        for device, buffer in enumerate(buffers):
+            unpack(buffer, [p.list_grad()[device] for p in bucket], index)
+
+    def update(self, batch_size):
+        self.optimizer.rescale_grad = 1 / batch_size
+        for index, param in enumerate(self.params):
+            for copy, weight in enumerate(param.list_data()):
+                self.optimizer.update((index, copy), weight, weight.grad)
+
+    def weights(self):
+        """{name: NumPy array}: the first device's copy of every weight (all copies agree)."""
+        return {name: p.list_data()[0].asnumpy() for name, p in zip(self.names, self.params)}
+
+
+def pack(buffer, grads, index):
+    """One engine operation: the gradients, one after the other, into the flat buffer."""
+    def run():
+        start = 0
+        for grad in grads:
+            buffer.data[start:start + grad.size] = grad.data.reshape(-1)
+            start += grad.size
+    engine.push(run, [g.var for g in grads], [buffer.var], buffer.device, f'bucket {index} pack')
+
+
+def unpack(buffer, grads, index):
+    """One engine operation: the summed flat buffer back into the gradients."""
+    def run():
+        start = 0
+        for grad in grads:
+            grad.data[...] = buffer.data[start:start + grad.size].reshape(grad.shape)
+            start += grad.size
+    engine.push(run, [buffer.var], [g.var for g in grads], buffer.device,
+                f'bucket {index} unpack')
+
+
+def trained(params):
+    """(names, parameters) of those that take gradients, from `net.collect_params()` or a list."""
+    named = list(params.items()) if isinstance(params, dict) else [(p.name, p) for p in params]
+    named = [(name, p) for name, p in named if p.grad_req == 'write']
+    return [name for name, _ in named], [p for _, p in named]
+
+
+def check_devices(params):
+    """The devices every parameter has one copy on, in order; a clear error otherwise."""
+    if not params:
+        raise ValueError('no parameters to train: initialize the net first')
+    devices = params[0].list_device()
+    for param in params[1:]:
+        if param.list_device() != devices:
+            raise ValueError(f'parameter {param.name!r} lives on {param.list_device()}, '
+                             f'{params[0].name!r} on {devices}: initialize the whole net on '
+                             'one list of devices')
+    return devices

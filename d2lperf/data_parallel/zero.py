@@ -1,0 +1,142 @@
+"""ZeRO (Rajbhandari et al., 2020): shard what plain data parallelism keeps n copies of.
+
+Plain data parallelism keeps, on each of n devices, every weight, every gradient and the whole
+optimizer state, though each device's update repeats all the others'. Here device d owns
+chunk d of every parameter (`comm.chunk_bounds` of its flattened values) and updates only that:
+
+* stage 1: the optimizer state of its chunks alone. The gradients are reduce-scattered
+  (device d gets the sum of chunk d), each device updates its chunks, and the weights are
+  all-gathered: the same bytes moved as one allreduce, since that is an allreduce's two halves.
+* stage 2: the gradients too: the summed chunk is copied to a buffer of the chunk's size and
+  the full gradients are dropped as soon as the sum has read them; fresh ones are attached for
+  the next step.
+* stage 3: the weights too: between steps a device holds only its chunks; each step gathers
+  the whole weights into fresh arrays (all-gather), computes, and drops them after the update.
+  ZeRO-3 and FSDP free each layer's weights after its forward and gather them again for its
+  backward (three halves of traffic a step, not two); here the weights stay for the whole step,
+  since the autograd tape holds them from forward to backward.
+
+Taught in "Data Parallelism at Scale"; `predict` says what each stage should hold and move.
+"""
+import numpy
+
+from .. import autograd, comm, np, optimizer as optimizers
+from ..comm import chunk_bounds
+from ..device import label
+from .buckets import check_devices, trained
+
+STAGES = (1, 2, 3)
+
+
+class Zero:
+    """Data-parallel training with ZeRO stage 1, 2 or 3 over the devices the parameters live on.
+
+    `params`: `net.collect_params()`, initialized on the devices that compute.
+    `step(forward, batch_size)`: `forward()` returns one loss a device, computed under
+    `autograd.record`; the step sums, updates and (stages 1, 2) gathers the weights.
+    """
+
+    def __init__(self, params, stage, optimizer='sgd', optimizer_params=None, algorithm='ring'):
+        if stage not in STAGES:
+            raise ValueError(f'ZeRO has stages 1 (optimizer state sharded), 2 (and gradients) '
+                             f'and 3 (and weights), not {stage!r}')
+        self.names, self.params = trained(params)
+        self.devices = check_devices(self.params)
+        self.stage, self.algorithm = stage, algorithm
+        self.optimizer = optimizers.create(optimizer, **(optimizer_params or {}))
+        self.shapes = [p.list_data()[0].shape for p in self.params]
+        self.bounds = [chunk_bounds(p.list_data()[0].size, len(self.devices))
+                       for p in self.params]
+        self.grad_shards = [self._shards(i, 'gradients') for i in range(len(self.params))] \
+            if stage >= 2 else None
+        self.weight_shards = None
+        if stage == 3:
+            self.weight_shards = [self._shards(i, 'weights') for i in range(len(self.params))]
+            for param in self.params:
+                param.set_copies(None)
+
+    def _shards(self, index, kind):
+        """Device d's chunk d of parameter `index`, as an array of its own: the weight's values
+        for 'weights', zeros for 'gradients'."""
+        weights = self.params[index].list_data()
+        shards = []
+        for weight, (start, stop) in zip(weights, self.bounds[index]):
+            shard = (weight.reshape(-1)[start:stop].copy() if kind == 'weights'
+                     else np.zeros((stop - start,), weight.dtype, weight.device))
+            shards.append(label(shard, kind))
+        return shards
+
+    def step(self, forward, batch_size):
+        if self.stage == 3:
+            self.gather_weights()
+        if self.stage >= 2:
+            for param in self.params:
+                for weight in param.list_data():
+                    weight.attach_grad()
+        with autograd.record():
+            losses = list(forward())
+        self.backward(losses)
+        self.update(batch_size)
+
+    def gather_weights(self):
+        """Stage 3: every weight whole on every device again, from the devices' chunks."""
+        for index, param in enumerate(self.params):
+            whole = []
+            for shard, device, (start, stop) in zip(self.weight_shards[index], self.devices,
+                                                    self.bounds[index]):
+                array = label(np.zeros(self.shapes[index], shard.dtype, device), 'weights')
+                array.reshape(-1)[start:stop] = shard
+                whole.append(array)
+            param.set_copies(comm.all_gather(whole, self.algorithm))
+
+    def backward(self, losses):
+        """Backpropagate every device's loss; reduce-scatter each gradient once it is pushed."""
+        for loss in losses[:-1]:
+            loss.backward()
+        index_of = {id(copy): i for i, p in enumerate(self.params) for copy in p.list_data()}
+        self.summed = [None] * len(self.params)
+
+        def arrived(copy):
+            index = index_of.get(id(copy))
+            if index is not None:
+                self.reduce_scatter(index)
+        losses[-1].backward(on_gradient=arrived)
+        for index, summed in enumerate(self.summed):
+            if summed is None:                      # a parameter the loss did not reach
+                self.reduce_scatter(index)
+
+    def reduce_scatter(self, index):
+        param = self.params[index]
+        shards = comm.reduce_scatter(param.list_grad(), self.algorithm)
+        if self.stage >= 2:
+            for buffer, shard in zip(self.grad_shards[index], shards):
+                buffer[...] = shard
+            for weight in param.list_data():
+                weight.grad = None                  # freed once the sum has been read
+            shards = self.grad_shards[index]
+        self.summed[index] = shards
+
+    def update(self, batch_size):
+        """Each device updates its chunks; then the weights are gathered (stages 1 and 2) or
+        the whole ones dropped (stage 3)."""
+        self.optimizer.rescale_grad = 1 / batch_size
+        for index, param in enumerate(self.params):
+            for device, grad in enumerate(self.summed[index]):
+                self.optimizer.update((index, device), self.weight_shard(index, device), grad)
+            if self.stage < 3:
+                comm.all_gather(param.list_data(), self.algorithm)
+            else:
+                param.set_copies(None)
+
+    def weight_shard(self, index, device):
+        if self.stage == 3:
+            return self.weight_shards[index][device]
+        start, stop = self.bounds[index][device]
+        return self.params[index].list_data()[device].reshape(-1)[start:stop]
+
+    def weights(self):
+        """{name: NumPy array}: every weight whole (from the first device, or the shards)."""
+        if self.stage < 3:
+            return {name: p.list_data()[0].asnumpy() for name, p in zip(self.names, self.params)}
+        return {name: numpy.concatenate([s.asnumpy() for s in shards]).reshape(shape)
+                for name, shards, shape in zip(self.names, self.weight_shards, self.shapes)}

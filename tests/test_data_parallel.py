@@ -1,0 +1,139 @@
+"""Buckets and ZeRO's stages train as one device with the whole batch does; the calculator's
+memory and traffic are what the counter and the engine's records measure."""
+import math
+
+import numpy
+import pytest
+
+import d2lperf as d2l
+from d2lperf import comm, nn, np, npx
+from d2lperf.data_parallel import Buckets, Zero, plan_buckets, predict
+
+OPTIMIZERS = [('sgd', {'learning_rate': 0.1}),
+              ('sgd', {'learning_rate': 0.1, 'momentum': 0.9}),
+              ('adam', {'learning_rate': 0.01})]
+rng = numpy.random.default_rng(0)
+X = np.array(rng.standard_normal((24, 8)).astype('float32'))
+y = np.array(rng.integers(0, 10, 24))
+loss = d2l.SoftmaxCrossEntropyLoss()
+
+
+def mlp(devices):
+    net = nn.HybridSequential()
+    net.add(nn.Dense(16, in_units=8, activation='relu'), nn.Dense(10, in_units=16))
+    np.random.seed(0)
+    net.initialize(init=d2l.nn.init.Normal(sigma=0.1), device=devices)
+    return net
+
+
+def train(devices, make, steps=5):
+    net = mlp(devices)
+    X_parts, y_parts = d2l.split_batch(X, y, devices)
+    strategy = make(net.collect_params())
+    for _ in range(steps):
+        strategy.step(lambda: [loss(net(a), b) for a, b in zip(X_parts, y_parts)], 24)
+    return strategy
+
+
+STRATEGIES = {
+    'one sum a parameter': lambda opt, kw: (lambda p: Buckets(p, opt, kw, cap_bytes=1)),
+    'flat, after backward': lambda opt, kw: (lambda p: Buckets(p, opt, kw, overlap=False)),
+    'buckets of 600 B': lambda opt, kw: (lambda p: Buckets(p, opt, kw, cap_bytes=600)),
+    'ZeRO 1': lambda opt, kw: (lambda p: Zero(p, 1, opt, kw)),
+    'ZeRO 2': lambda opt, kw: (lambda p: Zero(p, 2, opt, kw)),
+    'ZeRO 3': lambda opt, kw: (lambda p: Zero(p, 3, opt, kw, algorithm='split')),
+}
+
+
+@pytest.mark.parametrize('optimizer', OPTIMIZERS, ids=['sgd', 'momentum', 'adam'])
+@pytest.mark.parametrize('name', list(STRATEGIES))
+def test_every_strategy_trains_as_one_device_with_the_whole_batch(name, optimizer):
+    one = train([d2l.cpu(1)], lambda p: Buckets(p, *optimizer)).weights()
+    many = train([d2l.cpu(i) for i in (1, 2, 3)], STRATEGIES[name](*optimizer)).weights()
+    assert one.keys() == many.keys()
+    for key in one:
+        numpy.testing.assert_allclose(many[key], one[key], atol=1e-5, rtol=0)
+    # and the weights moved: the comparison is not between two untouched nets
+    assert max(numpy.abs(one[k] - mlp([d2l.cpu(1)]).collect_params()[k].data().asnumpy()).max()
+               for k in one) > 1e-3
+
+
+def test_buckets_are_filled_in_reverse_order_up_to_the_cap():
+    params = list(mlp([d2l.cpu(1)]).collect_params().values())   # 512, 64, 640, 40 bytes
+    names = lambda buckets: [[params.index(p) for p in b] for b in buckets]
+    assert names(plan_buckets(params, 1)) == [[3], [2], [1], [0]]
+    assert names(plan_buckets(params, 600)) == [[3, 2], [1, 0]]
+    assert names(plan_buckets(params, math.inf)) == [[3, 2, 1, 0]]
+
+
+@pytest.mark.parametrize('bad', [0, -1, None, 'big'])
+def test_a_bucket_size_must_be_positive(bad):
+    with pytest.raises(ValueError, match=f'not {bad!r}'):
+        plan_buckets([], bad)
+
+
+@pytest.mark.parametrize('bad', [0, 4, '1'])
+def test_a_zero_stage_is_one_two_or_three(bad):
+    with pytest.raises(ValueError, match=f'not {bad!r}'):
+        Zero(mlp([d2l.cpu(1)]).collect_params(), bad)
+    with pytest.raises(ValueError, match='stage'):
+        predict.memory_per_device(10, 2, bad if bad != 0 else 5)
+
+
+def test_a_device_list_with_duplicates_is_refused():
+    with pytest.raises(ValueError, match=r'\[cpu\(1\), cpu\(1\)\]'):
+        mlp([d2l.cpu(1), d2l.cpu(1)])
+
+
+def test_each_stage_sends_what_the_calculator_predicts():
+    devices = [d2l.cpu(i) for i in (1, 2, 3, 4)]
+    for stage, make in [(0, lambda p: Buckets(p, cap_bytes=1)),
+                        (1, lambda p: Zero(p, 1)), (3, lambda p: Zero(p, 3))]:
+        net = mlp(devices)
+        X_parts, y_parts = d2l.split_batch(X, y, devices)
+        strategy = make(net.collect_params())
+        with d2l.profiler.profile() as records:
+            strategy.step(lambda: [loss(net(a), b) for a, b in zip(X_parts, y_parts)], 24)
+            npx.waitall()
+        psi = sum(w.size for w in strategy.weights().values())
+        assert comm.bytes_sent(records) / 4 == predict.bytes_sent_per_device(4 * psi, 4, stage)
+        assert comm.bytes_sent(records, 'reduce-scatter') == comm.bytes_sent(records) / 2
+
+
+def test_sharding_leaves_a_device_its_chunk_of_the_states():
+    devices = [d2l.cpu(i) for i in (1, 2)]
+    held = {}
+    for stage in (1, 2, 3):
+        npx.waitall()
+        before = d2l.device.memory(devices[0])
+        strategy = train(devices, lambda p: Zero(p, stage, 'adam'), steps=1)
+        npx.waitall()
+        import gc
+        gc.collect()
+        after = d2l.device.memory(devices[0])
+        held[stage] = {k: after.by_kind[k] - before.by_kind[k] for k in d2l.device.KINDS}
+        psi = sum(w.size for w in strategy.weights().values())
+        predicted = predict.memory_per_device(psi, 2, stage, 'adam')
+        for kind, value in predicted.items():      # 4 parameters, each chunk 0 or 1 value over
+            assert abs(held[stage][kind] - value) <= 4 * 4, (stage, kind)
+        del strategy
+        gc.collect()
+    assert held[1]['gradients'] == 2 * held[2]['gradients']
+    assert held[2]['weights'] == 2 * held[3]['weights']
+
+
+def test_the_calculator_follows_zeros_table():
+    # ZeRO's Figure 1: 7.5B parameters, 64 devices, K = 12 in mixed precision (2 + 2 + 12 bytes)
+    plain = predict.memory_per_device(100, 4, 0, 'adam', bytes_per_value=1)
+    assert plain == {'weights': 100, 'gradients': 100, 'optimizer state': 200}
+    assert sum(predict.memory_per_device(100, 4, 1, 'adam', 1).values()) == 250
+    assert sum(predict.memory_per_device(100, 4, 2, 'adam', 1).values()) == 175
+    assert sum(predict.memory_per_device(100, 4, 3, 'adam', 1).values()) == 100
+    assert predict.bytes_sent_per_device(400, 4, 3, gathers=2) == 900
+    assert predict.overlapped_end([0, 1, 5], [2, 2, 1]) == 6
+
+
+def test_communication_seconds_add_the_two_halves_of_an_allreduce():
+    topology = comm.cost.Topology('t', 4, 1e9, 1e9, None, 1e-5)
+    allreduce = comm.cost.allreduce_time('ring', 4e6, topology)
+    assert predict.communication_seconds([4e6], 4, 1, 1e-5, 1e-9) == pytest.approx(allreduce)
