@@ -277,3 +277,22 @@ def label(array, kind):
         memory_changes.extend(((var.device, var.kind, -nbytes), (var.device, kind, nbytes)))
         var.kind = kind
     return array
+
+
+def release(array):
+    """Stop counting `array`'s bytes: its data is freed while the array lives on (ZeRO-3 frees
+    gathered weights that the autograd tape still holds), until `restore` counts them again."""
+    var = array.var
+    if getattr(var, 'nbytes', 0):
+        memory_changes.append((var.device, var.kind, -var.nbytes))
+        var.nbytes = 0
+    return array
+
+
+def restore(array):
+    """Count `array`'s bytes again, its data back (after `release`)."""
+    var = array.var
+    if getattr(var, 'nbytes', None) == 0 and array.size:
+        var.nbytes = array.size * array.dtype.itemsize
+        memory_changes.append((var.device, var.kind, var.nbytes))
+    return array

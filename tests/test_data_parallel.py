@@ -8,6 +8,7 @@ import pytest
 import d2lperf as d2l
 from d2lperf import comm, nn, np, npx
 from d2lperf.data_parallel import Buckets, Zero, plan_buckets, predict
+from test_memory import settle
 
 OPTIMIZERS = [('sgd', {'learning_rate': 0.1}),
               ('sgd', {'learning_rate': 0.1, 'momentum': 0.9}),
@@ -42,6 +43,7 @@ STRATEGIES = {
     'ZeRO 1': lambda opt, kw: (lambda p: Zero(p, 1, opt, kw)),
     'ZeRO 2': lambda opt, kw: (lambda p: Zero(p, 2, opt, kw)),
     'ZeRO 3': lambda opt, kw: (lambda p: Zero(p, 3, opt, kw, algorithm='split')),
+    'ZeRO 3, gathered twice': lambda opt, kw: (lambda p: Zero(p, 3, opt, kw, gathers=2)),
 }
 
 
@@ -80,6 +82,30 @@ def test_a_zero_stage_is_one_two_or_three(bad):
         predict.memory_per_device(10, 2, bad if bad != 0 else 5)
 
 
+@pytest.mark.parametrize('stage, gathers', [(3, 3), (3, 0), (2, 2)])
+def test_gathering_twice_is_for_stage_three_only(stage, gathers):
+    with pytest.raises(ValueError, match=f'not {gathers!r} at stage {stage}'):
+        Zero(mlp([d2l.cpu(1)]).collect_params(), stage, gathers=gathers)
+
+
+def test_released_weights_stop_counting_until_restored():
+    device = d2l.cpu(3)
+    npx.waitall()
+    before = d2l.device.memory(device).by_kind['weights']
+    weight = d2l.device.label(np.ones((10, 10), device=device), 'weights')
+    held = lambda: d2l.device.memory(device).by_kind['weights'] - before
+    assert held() == 400
+    d2l.device.release(weight)
+    d2l.device.release(weight)                     # twice: still subtracted once
+    assert held() == 0
+    d2l.device.restore(weight)
+    d2l.device.restore(weight)
+    assert held() == 400
+    del weight
+    settle()
+    assert held() == 0
+
+
 def test_a_device_list_with_duplicates_is_refused():
     with pytest.raises(ValueError, match=r'\[cpu\(1\), cpu\(1\)\]'):
         mlp([d2l.cpu(1), d2l.cpu(1)])
@@ -87,8 +113,9 @@ def test_a_device_list_with_duplicates_is_refused():
 
 def test_each_stage_sends_what_the_calculator_predicts():
     devices = [d2l.cpu(i) for i in (1, 2, 3, 4)]
-    for stage, make in [(0, lambda p: Buckets(p, cap_bytes=1)),
-                        (1, lambda p: Zero(p, 1)), (3, lambda p: Zero(p, 3))]:
+    for stage, gathers, make in [(0, 1, lambda p: Buckets(p, cap_bytes=1)),
+                                 (1, 1, lambda p: Zero(p, 1)), (3, 1, lambda p: Zero(p, 3)),
+                                 (3, 2, lambda p: Zero(p, 3, gathers=2))]:
         net = mlp(devices)
         X_parts, y_parts = d2l.split_batch(X, y, devices)
         strategy = make(net.collect_params())
@@ -96,20 +123,20 @@ def test_each_stage_sends_what_the_calculator_predicts():
             strategy.step(lambda: [loss(net(a), b) for a, b in zip(X_parts, y_parts)], 24)
             npx.waitall()
         psi = sum(w.size for w in strategy.weights().values())
-        assert comm.bytes_sent(records) / 4 == predict.bytes_sent_per_device(4 * psi, 4, stage)
-        assert comm.bytes_sent(records, 'reduce-scatter') == comm.bytes_sent(records) / 2
+        assert comm.bytes_sent(records) / 4 == predict.bytes_sent_per_device(4 * psi, 4, stage,
+                                                                             gathers)
+        halves = 2 + (gathers == 2)
+        assert comm.bytes_sent(records, 'reduce-scatter') == comm.bytes_sent(records) / halves
 
 
 def test_sharding_leaves_a_device_its_chunk_of_the_states():
     devices = [d2l.cpu(i) for i in (1, 2)]
     held = {}
     for stage in (1, 2, 3):
-        npx.waitall()
+        settle()
         before = d2l.device.memory(devices[0])
         strategy = train(devices, lambda p: Zero(p, stage, 'adam'), steps=1)
-        npx.waitall()
-        import gc
-        gc.collect()
+        settle()
         after = d2l.device.memory(devices[0])
         held[stage] = {k: after.by_kind[k] - before.by_kind[k] for k in d2l.device.KINDS}
         psi = sum(w.size for w in strategy.weights().values())
@@ -117,7 +144,6 @@ def test_sharding_leaves_a_device_its_chunk_of_the_states():
         for kind, value in predicted.items():      # 4 parameters, each chunk 0 or 1 value over
             assert abs(held[stage][kind] - value) <= 4 * 4, (stage, kind)
         del strategy
-        gc.collect()
     assert held[1]['gradients'] == 2 * held[2]['gradients']
     assert held[2]['weights'] == 2 * held[3]['weights']
 

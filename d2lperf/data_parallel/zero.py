@@ -13,16 +13,18 @@ chunk d of every parameter (`comm.chunk_bounds` of its flattened values) and upd
 * stage 3: the weights too: between steps a device holds only its chunks; each step gathers
   the whole weights into fresh arrays (all-gather), computes, and drops them after the update.
   ZeRO-3 and FSDP free each layer's weights after its forward and gather them again for its
-  backward (three halves of traffic a step, not two); here the weights stay for the whole step,
-  since the autograd tape holds them from forward to backward.
+  backward: three halves of traffic a step, not two. `gathers=2` does that for the whole net
+  at once (the tape keeps the arrays, without their data, in between), which moves the third
+  half as ZeRO-3 does; only freeing layer by layer, which this does not do, lowers the peak.
 
 Taught in "Data Parallelism at Scale"; `predict` says what each stage should hold and move.
 """
 import numpy
 
-from .. import autograd, comm, np, optimizer as optimizers
+from .. import autograd, comm, engine, np, optimizer as optimizers
 from ..comm import chunk_bounds
-from ..device import label
+from ..device import label, release, restore
+from ..ndarray import NDArray
 from .buckets import check_devices, trained
 
 STAGES = (1, 2, 3)
@@ -36,10 +38,15 @@ class Zero:
     `autograd.record`; the step sums, updates and (stages 1, 2) gathers the weights.
     """
 
-    def __init__(self, params, stage, optimizer='sgd', optimizer_params=None, algorithm='ring'):
+    def __init__(self, params, stage, optimizer='sgd', optimizer_params=None, algorithm='ring',
+                 gathers=1):
         if stage not in STAGES:
             raise ValueError(f'ZeRO has stages 1 (optimizer state sharded), 2 (and gradients) '
                              f'and 3 (and weights), not {stage!r}')
+        if gathers not in (1, 2) or (gathers == 2 and stage != 3):
+            raise ValueError(f'gathers is 1, or 2 for stage 3 (the weights gathered again for '
+                             f'backward), not {gathers!r} at stage {stage}')
+        self.gathers = gathers
         self.names, self.params = trained(params)
         self.devices = check_devices(self.params)
         self.stage, self.algorithm = stage, algorithm
@@ -49,7 +56,7 @@ class Zero:
                        for p in self.params]
         self.grad_shards = [self._shards(i, 'gradients') for i in range(len(self.params))] \
             if stage >= 2 else None
-        self.weight_shards = None
+        self.weight_shards, self.summed = None, None
         if stage == 3:
             self.weight_shards = [self._shards(i, 'weights') for i in range(len(self.params))]
             for param in self.params:
@@ -75,19 +82,31 @@ class Zero:
                     weight.attach_grad()
         with autograd.record():
             losses = list(forward())
+        if self.gathers == 2:
+            self.release_weights()
+            self.gather_weights([p.list_data() for p in self.params])
         self.backward(losses)
         self.update(batch_size)
 
-    def gather_weights(self):
-        """Stage 3: every weight whole on every device again, from the devices' chunks."""
+    def gather_weights(self, into=None):
+        """Stage 3: every weight whole on every device again, from the devices' chunks: into
+        fresh arrays, or `into` (one list of arrays a parameter) whose data was released."""
         for index, param in enumerate(self.params):
-            whole = []
-            for shard, device, (start, stop) in zip(self.weight_shards[index], self.devices,
-                                                    self.bounds[index]):
-                array = label(np.zeros(self.shapes[index], shard.dtype, device), 'weights')
-                array.reshape(-1)[start:stop] = shard
-                whole.append(array)
+            whole = into[index] if into else [
+                label(NDArray(self.shapes[index], shard.dtype, device), 'weights')
+                for shard, device in zip(self.weight_shards[index], self.devices)]
+            for array, shard, bounds in zip(whole, self.weight_shards[index],
+                                            self.bounds[index]):
+                fill(restore(array), shard, *bounds)
             param.set_copies(comm.all_gather(whole, self.algorithm))
+
+    def release_weights(self):
+        """After the forward pass: free every whole weight's data (the tape keeps the arrays)."""
+        for param in self.params:
+            for weight in param.list_data():
+                engine.push(lambda weight=weight: setattr(weight, 'data', None), [],
+                            [weight.var], weight.device, 'release')
+                release(weight)
 
     def backward(self, losses):
         """Backpropagate every device's loss; reduce-scatter each gradient once it is pushed."""
@@ -140,3 +159,11 @@ class Zero:
             return {name: p.list_data()[0].asnumpy() for name, p in zip(self.names, self.params)}
         return {name: numpy.concatenate([s.asnumpy() for s in shards]).reshape(shape)
                 for name, shards, shape in zip(self.names, self.weight_shards, self.shapes)}
+
+
+def fill(array, shard, start, stop):
+    """One engine operation: new memory for `array`, its chunk [start, stop) from `shard`."""
+    def run():
+        data = array.data = array.device.xp.empty(array.shape, array.dtype)
+        data.reshape(-1)[start:stop] = shard.data
+    engine.push(run, [shard.var], [array.var], array.device, 'gather chunk')
