@@ -107,15 +107,7 @@ class Trainer:
             for loss in losses:
                 loss.backward()
             return
-        for loss in losses[:-1]:
-            loss.backward()
-        index_of = {id(copy): i for i, p in enumerate(self.params) for copy in p.list_data()}
-
-        def reduce_now(array):
-            index = index_of.get(id(array))
-            if index is not None:
-                self._reduce(index, self.params[index])
-        losses[-1].backward(on_gradient=reduce_now)
+        backward_reporting(losses, self.params, lambda i: self._reduce(i, self.params[i]))
 
     def _rescale(self, batch_size):
         scale = self.scale / batch_size
@@ -168,6 +160,28 @@ class Trainer:
             raise ValueError(f'{name}() runs on the devices, but this Trainer updates in the '
                              f'{self.kvstore!r} store: call step(), or create the Trainer with '
                              'update_on_kvstore=False')
+
+
+def backward_reporting(losses, params, ready):
+    """Backpropagate every device's loss, and call `ready(i)` as soon as the last device's
+    gradient of `params[i]` has been pushed (`on_gradient`), so that a sum pushed then runs
+    while the layers below are still being differentiated; after backward, `ready(i)` for each
+    parameter the losses did not reach. The other devices' passes are pushed first, so by then
+    their gradients of that parameter are pushed too."""
+    for loss in losses[:-1]:
+        loss.backward()
+    index_of = {id(copy): i for i, p in enumerate(params) for copy in p.list_data()}
+    reached = set()
+
+    def reached_one(copy):
+        index = index_of.get(id(copy))
+        if index is not None:
+            reached.add(index)
+            ready(index)
+    losses[-1].backward(on_gradient=reached_one)
+    for index in range(len(params)):
+        if index not in reached:
+            ready(index)
 
 
 def store_from(kvstore):

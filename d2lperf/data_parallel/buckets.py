@@ -14,6 +14,7 @@ import math
 
 from .. import autograd, comm, engine, np, optimizer as optimizers
 from ..device import label
+from ..trainer import backward_reporting
 
 
 def plan_buckets(params, cap_bytes):
@@ -52,8 +53,8 @@ class Buckets:
         self.buckets = plan_buckets(self.params, cap_bytes)
         self.overlap, self.algorithm = overlap, algorithm
         self.optimizer = optimizers.create(optimizer, **(optimizer_params or {}))
-        self.bucket_of = {id(copy): i for i, bucket in enumerate(self.buckets)
-                          for param in bucket for copy in param.list_data()}
+        bucket_of = {id(param): i for i, bucket in enumerate(self.buckets) for param in bucket}
+        self.bucket_of = [bucket_of[id(param)] for param in self.params]
         self.buffers = [self._buffers(bucket) for bucket in self.buckets]
 
     def _buffers(self, bucket):
@@ -81,20 +82,14 @@ class Buckets:
             for index in range(len(self.buckets)):
                 self.sum_bucket(index)
             return
-        for loss in losses[:-1]:
-            loss.backward()
         missing = [len(bucket) for bucket in self.buckets]
 
-        def arrived(copy):                   # the last device's gradient of `copy` is pushed
-            index = self.bucket_of.get(id(copy))
-            if index is not None:
-                missing[index] -= 1
-                if missing[index] == 0:
-                    self.sum_bucket(index)
-        losses[-1].backward(on_gradient=arrived)
-        for index, left in enumerate(missing):
-            if left:                         # a parameter the loss did not reach
-                self.sum_bucket(index)
+        def ready(index):                    # every device's gradient of a parameter pushed
+            bucket = self.bucket_of[index]
+            missing[bucket] -= 1
+            if missing[bucket] == 0:
+                self.sum_bucket(bucket)
+        backward_reporting(losses, self.params, ready)
 
     def sum_bucket(self, index):
         """Sum one bucket's gradients over the devices: in place for one parameter, else

@@ -25,6 +25,7 @@ from .. import autograd, comm, engine, np, optimizer as optimizers
 from ..comm import chunk_bounds
 from ..device import label, release, restore
 from ..ndarray import NDArray
+from ..trainer import backward_reporting
 from .buckets import check_devices, trained
 
 STAGES = (1, 2, 3)
@@ -110,19 +111,8 @@ class Zero:
 
     def backward(self, losses):
         """Backpropagate every device's loss; reduce-scatter each gradient once it is pushed."""
-        for loss in losses[:-1]:
-            loss.backward()
-        index_of = {id(copy): i for i, p in enumerate(self.params) for copy in p.list_data()}
         self.summed = [None] * len(self.params)
-
-        def arrived(copy):
-            index = index_of.get(id(copy))
-            if index is not None:
-                self.reduce_scatter(index)
-        losses[-1].backward(on_gradient=arrived)
-        for index, summed in enumerate(self.summed):
-            if summed is None:                      # a parameter the loss did not reach
-                self.reduce_scatter(index)
+        backward_reporting(losses, self.params, self.reduce_scatter)
 
     def reduce_scatter(self, index):
         param = self.params[index]
