@@ -14,7 +14,8 @@ Rows, all measured side by side in this run:
   each, against one device with every core (with its large operations in pieces, and whole).
 * Past the source ("Data Parallelism at Scale"): one step of LeNet with Adam on four virtual
   devices, its gradients summed a parameter at a time during backward (the Trainer's way), in
-  64 KiB buckets, flat after backward, and with ZeRO stages 1-3, each against the first.
+  64 KiB buckets, flat after backward, and with ZeRO stages 1-3 (stage 3 gathering once and
+  twice), each against the first.
 * ResNet-18 (the chapter's variant), seconds per step at batch 16, against the same network
   in PyTorch eager with the same threads.
 * GPU rows with CuPy, where a GPU is present.
@@ -305,7 +306,9 @@ def sharded_rows():
             'one flat sum, after backward': lambda p: Buckets(p, 'adam', overlap=False),
             'ZeRO stage 1': lambda p: Zero(p, 1, 'adam'),
             'ZeRO stage 2': lambda p: Zero(p, 2, 'adam'),
-            'ZeRO stage 3': lambda p: Zero(p, 3, 'adam')}
+            'ZeRO stage 3': lambda p: Zero(p, 3, 'adam'),
+            'ZeRO stage 3, weights gathered again for backward': lambda p: Zero(p, 3, 'adam',
+                                                                                 gathers=2)}
     steps = {}
     for name, make in ways.items():
         net = d2l.nn.models.lenet()
