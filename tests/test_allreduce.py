@@ -1,5 +1,6 @@
 """Tests of d2lperf.comm's allreduce: every algorithm against NumPy, its schedule, its
 operations' names and order in a profile, its asynchrony, and its refusals."""
+import copy
 import threading
 
 import numpy
@@ -7,7 +8,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 import d2lperf as d2l
-from d2lperf import comm, engine, np, profiler
+from d2lperf import comm, engine, np, npx, profiler
 from d2lperf.comm import schedules
 from conftest import run_with_timeout
 from strategies import checks
@@ -116,6 +117,37 @@ def test_a_profile_shows_each_chunk_moving_round_the_ring():
             assert before['end'] <= send['start']
 
 
+def ring_profile(n, size):
+    arrays = on_devices([numpy.ones(size, dtype=numpy.float32)] * n)
+    npx.waitall()
+    with profiler.profile() as records:
+        comm.allreduce(arrays, 'ring')
+        npx.waitall()
+    return records
+
+
+def test_traffic_is_read_from_fields_not_from_names(monkeypatch):
+    """Renaming a device changes what a trace shows, never the bytes counted: each device
+    sends 2(n - 1)/n of its array, half of it in each phase."""
+    monkeypatch.setattr(d2l.device.Device, '__repr__', lambda d: f'{d.kind}#{d.index}')
+    n, size = 4, 1000
+    records = ring_profile(n, size)
+    assert comm.bytes_sent(records) == 2 * (n - 1) * size * 4
+    assert comm.bytes_sent(records, 'reduce-scatter') == (n - 1) * size * 4
+    sources = {t['source'] for t in comm.transfers_in(records)}
+    assert sources == {d2l.cpu(i + 1) for i in range(n)}
+    assert any('cpu#1->cpu#2' in r.name for r in records)
+
+
+def test_an_operation_whose_name_only_looks_like_a_transfer_is_not_counted():
+    records = ring_profile(2, 8)
+    transfer = next(r for r in records if isinstance(r.name, comm.TransferName))
+    impostor = copy.copy(transfer)
+    impostor.name = str(transfer.name)          # the same text, no fields
+    assert comm.transfers_in([impostor]) == [] and comm.bytes_sent([impostor]) == 0
+    assert comm.bytes_sent([transfer]) == transfer.name.fields['bytes'] > 0
+
+
 def test_allreduce_returns_at_once_and_independent_work_goes_on():
     gate = threading.Event()
     arrays = on_devices([numpy.full(8, i, dtype=numpy.float32) for i in range(1, 4)])
@@ -195,37 +227,64 @@ def test_reduce_scatter_leaves_each_device_the_reduction_of_its_chunk(case, algo
 @checks(120)
 @given(case=allreduce_cases(), algorithm=st.sampled_from(HALF_ALGORITHMS),
        dtype=st.sampled_from(['float32', 'float64', 'int32', 'int64']))
-def test_all_gather_gives_every_device_every_shard(case, algorithm, dtype):
+def test_all_gather_into_gives_every_array_every_devices_chunk(case, algorithm, dtype):
     hosts, _, _ = case
     hosts = [h.astype(dtype) for h in hosts]
     arrays = on_devices(hosts)
     bounds = comm.chunk_bounds(hosts[0].size, len(hosts))
     gathered = numpy.concatenate([h.reshape(-1)[start:stop]
                                   for h, (start, stop) in zip(hosts, bounds)])
-    assert comm.all_gather(arrays, algorithm) == arrays
+    assert comm.all_gather_into(arrays, algorithm) == arrays
     for array in arrays:
         numpy.testing.assert_array_equal(array.asnumpy().reshape(-1), gathered, strict=True)
 
 
-@checks(40)
+@checks(60)
 @given(case=allreduce_cases(), algorithm=st.sampled_from(HALF_ALGORITHMS))
-def test_the_two_halves_make_the_allreduce(case, algorithm):
-    """Split's halves are its allreduce, bit for bit. The ring's allreduce leaves chunk i + 1 on
-    device i, its halves chunk i, so each chunk is summed in another order: equal to rounding,
-    and every device still ends with the same bits."""
+def test_all_gather_of_reduce_scatter_is_the_allreduce(case, algorithm):
+    """The contract: shards in, whole arrays out. Split's halves are its allreduce, bit for bit.
+    The ring's allreduce leaves chunk i + 1 on device i, its halves chunk i, so each chunk is
+    summed in another order: equal to rounding, and every device still ends with the same
+    bits. Sizes that do not divide by the device count, and 1 to 8 devices, included."""
     hosts, _, op = case
-    halves, whole = on_devices(hosts), on_devices(hosts)
-    comm.reduce_scatter(halves, algorithm, op)
-    comm.all_gather(halves, algorithm)
-    comm.allreduce(whole, algorithm, op)
-    results = [a.asnumpy() for a in halves]
-    for result, b in zip(results, whole):
+    whole = comm.allreduce(on_devices(hosts), algorithm, op)
+    gathered = comm.all_gather(comm.reduce_scatter(on_devices(hosts), algorithm, op), algorithm)
+    results = [a.asnumpy() for a in gathered]
+    for result, b, device in zip(results, whole, [a.device for a in whole]):
+        expected_values = b.asnumpy().reshape(-1)
+        assert result.shape == expected_values.shape and result.dtype == expected_values.dtype
         if algorithm == 'split':
-            numpy.testing.assert_array_equal(result, b.asnumpy())
+            numpy.testing.assert_array_equal(result, expected_values)
         else:
             tolerance = 1e-5 if result.dtype == numpy.float32 else 1e-12
-            numpy.testing.assert_allclose(result, b.asnumpy(), rtol=tolerance, atol=tolerance)
+            numpy.testing.assert_allclose(result, expected_values, rtol=tolerance,
+                                          atol=tolerance)
         numpy.testing.assert_array_equal(result, results[0])
+    assert [a.device for a in gathered] == [a.device for a in whole]
+
+
+@pytest.mark.parametrize('algorithm', HALF_ALGORITHMS)
+def test_all_gather_takes_shards_and_leaves_them_be(algorithm):
+    arrays = on_devices([numpy.array([1.0, 2, 3, 4]), numpy.array([0.0, 1, 2, 3])])
+    shards = comm.reduce_scatter(arrays, algorithm)
+    gathered = comm.all_gather(shards, algorithm)
+    assert [a.asnumpy().tolist() for a in gathered] == [[1, 3, 5, 7], [1, 3, 5, 7]]
+    assert [s.asnumpy().tolist() for s in shards] == [[1, 3], [5, 7]]
+    odd = comm.all_gather(on_devices([numpy.arange(3.0), numpy.arange(2.0)]), algorithm)
+    assert [a.asnumpy().tolist() for a in odd] == [[0, 1, 2, 0, 1]] * 2
+
+
+def test_a_shard_is_never_taken_for_a_whole_array():
+    arrays = on_devices([numpy.ones((2, 3), numpy.float32)] * 2)
+    shards = comm.reduce_scatter(arrays)
+    with pytest.raises(ValueError, match=r'cpu\(1\) is a view of part.*all_gather\(shards\)'):
+        comm.all_gather_into(shards)
+    with pytest.raises(ValueError, match=r'shards, flat.*float32\[2, 3\].*all_gather_into'):
+        comm.all_gather(arrays)
+    with pytest.raises(ValueError, match=r'sizes \[3, 2\] .* not \[2, 3\]'):
+        comm.all_gather(on_devices([numpy.ones(2), numpy.ones(3)]))
+    with pytest.raises(ValueError, match='at least one shard'):
+        comm.all_gather([])
 
 
 @pytest.mark.parametrize('n', [2, 3, 4, 8])

@@ -4,7 +4,8 @@
     schedules   the allreduce algorithms as data: which chunk goes where, step by step, and
                 their two halves apart (reduce-scatter, all-gather).
     allreduce   a schedule run as engine operations, in place, with any of four reductions;
-                reduce_scatter and all_gather, the halves that sharded training uses.
+                reduce_scatter and all_gather, the halves that sharded training uses; every
+                operation named by a TransferName, whose fields a profile's reader counts.
     cost        what each algorithm costs on a topology, in the α-β model.
     replay      an allreduce replayed from the profiler's records: each chunk's contents
                 after every step, and when each transfer ran, drawn.
@@ -14,12 +15,12 @@ Servers" compares the algorithms, measured and modelled.
 """
 from .split import slice_sizes, split_and_load, split_batch
 from .schedules import chunk_bounds, half, schedule
-from .allreduce import (REDUCTIONS, all_gather, allreduce, allreduce_on_first, bytes_sent,
-                        reduce_scatter, transfers_in)
+from .allreduce import (REDUCTIONS, TransferName, all_gather, all_gather_into, allreduce,
+                        allreduce_on_first, bytes_sent, fill, reduce_scatter, transfers_in)
 from .replay import chunk_states, draw_chunk_states, draw_transfers
 from . import cost
 
 __all__ = ['slice_sizes', 'split_and_load', 'split_batch', 'chunk_bounds', 'half', 'schedule',
            'REDUCTIONS', 'allreduce', 'allreduce_on_first', 'reduce_scatter', 'all_gather',
-           'transfers_in', 'bytes_sent', 'chunk_states',
+           'all_gather_into', 'fill', 'TransferName', 'transfers_in', 'bytes_sent', 'chunk_states',
            'draw_chunk_states', 'draw_transfers', 'cost']

@@ -4,19 +4,20 @@
 gets an engine variable of its own, so a chunk moves on as soon as it is ready while the rest
 of the array is still being sent or added, and computation that does not touch the arrays
 runs beside it. Copies go on the copy lanes, reductions on the receiving device's compute
-lane. Every operation is named `'<algorithm> <phase> <step> chunk <c> <from>-><to> <action>'`
-(`NAME`), a send's name ending with the bytes it moves, so that a profile of a real run shows
-the chunks moving and what they weigh (`transfers_in`, `bytes_sent`).
+lane. Every operation is named by a `TransferName`: text such as
+`'ring reduce-scatter 1 chunk 0 cpu(1)->cpu(2) send 64 B'` for a trace, and the same facts as
+fields, so that a profile of a real run shows the chunks moving and what they weigh
+(`transfers_in`, `bytes_sent`) without reading anything back out of the text.
 `allreduce_on_first` is the MXNet edition's simple version, from "Training on Multiple
 GPUs". `reduce_scatter` and `all_gather` are an allreduce's two halves apart, as sharded
-training uses them: device i owns chunk i. Taught in "Parameter Servers".
+training uses them: device i owns chunk i, its shard. `all_gather` takes the shards and
+returns whole arrays; `all_gather_into` fills whole arrays in place from their own chunks.
+Taught in "Parameter Servers".
 """
-import re
-
 import numpy
 
 from .. import engine
-from ..device import cpu, transfer
+from ..device import cpu, part_of_larger, transfer
 from ..ndarray import NDArray
 from .schedules import chunk_bounds, half, schedule
 
@@ -45,13 +46,46 @@ def reduce_scatter(arrays, algorithm='ring', op='sum'):
     return _shards(arrays)
 
 
-def all_gather(arrays, algorithm='ring'):
-    """The second half of an allreduce: device i's chunk i (its shard) is copied into every
-    other array, so that all become the concatenation of the shards. In place; returns the
-    arrays. `algorithm`: 'ring' or 'split'."""
+def all_gather(shards, algorithm='ring'):
+    """The second half of an allreduce: from the shards (one a device, device i's holding chunk
+    i of `chunk_bounds(total, n)`, as `reduce_scatter` returns them), a new whole array on every
+    device: the shards one after the other, flat (reshape it to the shape that was split).
+    So `all_gather(reduce_scatter(arrays))` holds the allreduce of the arrays. The shards are
+    left as they are. `algorithm`: 'ring' or 'split'."""
+    shards = list(shards)
+    _check_shards(shards)
+    total = sum(shard.size for shard in shards)
+    wholes = [NDArray((total,), shards[0].dtype, shard.device) for shard in shards]
+    for whole, shard, bounds in zip(wholes, shards, chunk_bounds(total, len(shards))):
+        fill(whole, shard, *bounds)
+    return all_gather_into(wholes, algorithm)
+
+
+def all_gather_into(arrays, algorithm='ring'):
+    """`all_gather` in place, for arrays that are already whole: device i's chunk i of its
+    array is copied into every other array, so that all become the concatenation of the
+    chunks. Returns the arrays. ZeRO gathers its weights this way, into arrays it reuses.
+    A shard (a view of part of a larger array) is refused: it has no room for the others."""
     arrays = list(arrays)
-    _check(arrays, 'sum', 'all_gather')
+    _check(arrays, 'sum', 'all_gather_into')
+    for array in arrays:
+        if part_of_larger(array):
+            raise ValueError(
+                f'all_gather_into fills whole arrays in place, but the array on {array.device} '
+                f'is a view of part of a larger one ({array.size} of its elements): a shard, '
+                'such as reduce_scatter returns. Gather shards with all_gather(shards), which '
+                'returns new whole arrays')
     return _run(arrays, half('all-gather', algorithm, len(arrays)), algorithm, 'sum')
+
+
+def fill(array, shard, start, stop):
+    """One engine operation: new memory for `array`, its chunk [start, stop) from `shard`.
+
+    The rest of the memory is left unset, for an all-gather to write."""
+    def run():
+        data = array.data = array.device.xp.empty(array.shape, array.dtype)
+        data.reshape(-1)[start:stop] = shard.data.reshape(-1)
+    engine.push(run, [shard.var], [array.var], array.device, 'gather chunk')
 
 
 def _shards(arrays):
@@ -69,7 +103,7 @@ def _run(arrays, plan, algorithm, op):
         party.open(algorithm)
     for step in plan.steps:
         for move in step.transfers:
-            _push_transfer(parties, move, f'{algorithm} {step.phase} {step.number}', op)
+            _push_transfer(parties, move, step, algorithm, op)
     for party in parties:
         party.close(algorithm)
     return arrays
@@ -134,25 +168,31 @@ class Party:
         return self.flat[start:stop]
 
 
-NAME = re.compile(r'(?P<algorithm>\w+) (?P<phase>[\w-]+) (?P<step>\d+) chunk (?P<chunk>\d+) '
-                  r'(?P<source>\w+\(\d+\))->(?P<target>\w+\(\d+\)) (?P<action>\w+)'
-                  r'(?: (?P<bytes>\d+) B)?$')
+class TransferName(str):
+    """The name of one allreduce operation, carrying what it moved as fields.
+
+    As text (what a trace, a timeline or an error shows) it reads
+    `'<algorithm> <phase> <step> chunk <c> <from>-><to> <action>[ <bytes> B]'`; as data it
+    holds those facts in `fields`: algorithm, phase, step, chunk, source and target (the
+    Devices), action ('send', 'set' or the reduction) and bytes (a send's; 0 for the others).
+    `transfers_in` reads the fields, never the text, so renaming a device or a phase can change
+    what a trace shows but never the counts."""
+
+    def __new__(cls, algorithm, phase, step, chunk, source, target, action, bytes=0):
+        text = f'{algorithm} {phase} {step} chunk {chunk} {source}->{target} {action}'
+        name = super().__new__(cls, f'{text} {bytes} B' if bytes else text)
+        name.fields = dict(algorithm=algorithm, phase=phase, step=step, chunk=chunk,
+                           source=source, target=target, action=action, bytes=bytes)
+        return name
 
 
 def transfers_in(records):
-    """The allreduce operations among profiler records, as dicts: algorithm, phase, step,
-    chunk, source, target, action ('send', or the reduction), bytes (a send's; 0 for the
-    others), worker, start, end."""
-    found = []
-    for record in records:
-        match = NAME.match(record.name)
-        if match:
-            fields = match.groupdict()
-            for field in ('step', 'chunk', 'bytes'):
-                fields[field] = int(fields[field] or 0)
-            fields.update(worker=record.worker, start=record.start, end=record.end)
-            found.append(fields)
-    return found
+    """The allreduce operations among profiler records, as dicts: the fields of their
+    `TransferName` (algorithm, phase, step, chunk, source, target, action, bytes), and the
+    record's worker, start and end. Records of other operations are left out, whatever their
+    names say."""
+    return [dict(record.name.fields, worker=record.worker, start=record.start, end=record.end)
+            for record in records if isinstance(record.name, TransferName)]
 
 
 def bytes_sent(records, phase=None):
@@ -162,7 +202,7 @@ def bytes_sent(records, phase=None):
                if t['action'] == 'send' and phase in (None, t['phase']))
 
 
-def _push_transfer(parties, move, where, op):
+def _push_transfer(parties, move, step, algorithm, op):
     """One transfer: a copy on the copy lane; a combine then reduces on the target's device.
 
     An overwrite into a CPU array copies straight into it. Into a GPU array, only the target's
@@ -170,9 +210,12 @@ def _push_transfer(parties, move, where, op):
     """
     source, target = parties[move.source], parties[move.target]
     chunk, var = move.chunk, target.vars[move.chunk]
-    name = f'{where} chunk {chunk} {source.device}->{target.device}'
     start, stop = source.bounds[chunk]
-    sent = f'{name} send {(stop - start) * source.array.dtype.itemsize} B'
+
+    def named(action, nbytes=0):
+        return TransferName(algorithm, step.phase, step.number, chunk, source.device,
+                            target.device, action, nbytes)
+    sent = named('send', (stop - start) * source.array.dtype.itemsize)
     copy_device, lane = engine.copy_lane(source.device, target.device)
     if not move.combine and target.device.kind == 'cpu':
         def copy_into():
@@ -193,7 +236,7 @@ def _push_transfer(parties, move, where, op):
             reduction(mine, received.pop('data'), out=mine)
         else:
             mine[...] = received.pop('data')
-    engine.push(apply, [buffer], [var], target.device, f'{name} {op if move.combine else "set"}')
+    engine.push(apply, [buffer], [var], target.device, named(op if move.combine else 'set'))
 
 
 def _copy_into_host(target, source):
@@ -222,3 +265,26 @@ def _check(arrays, op, what='allreduce'):
     if len({a.var for a in arrays}) < len(arrays):
         raise ValueError('allreduce got the same array (or views of one array) twice; give '
                          'it one distinct array per device')
+
+
+def _check_shards(shards):
+    """Shards as reduce_scatter gives them: flat, one dtype, shard i chunk i of the whole."""
+    if not shards:
+        raise ValueError('all_gather needs at least one shard, one a device')
+    if not all(isinstance(s, NDArray) for s in shards):
+        kinds = sorted({type(s).__name__ for s in shards})
+        raise TypeError(f'all_gather takes d2lperf NDArrays, got {kinds}; wrap NumPy arrays '
+                        'with d2l.np.array(x, device=...)')
+    for shard in shards:
+        if shard.ndim != 1 or shard.dtype != shards[0].dtype:
+            raise ValueError(
+                f'all_gather takes shards, flat and of one dtype, as reduce_scatter returns '
+                f'them; got {shard.dtype}{list(shard.shape)} on {shard.device} beside '
+                f'{shards[0].dtype}{list(shards[0].shape)}. To fill whole arrays in place '
+                'from their own chunks, call all_gather_into(arrays)')
+    sizes = [s.size for s in shards]
+    expected = [stop - start for start, stop in chunk_bounds(sum(sizes), len(shards))]
+    if sizes != expected:
+        raise ValueError(f'all_gather takes shard i as chunk i of comm.chunk_bounds(total, n), '
+                         f'as reduce_scatter returns them: sizes {expected} for {len(shards)} '
+                         f'shards of {sum(sizes)} elements, not {sizes}')

@@ -1,23 +1,32 @@
 """An allreduce replayed from the profiler's records of a real run: which devices' values every
 chunk held after each step, and when each transfer ran, drawn. `transfers` is what
-`transfers_in(records)` returns, in the order the operations were issued. Taught in
-"Parameter Servers".
+`transfers_in(records)` returns, in the order the operations were issued. `names` lists the
+devices (or their names, `str(device)`) in allreduce order. Taught in "Parameter Servers".
 """
+
+
+def index_of(names):
+    """device -> its index in `names`: the transfers carry Devices, and `names` may hold the
+    Devices or their names; a device and its name print alike."""
+    indices = {str(name): index for index, name in enumerate(names)}
+    return lambda device: indices[str(device)]
 
 
 def chunk_states(transfers, names):
     """([(phase, step)], [state after it]): state[d][c] is the set of device indices whose
-    values chunk c on device d holds. `names`: the devices' names, in allreduce order."""
+    values chunk c on device d holds. `names`: the devices (or their names), in allreduce
+    order."""
     chunks = 1 + max(t['chunk'] for t in transfers)
     holds = [[{device} for _ in range(chunks)] for device in range(len(names))]
     phases = list(dict.fromkeys(t['phase'] for t in transfers))
+    index = index_of(names)
     moves = {}                  # one entry per chunk moved: is it added in?
     for t in transfers:
-        key = (phases.index(t['phase']), t['step'], t['chunk'], t['source'], t['target'])
+        key = (phases.index(t['phase']), t['step'], t['chunk'], index(t['source']),
+               index(t['target']))
         moves[key] = moves.get(key, False) or t['action'] not in ('send', 'set')
     steps, states = [], []
-    for (phase, step, chunk, source, target), combine in sorted(moves.items()):
-        src, dst = names.index(source), names.index(target)
+    for (phase, step, chunk, src, dst), combine in sorted(moves.items()):
         mine = holds[dst][chunk]
         holds[dst][chunk] = mine | holds[src][chunk] if combine else set(holds[src][chunk])
         if not steps or steps[-1] != (phases[phase], step):
@@ -56,11 +65,12 @@ def draw_transfers(transfers, names, ax=None):
     order = list(dict.fromkeys((t['phase'], t['step']) for t in transfers))
     colors = plt.cm.viridis(numpy.linspace(0, 0.9, len(order)))
     origin = min(t['start'] for t in transfers)
+    index = index_of(names)
     if ax is None:
         _, ax = plt.subplots(figsize=(8, 2.6))
     for t in transfers:
         ax.broken_barh([((t['start'] - origin) * 1e3, (t['end'] - t['start']) * 1e3)],
-                       (names.index(t['target']) - 0.35, 0.7),
+                       (index(t['target']) - 0.35, 0.7),
                        color=colors[order.index((t['phase'], t['step']))])
     ax.set_yticks(range(len(names)), [f'into {name}' for name in names])
     ax.set_xlabel('ms since the first transfer')
