@@ -281,18 +281,41 @@ def label(array, kind):
 
 def release(array):
     """Stop counting `array`'s bytes: its data is freed while the array lives on (ZeRO-3 frees
-    gathered weights that the autograd tape still holds), until `restore` counts them again."""
+    gathered weights that the autograd tape still holds), until `restore` counts them again.
+
+    The bytes belong to the memory, which a view shares with its base: freeing part of it
+    means nothing, so a view of part of a larger array is refused."""
     var = array.var
     if getattr(var, 'nbytes', 0):
+        _refuse_part(array, 'release')
         memory_changes.append((var.device, var.kind, -var.nbytes))
-        var.nbytes = 0
+        var.released, var.nbytes = var.nbytes, 0
     return array
 
 
 def restore(array):
-    """Count `array`'s bytes again, its data back (after `release`)."""
+    """Count `array`'s bytes again, its data back (after `release`): exactly what `release`
+    took, the whole memory the array lives in."""
     var = array.var
-    if getattr(var, 'nbytes', None) == 0 and array.size:
-        var.nbytes = array.size * array.dtype.itemsize
-        memory_changes.append((var.device, var.kind, var.nbytes))
+    if getattr(var, 'released', 0):
+        _refuse_part(array, 'restore')
+        memory_changes.append((var.device, var.kind, var.released))
+        var.nbytes, var.released = var.released, 0
     return array
+
+
+def part_of_larger(array):
+    """Whether `array` is a view of part of a larger array: it takes fewer bytes than the
+    memory it shares (counted or released), as a shard or a row does."""
+    var = array.var
+    held = getattr(var, 'nbytes', 0) or getattr(var, 'released', 0)
+    return array.size * array.dtype.itemsize < held
+
+
+def _refuse_part(array, caller):
+    if part_of_larger(array):
+        held = array.var.nbytes or array.var.released      # a HeldVar's: it holds bytes
+        raise ValueError(f'{caller} acts on the memory an array holds, and this array on '
+                         f'{array.device} is a view of {array.size * array.dtype.itemsize} of '
+                         f'the {held} bytes of a larger array: {caller} the array it is a '
+                         'view of')

@@ -93,7 +93,9 @@ class HeldVar(engine.Var):
     runs (im2col's columns, a compiled graph's intermediates) is no array and is not counted.
     """
 
-    __slots__ = ('device', 'nbytes', 'kind')
+    # `released`: the bytes `device.release` took, until `restore`; unset (read as 0) on the
+    # arrays never released, so that making an array costs no more for it.
+    __slots__ = ('device', 'nbytes', 'kind', 'released')
 
     def __init__(self, device, nbytes):
         engine.Var.__init__(self)

@@ -66,17 +66,15 @@ class Trainer:
 
     def step(self, batch_size):
         """Sum the gradients over devices and workers, then update with 1/batch_size of it."""
-        self._rescale(batch_size)
         self._init_store()
-        if self.update_on_kvstore and not self.store_updates:
-            self.store.set_optimizer(self.optimizer)        # with the scale of this step
-            self.store_updates = True
+        if self.update_on_kvstore:
+            self._rescale_for_store(batch_size)
         for index, param in enumerate(self.params):
             self._reduce(index, param)
         if self.update_on_kvstore:
             self.store.pull(list(range(len(self.params))), [p.list_data() for p in self.params])
         else:
-            self._update_copies()
+            apply_updates(self.optimizer, self.scale, batch_size, copies_of(self.params))
         self.reduced.clear()
 
     def allreduce_grads(self):
@@ -89,8 +87,7 @@ class Trainer:
     def update(self, batch_size):
         """Apply the optimizer to every copy of every parameter, from its (summed) gradient."""
         self._refuse_on_kvstore('update')
-        self._rescale(batch_size)
-        self._update_copies()
+        apply_updates(self.optimizer, self.scale, batch_size, copies_of(self.params))
         self.reduced.clear()
 
     def backward(self, losses):
@@ -109,14 +106,18 @@ class Trainer:
             return
         backward_reporting(losses, self.params, lambda i: self._reduce(i, self.params[i]))
 
-    def _rescale(self, batch_size):
+    def _rescale_for_store(self, batch_size):
+        """Give the store the optimizer, scaled for this step, once; a distributed store's
+        servers keep the scale they were given, so a later step may not change it."""
         scale = self.scale / batch_size
-        if self.update_on_kvstore and self.distributed and self.store_updates and \
-                scale != self.optimizer.rescale_grad:
+        if self.distributed and self.store_updates and scale != self.optimizer.rescale_grad:
             raise ValueError(f'step({batch_size}) after steps of another batch size: the servers '
                              'scale gradients by the 1/batch_size of the first step; keep the '
                              'batch size, or scale the loss and call step(1)')
         self.optimizer.rescale_grad = scale
+        if not self.store_updates:
+            self.store.set_optimizer(self.optimizer)
+            self.store_updates = True
 
     def _init_store(self):
         """Once, at the first backward or step (as Gluon does, so that creating a Trainer costs
@@ -150,16 +151,28 @@ class Trainer:
         elif self.store is not None and (len(grads) > 1 or self.distributed):
             self.store.pushpull(index, grads)
 
-    def _update_copies(self):
-        for index, param in enumerate(self.params):
-            for copy, weight in enumerate(param.list_data()):
-                self.optimizer.update((index, copy), weight, weight.grad)
-
     def _refuse_on_kvstore(self, name):
         if self.update_on_kvstore:
             raise ValueError(f'{name}() runs on the devices, but this Trainer updates in the '
                              f'{self.kvstore!r} store: call step(), or create the Trainer with '
                              'update_on_kvstore=False')
+
+
+def apply_updates(optimizer, scale, batch_size, updates):
+    """Apply `optimizer` to every (key, weight, gradient) of `updates`, each gradient scaled by
+    `scale / batch_size`: the user's rescale_grad (`scale`, as the optimizer was created) times
+    the mean over the batch, MXNet's Trainer.step rule. The Trainer, `Buckets` and `Zero` all
+    update through here, so that a setting one of them honours, all of them do."""
+    optimizer.rescale_grad = scale / batch_size
+    for key, weight, grad in updates:
+        optimizer.update(key, weight, grad)
+
+
+def copies_of(params):
+    """(key, weight, gradient) for every device's copy of every parameter; the key
+    (parameter index, copy index) keeps each copy's optimizer state apart."""
+    return [((index, copy), weight, weight.grad) for index, param in enumerate(params)
+            for copy, weight in enumerate(param.list_data())]
 
 
 def backward_reporting(losses, params, ready):

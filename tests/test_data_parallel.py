@@ -60,6 +60,33 @@ def test_every_strategy_trains_as_one_device_with_the_whole_batch(name, optimize
                for k in one) > 1e-3
 
 
+def train_with_trainer(devices, optimizer, steps=5):
+    net = mlp(devices)
+    X_parts, y_parts = d2l.split_batch(X, y, devices)
+    trainer = d2l.Trainer(net.collect_params(), *optimizer)
+    for _ in range(steps):
+        with d2l.autograd.record():
+            losses = [loss(net(a), b) for a, b in zip(X_parts, y_parts)]
+        for each in losses:
+            each.backward()
+        trainer.step(24)
+    return {name: p.list_data()[0].asnumpy() for name, p in net.collect_params().items()
+            if p.grad_req == 'write'}
+
+
+@pytest.mark.parametrize('name', ['buckets of 600 B', 'ZeRO 1', 'ZeRO 2', 'ZeRO 3'])
+def test_rescale_grad_is_honoured_as_the_trainer_honours_it(name):
+    """One update path: the user's rescale_grad times 1/batch_size, through every strategy."""
+    devices = [d2l.cpu(i) for i in (1, 2, 3)]
+    optimizer = ('sgd', {'learning_rate': 0.1, 'momentum': 0.9, 'rescale_grad': 0.5})
+    trainer = train_with_trainer(devices, optimizer)
+    many = train(devices, STRATEGIES[name](*optimizer)).weights()
+    unscaled = train(devices, STRATEGIES[name]('sgd', {'learning_rate': 0.1, 'momentum': 0.9}))
+    for key in trainer:
+        numpy.testing.assert_allclose(many[key], trainer[key], atol=1e-5, rtol=0)
+    assert max(numpy.abs(unscaled.weights()[k] - trainer[k]).max() for k in trainer) > 1e-3
+
+
 def test_buckets_are_filled_in_reverse_order_up_to_the_cap():
     params = list(mlp([d2l.cpu(1)]).collect_params().values())   # 512, 64, 640, 40 bytes
     names = lambda buckets: [[params.index(p) for p in b] for b in buckets]
@@ -104,6 +131,26 @@ def test_released_weights_stop_counting_until_restored():
     del weight
     settle()
     assert held() == 0
+
+
+def test_release_and_restore_act_on_whole_arrays_and_give_back_what_they_took():
+    """A view shares its base's memory: releasing part of it means nothing, so a row is refused
+    (it once took all 40,000 bytes away and gave back 400)."""
+    device = d2l.cpu(3)
+    npx.waitall()
+    before = d2l.device.memory(device).by_kind['weights']
+    weight = d2l.device.label(np.ones((100, 100), device=device), 'weights')
+    held = lambda: d2l.device.memory(device).by_kind['weights'] - before
+    with pytest.raises(ValueError, match='view of 400 of the 40000 bytes.*release the array'):
+        d2l.device.release(weight[0])
+    assert held() == 40_000
+    d2l.device.release(weight.reshape(-1))          # a view of the whole: the whole
+    assert held() == 0
+    with pytest.raises(ValueError, match='view of 400 of the 40000 bytes.*restore the array'):
+        d2l.device.restore(weight[0])
+    assert held() == 0
+    d2l.device.restore(weight)
+    assert held() == 40_000
 
 
 def test_a_device_list_with_duplicates_is_refused():

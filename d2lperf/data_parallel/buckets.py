@@ -14,7 +14,7 @@ import math
 
 from .. import autograd, comm, engine, np, optimizer as optimizers
 from ..device import label
-from ..trainer import backward_reporting
+from ..trainer import apply_updates, backward_reporting, copies_of
 
 
 def plan_buckets(params, cap_bytes):
@@ -53,6 +53,7 @@ class Buckets:
         self.buckets = plan_buckets(self.params, cap_bytes)
         self.overlap, self.algorithm = overlap, algorithm
         self.optimizer = optimizers.create(optimizer, **(optimizer_params or {}))
+        self.scale = self.optimizer.rescale_grad       # the user's; step(b) scales by scale / b
         bucket_of = {id(param): i for i, bucket in enumerate(self.buckets) for param in bucket}
         self.bucket_of = [bucket_of[id(param)] for param in self.params]
         self.buffers = [self._buffers(bucket) for bucket in self.buckets]
@@ -105,10 +106,7 @@ class Buckets:
             unpack(buffer, [p.list_grad()[device] for p in bucket], index)
 
     def update(self, batch_size):
-        self.optimizer.rescale_grad = 1 / batch_size
-        for index, param in enumerate(self.params):
-            for copy, weight in enumerate(param.list_data()):
-                self.optimizer.update((index, copy), weight, weight.grad)
+        apply_updates(self.optimizer, self.scale, batch_size, copies_of(self.params))
 
     def weights(self):
         """{name: NumPy array}: the first device's copy of every weight (all copies agree)."""

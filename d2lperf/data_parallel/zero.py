@@ -22,10 +22,10 @@ Taught in "Data Parallelism at Scale"; `predict` says what each stage should hol
 import numpy
 
 from .. import autograd, comm, engine, np, optimizer as optimizers
-from ..comm import chunk_bounds
+from ..comm import chunk_bounds, fill
 from ..device import label, release, restore
 from ..ndarray import NDArray
-from ..trainer import backward_reporting
+from ..trainer import apply_updates, backward_reporting
 from .buckets import check_devices, trained
 
 STAGES = (1, 2, 3)
@@ -52,6 +52,7 @@ class Zero:
         self.devices = check_devices(self.params)
         self.stage, self.algorithm = stage, algorithm
         self.optimizer = optimizers.create(optimizer, **(optimizer_params or {}))
+        self.scale = self.optimizer.rescale_grad       # the user's; step(b) scales by scale / b
         self.shapes = [p.list_data()[0].shape for p in self.params]
         self.bounds = [chunk_bounds(p.list_data()[0].size, len(self.devices))
                        for p in self.params]
@@ -99,7 +100,7 @@ class Zero:
             for array, shard, bounds in zip(whole, self.weight_shards[index],
                                             self.bounds[index]):
                 fill(restore(array), shard, *bounds)
-            param.set_copies(comm.all_gather(whole, self.algorithm))
+            param.set_copies(comm.all_gather_into(whole, self.algorithm))
 
     def release_weights(self):
         """After the forward pass: free every whole weight's data (the tape keeps the arrays)."""
@@ -127,15 +128,19 @@ class Zero:
 
     def update(self, batch_size):
         """Each device updates its chunks; then the weights are gathered (stages 1 and 2) or
-        the whole ones dropped (stage 3)."""
-        self.optimizer.rescale_grad = 1 / batch_size
+        the whole ones dropped (stage 3). One parameter at a time, so that its gather starts
+        while the next is updated."""
         for index, param in enumerate(self.params):
-            for device, grad in enumerate(self.summed[index]):
-                self.optimizer.update((index, device), self.weight_shard(index, device), grad)
+            apply_updates(self.optimizer, self.scale, batch_size, self.shard_updates(index))
             if self.stage < 3:
-                comm.all_gather(param.list_data(), self.algorithm)
+                comm.all_gather_into(param.list_data(), self.algorithm)
             else:
                 param.set_copies(None)
+
+    def shard_updates(self, index):
+        """(key, weight chunk, summed gradient chunk) of parameter `index` on every device."""
+        return [((index, device), self.weight_shard(index, device), grad)
+                for device, grad in enumerate(self.summed[index])]
 
     def weight_shard(self, index, device):
         if self.stage == 3:
@@ -149,11 +154,3 @@ class Zero:
             return {name: p.list_data()[0].asnumpy() for name, p in zip(self.names, self.params)}
         return {name: numpy.concatenate([s.asnumpy() for s in shards]).reshape(shape)
                 for name, shards, shape in zip(self.names, self.weight_shards, self.shapes)}
-
-
-def fill(array, shard, start, stop):
-    """One engine operation: new memory for `array`, its chunk [start, stop) from `shard`."""
-    def run():
-        data = array.data = array.device.xp.empty(array.shape, array.dtype)
-        data.reshape(-1)[start:stop] = shard.data
-    engine.push(run, [shard.var], [array.var], array.device, 'gather chunk')
