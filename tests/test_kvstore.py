@@ -389,6 +389,27 @@ def test_pushpull_of_keys_whose_arrays_are_views_of_one_array(kind):
 
 
 @pytest.mark.parametrize('kind', ['local', 'device'])
+@pytest.mark.parametrize('how', ['push', 'pushpull'])
+def test_float16_is_summed_in_float16_as_mxnet_sums_it(kind, how):
+    """MXNet's local store reduces in the key's dtype (CommCPU's ReduceSumCPU on half_t): every
+    addition rounds to float16. 1 + 2048 is 2048 in float16 (the spacing there is 2), so the
+    sum of [1, 2048, 1] is 2048, where a float32 sum would give 2050. The distributed servers
+    sum float16 in float32 instead (kvstore/server.py says why)."""
+    store = kvstore.create(kind)
+    store.init('w', np.zeros((1,), dtype='float16'))
+    pushed = [np.array(numpy.array([v], numpy.float16), device=d)
+              for v, d in zip([1, 2048, 1], DEVICES)]
+    if how == 'push':
+        store.push('w', pushed)
+    else:
+        store.pushpull('w', pushed)
+    out = np.zeros((1,), dtype='float16')
+    store.pull('w', out=out)
+    for array in [out] + (pushed if how == 'pushpull' else []):
+        assert array.dtype == numpy.float16 and array.asnumpy().tolist() == [2048.0]
+
+
+@pytest.mark.parametrize('kind', ['local', 'device'])
 def test_pushpull_with_an_optimizer_pushes_every_key_first(kind):
     store = kvstore.create(kind)
     store.init([0, 1, 2], [np.zeros(SHAPE)] * 3)

@@ -4,6 +4,13 @@ the adding. Both sum with comm's allreduce where a key's values fill every devic
 MXNet, a store's keys are all ints or all strings: the first key decides. Saved optimizer
 states name each key by `keys.state_name`, the encoding every store writes and reads, so
 states saved by one store load into another.
+
+A key is summed in its own dtype, as MXNet's local store sums it (its CPU reduction runs in
+the key's dtype): a float16 key in float16, every addition rounded, so that 1 + 2048 + 1 is
+2048. Summing a few devices' gradients loses a few roundings; a weight updated here thousands
+of times in float16 loses an update each time it is smaller than half a unit in the last
+place, so keep such a key in float32. The distributed servers sum float16 in float32
+(`server.py` says why).
 """
 import numpy
 
