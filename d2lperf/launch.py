@@ -10,18 +10,28 @@ and the job runs there. D2LPERF_INTERFACE=eth0 picks the network interface (`-if
 D2LPERF_VERBOSE=1 prints the mpiexec command before running it.
 `--timeout SECONDS` sets D2LPERF_TIMEOUT for every rank: how long any wait of the distributed
 store may block before it raises, naming the rank it waited for, the key and the command.
+`--job-timeout SECONDS` ends the whole job once it has run that long (exit status 124).
 
-Each rank runs inside a small guard (`--rank-guard`) that names the rank when its command
-fails or is killed; the launcher then shows that rank's last lines, ends the whole job within
-seconds (process groups, and parent-death signals so no child outlives its guard) and exits
-non-zero. So does an ssh proxy that fails to start (the job could never begin), naming its
-host. Taught in "Parameter Servers".
+Each rank runs inside a small guard (`--rank-guard`). It passes on every line the rank prints
+whole, as `[rank] line`: mpiexec forwards whatever pieces it reads, and lines of several ranks
+would otherwise run into each other. It names the rank when its command fails or is killed;
+the launcher then shows that rank's last lines of stderr, ends the whole job within seconds
+and exits non-zero. So does an ssh proxy that fails to start (the job could never begin),
+naming its host. Ctrl-C, SIGTERM and a closed terminal (SIGHUP) end the job too, and mpiexec
+gets a parent-death signal, so not even a SIGKILLed launcher leaves a process behind; a reader
+that goes away (`... | head -1`) ends it as SIGPIPE ends a pipeline. Taught in "Parameter
+Servers".
 """
 import argparse
 import collections
+import ctypes
+import fcntl
 import os
 import pathlib
+import queue
 import re
+import select
+import selectors
 import shlex
 import signal
 import subprocess
@@ -32,6 +42,10 @@ import time
 FAILED = 'd2lperf.launch: rank'
 GRACE_SECONDS = 10          # after a rank fails, how long mpiexec gets to end the rest
 TAIL_LINES = 20
+TIMED_OUT = 124             # the exit status of a job ended by --job-timeout, as timeout(1)'s
+PR_SET_PDEATHSIG = 1
+# A guard writes `[rank] line`, or a long line as pieces `[rank]+piece` ... `[rank] last piece`
+FRAME = re.compile(rb'\[(\d+)\]([ +])(.*)')
 NAME = re.compile(r'[A-Za-z_][A-Za-z0-9_]*\Z')
 HOST = re.compile(r'[A-Za-z0-9][A-Za-z0-9._-]*\Z')     # never an option: no leading '-'
 
@@ -48,14 +62,18 @@ def parse(argv):
     parser.add_argument('--timeout', type=float, metavar='SECONDS',
                         help='D2LPERF_TIMEOUT of every rank: how long a distributed wait may '
                              'block before it raises (default: this environment\'s, else 300)')
+    parser.add_argument('--job-timeout', type=float, metavar='SECONDS',
+                        help='end the job once it has run this long, and exit 124 '
+                             '(default: no limit)')
     parser.add_argument('command', nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     if args.num_workers < 1 or args.num_servers < 1:
         parser.error('a job needs one worker (-n) and one server (-s) at least')
     if not args.command:
         parser.error('give the COMMAND each process runs, e.g. python train.py')
-    if args.timeout is not None and not 0 < args.timeout < float('inf'):
-        parser.error(f'--timeout takes a positive number of seconds, not {args.timeout}')
+    for option, seconds in (('--timeout', args.timeout), ('--job-timeout', args.job_timeout)):
+        if seconds is not None and not 0 < seconds < float('inf'):
+            parser.error(f'{option} takes a positive number of seconds, not {seconds}')
     if args.launcher != 'local' and not args.hostfile:
         parser.error(f'--launcher {args.launcher} needs a hostfile: -H HOSTFILE')
     if args.launcher == 'local' and (args.hostfile or args.sync_dst_dir):
@@ -110,7 +128,7 @@ def mpiexec_command(args, environment):
     if not mpiexec.exists():
         raise SystemExit(f'd2lperf.launch: no mpiexec next to {sys.executable}; install '
                          "MPICH with pip install -e '.[mpi]' (mpi4py and the mpich wheel)")
-    words = [str(mpiexec), '-n', str(args.num_workers + args.num_servers), '-prepend-rank']
+    words = [str(mpiexec), '-n', str(args.num_workers + args.num_servers)]
     if os.environ.get('D2LPERF_INTERFACE'):
         words += ['-iface', os.environ['D2LPERF_INTERFACE']]
     if args.launcher != 'local':
@@ -141,66 +159,102 @@ def ssh_command(host, proxy_words, environment):
 
 
 class Job:
-    """mpiexec and what it prints: echoed, the last lines of each rank kept."""
+    """mpiexec and what it prints: each rank's lines echoed whole, the last lines each rank
+    wrote to stderr kept for the report."""
 
-    def __init__(self, words, hosts, environment):
-        self.hosts, self.environment = hosts, environment
+    def __init__(self, words, hosts, environment, job_timeout=None):
+        self.hosts, self.environment, self.job_timeout = hosts, environment, job_timeout
+        self.deadline = time.monotonic() + job_timeout if job_timeout else None
         self.tails = collections.defaultdict(lambda: collections.deque(maxlen=TAIL_LINES))
         self.failures, self.proxies, self.launch_lines = [], [], []
-        self.failed_at = None
+        self.proxies_asked_for = queue.SimpleQueue()     # a reader asks, the main thread starts
+        self.failed_at, self.timed_out, self.output_closed = None, False, False
+        # SIGKILL, not SIGTERM: once mpiexec's connection closes, its proxies end their ranks
+        # at once, and a killed mpiexec cannot get stuck on its way out.
         self.process = subprocess.Popen(words, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                        stdin=subprocess.DEVNULL, text=True, bufsize=1,
-                                        start_new_session=True,
-                                        env={**os.environ, **environment})
-        self.readers = [threading.Thread(target=self.read, args=(stream, echo), daemon=True)
-                        for stream, echo in ((self.process.stdout, sys.stdout),
-                                             (self.process.stderr, sys.stderr))]
+                                        stdin=subprocess.DEVNULL, start_new_session=True,
+                                        env={**os.environ, **environment},
+                                        preexec_fn=parent_death_signal(signal.SIGKILL))
+        self.readers = [threading.Thread(target=self.read, args=(stream, fd), daemon=True)
+                        for stream, fd in ((self.process.stdout, 1), (self.process.stderr, 2))]
         for reader in self.readers:
             reader.start()
 
-    def read(self, stream, echo):
-        for line in stream:
-            if self.hosts is not None and self.launched(line):
+    def read(self, stream, fd):
+        """Echo one of mpiexec's streams to ours (`fd` 1 or 2), each rank's line whole."""
+        for rank, line in joined_lines(stream):
+            if rank is None:
+                if self.hosts is None or not self.launched(line):
+                    self.echo(fd, line)                  # mpiexec's own words
                 continue
-            line = without_repeated_prefix(line.rstrip('\n'))
-            echo.write(line + '\n')
-            echo.flush()
-            found = re.match(r'\[(\d+)\] (.*)', line)
-            if found:
-                self.tails[int(found[1])].append(found[2])
-            failed = re.search(FAILED + r' (\d+) .*', line)   # its own rank: lines get cut
-            if failed:
-                self.failures.append((int(failed[1]), failed[0]))
-                self.failed_at = self.failed_at or time.monotonic()
+            self.echo(fd, b'[%d] %s\n' % (rank, line))
+            if fd == 2:
+                self.note_error_line(rank, line.decode(errors='replace'))
+
+    def echo(self, fd, data):
+        """Write to our stdout or stderr; once nobody reads it (`| head -1`), drop what follows
+        but keep reading, so that no rank blocks on a full pipe while `wait` ends the job."""
+        if not self.output_closed:
+            try:
+                write_all(fd, data)
+            except OSError:                  # EPIPE, or EIO from a terminal that was closed
+                self.output_closed = True
+
+    def note_error_line(self, rank, line):
+        """Keep a rank's stderr line for the report; the guard's last word marks a failure."""
+        self.tails[rank].append(line)
+        if line.startswith(FAILED):
+            self.failures.append((rank, line))
+            self.failed_at = self.failed_at or time.monotonic()
 
     def launched(self, line):
-        """Start the proxies that `mpiexec -launcher manual` asks for, one a host, over ssh."""
+        """Whether `line` is one of `mpiexec -launcher manual`'s requests for a proxy a host;
+        once all are in, `start_proxies` starts them."""
+        line = line.decode(errors='replace')
         if line.startswith('HYDRA_LAUNCH:'):
             self.launch_lines.append(shlex.split(line.split(':', 1)[1]))
             return True
         if line.startswith('HYDRA_LAUNCH_END'):
-            for host, words in zip(self.hosts, self.launch_lines):
-                self.proxies.append((host, subprocess.Popen(
-                    ssh_command(host, words, self.environment), stdin=subprocess.DEVNULL,
-                    start_new_session=True)))
+            self.proxies_asked_for.put(list(zip(self.hosts, self.launch_lines)))
             return True
         return False
 
+    def start_proxies(self):
+        """Start the proxies mpiexec asked for, over ssh. From the main thread: a child's
+        parent-death signal comes when the *thread* that started it ends."""
+        while not self.proxies_asked_for.empty():
+            for host, words in self.proxies_asked_for.get():
+                self.proxies.append((host, subprocess.Popen(
+                    ssh_command(host, words, self.environment), stdin=subprocess.DEVNULL,
+                    start_new_session=True, preexec_fn=parent_death_signal(signal.SIGKILL))))
+
     def wait(self):
-        """mpiexec's exit code; a job a rank failed in ends within GRACE_SECONDS, one whose ssh
-        proxy failed at once (mpiexec would wait for that proxy forever)."""
+        """mpiexec's exit status, once it exits or `should_end` has it ended."""
         try:
-            while self.process.poll() is None:
-                if self.failed_at and time.monotonic() - self.failed_at > GRACE_SECONDS:
-                    self.end()
-                if not self.failures and self.proxy_failed():
-                    self.end()
+            while self.process.poll() is None and not self.should_end():
+                self.start_proxies()
                 time.sleep(0.1)
         finally:
             self.end()
             for reader in self.readers:
                 reader.join(timeout=5)
-        return self.process.returncode
+        return self.process.wait()          # at once: it exited, or `end` killed it
+
+    def should_end(self):
+        """Whether to end the job: GRACE_SECONDS after a rank failed (mpiexec mostly ends the
+        rest before), at once when an ssh proxy failed (mpiexec would wait for it forever),
+        past --job-timeout, or when nobody reads its output any more."""
+        now = time.monotonic()
+        if self.deadline is not None and now > self.deadline:
+            self.timed_out = True
+            self.failures.append((None, f'it ran longer than --job-timeout '
+                                        f'{self.job_timeout:g} s, and was ended (give it more '
+                                        'time, or find the rank that stalls: D2LPERF_VERBOSE=1 '
+                                        'logs every push and pull)'))
+            return True
+        if self.failed_at is not None and now - self.failed_at > GRACE_SECONDS:
+            return True
+        return self.output_closed or (not self.failures and self.proxy_failed())
 
     def proxy_failed(self):
         """Whether an ssh proxy exited non-zero (noted as the job's failure, naming its host)."""
@@ -213,7 +267,8 @@ class Job:
         return False
 
     def end(self):
-        """Signal every process group of the job: mpiexec's and each ssh proxy's."""
+        """Signal every process group of the job: mpiexec's and each ssh proxy's. (mpiexec's
+        proxies and ranks run in sessions of their own; mpiexec's end is theirs.)"""
         for pid in [self.process.pid] + [proxy.pid for _, proxy in self.proxies]:
             for signal_number in (signal.SIGTERM, signal.SIGKILL):
                 try:
@@ -226,55 +281,143 @@ class Job:
             proxy.poll()
 
     def report(self, code):
-        """What failed, and the failed rank's last lines, on stderr."""
+        """What failed, and the failed rank's last lines of stderr; our exit status."""
+        if self.output_closed:
+            return 128 + signal.SIGPIPE      # as a pipeline's writer ends: quietly, no one reads
         if code == 0 and not self.failures:
             return 0
         rank, what = self.failures[0] if self.failures else (None, f'mpiexec exited {code}')
         print(f'\nd2lperf.launch: the job failed: {what}', file=sys.stderr)
         if rank is not None:
-            print(f'd2lperf.launch: the last lines of rank {rank}:', file=sys.stderr)
+            print(f'd2lperf.launch: the last lines of rank {rank}, from its stderr:',
+                  file=sys.stderr)
             for line in self.tails[rank]:
                 print(f'    {line}', file=sys.stderr)
-        return code or 1
+        if self.timed_out:
+            return TIMED_OUT
+        return code if code > 0 else 1
 
 
-def without_repeated_prefix(line):
-    """`[1] text` of a line that mpiexec's -prepend-rank cut as `[1] te[1] xt`: it prefixes
-    every piece it reads, not every line."""
-    found = re.match(r'(\[\d+\] )(.*)', line)
-    if not found:
-        return line
-    prefix, rest = found.groups()
-    return prefix + rest.replace(prefix, '')
+def joined_lines(frames):
+    """(rank, line) for each line of a rank, its pieces joined again (see `RankLines`), and
+    (None, raw line) for each of mpiexec's own."""
+    pieces = {}
+    for raw in frames:
+        frame = FRAME.match(raw)
+        if not frame:
+            yield None, raw
+        elif frame[2] == b'+':
+            pieces[frame[1]] = pieces.get(frame[1], b'') + frame[3]
+        else:
+            yield int(frame[1]), pieces.pop(frame[1], b'') + frame[3]
+    for rank, start in pieces.items():              # a rank killed in the middle of a line
+        yield int(rank), start
+
+
+def write_all(fd, data):
+    """os.write until every byte is out (a write may take only some)."""
+    while data:
+        data = data[os.write(fd, data):]
+
+
+class RankLines:
+    """One of a rank's streams, passed on to our `fd` as whole lines, `[rank] line`.
+
+    mpiexec forwards whatever its proxy reads from a rank's pipe, so lines are whole only if
+    every read returns whole lines. Each write here is at most PIPE_BUF bytes, which a pipe
+    never splits, and the proxy reads up to 64 KiB at a time, all that a pipe holds: so each
+    write arrives in one piece. A longer line goes as several, `[rank]+piece` ... `[rank] last
+    piece`, and the launcher joins them. (We measured it: five ranks writing 3,000 lines each,
+    one write a line, of up to 20 KB gave 2,120 broken lines; of up to 4 KB, none.)
+    """
+
+    def __init__(self, fd, rank):
+        self.fd, self.prefix, self.partial = fd, f'[{rank}]'.encode(), b''
+        self.piece = select.PIPE_BUF - len(self.prefix) - 2      # room for the mark and '\n'
+        try:                          # 64 KiB, even where a page is 64 KiB and a pipe 16 pages
+            fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, 1 << 16)
+        except (AttributeError, OSError):
+            pass                      # not Linux, or not a pipe: nothing reads it in pieces
+
+    def feed(self, data):
+        *lines, self.partial = (self.partial + data).split(b'\n')
+        for line in lines:
+            self.write(line)
+
+    def finish(self):
+        """The last line, which may have no newline."""
+        if self.partial:
+            self.write(self.partial)
+            self.partial = b''
+
+    def say(self, text):
+        """A line of the guard's own."""
+        self.write(text.encode(errors='replace'))
+
+    def write(self, line):
+        """One line, in pieces that each fit one write a pipe keeps whole."""
+        starts = range(0, len(line), self.piece) or range(1)
+        for start in starts[:-1]:
+            write_all(self.fd, self.prefix + b'+' + line[start:start + self.piece] + b'\n')
+        write_all(self.fd, self.prefix + b' ' + line[starts[-1]:] + b'\n')
 
 
 def rank_guard(command):
-    """Run one rank's command; if it fails, say which rank, and exit non-zero."""
-    set_parent_death_signal(signal.SIGTERM)            # mpiexec's proxy gone: so are we
+    """Run one rank's command, passing its output on in whole lines; if it fails, say which
+    rank, and exit non-zero."""
+    parent_death_signal(signal.SIGTERM)()              # mpiexec's proxy gone: so are we
     rank = os.environ.get('PMI_RANK', '?')
+    output, errors = RankLines(1, rank), RankLines(2, rank)
     try:
         child = subprocess.Popen(command, close_fds=False,     # MPI's PMI socket is inherited
-                                 preexec_fn=lambda: set_parent_death_signal(signal.SIGKILL))
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 preexec_fn=parent_death_signal(signal.SIGKILL))
     except OSError as error:
-        print(f'{FAILED} {rank} could not start {command[0]!r}: {error}', file=sys.stderr)
+        errors.say(f'{FAILED} {rank} could not start {command[0]!r}: {error}')
         return 127
     for forwarded in (signal.SIGTERM, signal.SIGINT):
         signal.signal(forwarded, lambda number, _: child.send_signal(number))
+    relay(child, {child.stdout.fileno(): output, child.stderr.fileno(): errors})
     code = child.wait()
     if code != 0:
         how = f'was killed by {signal.Signals(-code).name}' if code < 0 else f'exited {code}'
-        sys.stderr.write(f'{FAILED} {rank} ({shlex.join(command)[:200]}) {how}\n')
-        sys.stderr.flush()
+        shown = shlex.join(command).replace('\n', '\\n')[:200]     # one line, read as one
+        errors.say(f'{FAILED} {rank} ({shown}) {how}')
     return code if code >= 0 else 128 - code
 
 
-def set_parent_death_signal(number):
-    """Linux's prctl(PR_SET_PDEATHSIG): get `number` when the parent process dies."""
-    import ctypes
+def relay(child, streams):
+    """Pass the child's output on, {its pipe: RankLines}, until the pipes close, or until it
+    has exited and a second went by with nothing to read (a process it left behind may hold
+    them open)."""
+    with selectors.DefaultSelector() as selector:
+        for fd in streams:
+            selector.register(fd, selectors.EVENT_READ)
+        while selector.get_map():
+            exited = child.poll() is not None        # if so, all it wrote is in the pipes
+            ready = selector.select(timeout=1)
+            if exited and not ready:
+                break
+            for key, _ in ready:
+                data = os.read(key.fd, 1 << 16)
+                if data:
+                    streams[key.fd].feed(data)
+                else:
+                    selector.unregister(key.fd)
+    for lines in streams.values():
+        lines.finish()
+
+
+def parent_death_signal(number):
+    """A function that asks Linux (prctl PR_SET_PDEATHSIG) to send us `number` when the thread
+    that started us ends: as a child's preexec_fn, the child dies with us, even when we are
+    SIGKILLed. prctl is looked up here, before the fork: a child forked beside threads should
+    do as little as it can. Elsewhere it does nothing; the process groups still end the job."""
     try:
-        ctypes.CDLL(None).prctl(1, int(number), 0, 0, 0)
+        prctl = ctypes.CDLL(None).prctl
     except (AttributeError, OSError):
-        pass                       # not Linux: the process groups still end the job
+        return lambda: None
+    return lambda: prctl(PR_SET_PDEATHSIG, int(number), 0, 0, 0)
 
 
 def main(argv=None):
@@ -286,11 +429,13 @@ def main(argv=None):
     hosts = read_hosts(args.hostfile) if args.hostfile else None
     if args.sync_dst_dir:
         sync_to_hosts(hosts, args.sync_dst_dir)
-    signal.signal(signal.SIGTERM, lambda number, _: sys.exit(128 + number))  # ends the job too
+    # kill, Ctrl-C and a closed terminal: we exit, and on the way `Job.wait` ends the job
+    for number in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(number, lambda number, _: sys.exit(128 + number))
     words = mpiexec_command(args, environment)
     if os.environ.get('D2LPERF_VERBOSE'):
         print(f'd2lperf.launch: {shlex.join(words)}', file=sys.stderr, flush=True)
-    job = Job(words, hosts if args.launcher == 'ssh' else None, environment)
+    job = Job(words, hosts if args.launcher == 'ssh' else None, environment, args.job_timeout)
     return job.report(job.wait())
 
 

@@ -17,7 +17,7 @@ TRAINING = '''
 import os, sys, time, numpy, d2lperf as d2l
 from d2lperf.kvstore.dist import create_dist
 kv = create_dist('dist_sync')
-open(f'pid.{kv.rank}', 'w').write(str(os.getpid()))     # files: mpiexec may cut lines
+open(f'pid.{kv.rank}', 'w').write(str(os.getpid()))     # files: read while it runs
 kv.init(1, d2l.np.array(numpy.zeros(3, numpy.float32)))
 out = d2l.np.array(numpy.zeros(3, numpy.float32))
 for step in range(10 ** 9):
@@ -86,7 +86,7 @@ kv.init('x', d2l.np.array(numpy.zeros(2)))
 kv.push('x', d2l.np.array(numpy.ones(2) * (kv.rank + 1)))
 out = d2l.np.array(numpy.zeros(2))
 kv.pull('x', out=out)
-with open(f'sum.{kv.rank}', 'w') as file:    # not stdout: mpiexec may cut lines into each other
+with open(f'sum.{kv.rank}', 'w') as file:    # a file a rank, read after the job
     file.write(f"{out.asnumpy().tolist()} {os.environ['GREETING']}")
 '''
 
@@ -181,6 +181,7 @@ def test_ssh_commands_quote_every_word(words):
     (['-n', '2', '--launcher', 'ssh', 'python'], 'hostfile'),
     (['-n', '2', '--env', '1A=2', 'python'], 'NAME=VALUE'),
     (['-n', '2', '-H', 'hosts', 'python'], 'need --launcher mpi or ssh'),
+    (['-n', '2', '--job-timeout', '0', 'python'], '--job-timeout takes a positive number'),
 ])
 def test_bad_arguments_are_refused(argv, message, capsys):
     with pytest.raises(SystemExit):
