@@ -90,8 +90,10 @@ class ThreadedEngine(Engine):
 
     def _dispatch(self, op):
         if op.device is None:                            # a waiter: no worker needed
-            op.fn()
-            self.complete(op, None, False)
+            try:
+                op.fn()
+            finally:             # even with Ctrl-C right after fn: let go of what it read
+                self.complete(op, None, False)
         else:
             self.workers.submit(op)
 

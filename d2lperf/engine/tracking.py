@@ -142,8 +142,9 @@ def execute(op, where, launch=None):
 
     An operation that inherits a failure does not run; `launch(op)` runs it where given (a GPU
     stream's way, the naive engine's), else `op.fn()`. The record gets `where` and the times.
-    Ctrl-C while a waiting caller runs the operation itself fails the operation like any error,
-    so that the engine's bookkeeping stays whole and the next wait on its output says so."""
+    A KeyboardInterrupt raised here fails the operation like any error, so that its lane goes
+    on. On the threaded engine that is the operation's own doing, never Ctrl-C: a waiting main
+    thread that runs operations holds Ctrl-C back until they are done (`workers.CtrlC`)."""
     global failures
     record = op.record
     if record is not None:

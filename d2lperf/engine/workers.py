@@ -11,7 +11,8 @@ order the streams, and the waits for them, are all here. Virtual CPU devices sha
 machine's cores, and their BLAS threads fit the cores other programs leave free
 (`blas.SharedCores`). `running_device()` says which device's operations the
 current thread runs. `PoliteLock`, the engine's lock, keeps all these
-threads from convoying on the GIL. `run_now` is the naive engine's policy: the caller's
+threads from convoying on the GIL. A helping main thread holds Ctrl-C back until the
+operation in hand is done (`CtrlC`). `run_now` is the naive engine's policy: the caller's
 thread, at once. Taught in "Automatic Parallelism".
 """
 import collections
@@ -20,6 +21,9 @@ import queue
 import threading
 import time
 import weakref
+# The C functions behind `signal.signal` and `signal.getsignal`: the public wrappers convert
+# handlers to enums, which costs five times the system call, on every helped wait.
+from _signal import SIGINT, getsignal, signal as set_signal_handler
 
 from .blas import SharedCores
 from ..device import cpu, slowdowns
@@ -150,7 +154,8 @@ class Worker:
     def run_queued(self, finished=None, helper=False):
         """Run the queued operations in order until none is left or `finished()`; how many ran
         (None: another thread is running them). The device counts as busy meanwhile; the
-        records of operations run by a `helper` thread carry its name."""
+        records of operations run by a `helper` thread carry its name, and a helper stops at
+        a Ctrl-C it holds back (`CtrlC`), leaving the rest to the lane's thread."""
         if not self.runner.acquire(False):
             return None
         cores, queued, ran = self.cores, self.queued, 0
@@ -159,6 +164,8 @@ class Worker:
             cores.enter()
         try:
             while queued and not (finished and finished()):
+                if helper and ctrl_c.noted:
+                    break
                 op = queued.popleft()
                 if cores is not None:
                     cores.fit()
@@ -179,17 +186,21 @@ class Worker:
         """Run this lane's ready operations on the calling thread, in the lane's order, until
         `finished()`: how many it ran. A thread that would otherwise sleep until the lane's
         thread woke up, ran them and woke it in turn does the work itself. GPU lanes only
-        launch kernels on their stream, so they are never helped."""
-        if self.device.kind != 'cpu':
+        launch kernels on their stream, so they are never helped. Ctrl-C waits until the
+        operation in hand has completed, then interrupts the caller (`CtrlC`)."""
+        if self.device.kind != 'cpu' or not self.queued:
             return 0
+        held = ctrl_c.hold()
         caller = getattr(running, 'device', None)
         running.device = self.device
         try:
             ran = self.run_queued(finished, helper=True)
         finally:
             running.device = caller
-        if self.queued:
-            self.wakeups.put(WAKE)     # the lane's thread may have woken and found us running
+            if self.queued:
+                self.wakeups.put(WAKE)     # the lane's thread may have woken and found us running
+            if held:
+                ctrl_c.release()           # raises KeyboardInterrupt if Ctrl-C came meanwhile
         return ran or 0
 
     def stop(self):
@@ -236,6 +247,53 @@ class Worker:
         if self.stream is not None:
             self.stream.synchronize()
             self.launched.clear()
+
+
+class CtrlC:
+    """Ctrl-C held back while the main thread runs a lane's operations (`Worker.help`).
+
+    With helping off, Ctrl-C finds the waiting main thread asleep; the operations run on,
+    whole, on their lane's thread. A main thread that helps runs them itself, and Python
+    raises KeyboardInterrupt at its next bytecode: inside an operation (half done, its value
+    lost) or inside the engine's bookkeeping (a lane left locked, an operation taken from its
+    queue and never run: later waits hang). So while the main thread helps (the only thread
+    that Python delivers signals to), SIGINT's handler is this object, which only notes the
+    signal. `release` puts the handler back and calls it once the operation in hand has
+    completed and the lane is free: the caller gets its KeyboardInterrupt, nothing is lost.
+    """
+
+    __slots__ = ('handler', 'noted', 'frame')
+
+    def __init__(self):
+        self.handler, self.noted, self.frame = None, False, None
+
+    def hold(self):
+        """Hold Ctrl-C back if this is the main thread and SIGINT has a Python handler (not
+        ignored, nor the default that ends the process) that is not this one already (an
+        operation the main thread helps with may wait in turn); True if it now does."""
+        handler = getsignal(SIGINT)
+        if (not callable(handler) or handler is self
+                or threading.current_thread() is not threading.main_thread()):
+            return False
+        self.handler, self.noted = handler, False
+        set_signal_handler(SIGINT, self)      # a SIGINT already pending raises first
+        return True
+
+    def __call__(self, signum, frame):
+        self.noted, self.frame = True, frame
+
+    def release(self):
+        """Give SIGINT its handler back; call it if Ctrl-C came while it was held."""
+        handler, self.handler = self.handler, None
+        try:
+            set_signal_handler(SIGINT, handler)   # a SIGINT still pending is noted first
+        finally:                # even if a new one raised at once: this one goes with it
+            noted, frame, self.noted, self.frame = self.noted, self.frame, False, None
+        if noted:
+            handler(SIGINT, frame)
+
+
+ctrl_c = CtrlC()           # one is enough: only the main thread holds it
 
 
 class Workers:

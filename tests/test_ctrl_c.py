@@ -1,0 +1,306 @@
+"""Ctrl-C while a helping main thread runs the engine's operations (`workers.CtrlC`).
+
+With helping off, Ctrl-C finds the waiting main thread asleep: the caller gets
+KeyboardInterrupt, and the operations run on, whole, on their lane. Helping must not change
+that, wherever the signal lands. Here a real SIGINT is raised the n-th time the helping main
+thread passes one point of its path (taking an operation from the queue, running it, inside
+it, completing it, the lane's and the engine's locks, the wake-up, the wait loop), for every
+n; then sent by a timer at random moments into a long wait. Each time a SIGINT arrives
+while `asnumpy()` waits, it raises KeyboardInterrupt (also when the value was ready by then:
+with helping off, too, Ctrl-C during a wait interrupts it); then `wait_all` returns, no
+operation failed, the value is NumPy's, and the lane's own thread still runs what comes.
+"""
+import collections
+import contextlib
+import random
+import signal
+import threading
+import time
+
+import numpy
+import pytest
+
+import d2lperf as d2l
+from d2lperf import engine
+from d2lperf.engine import COMPUTE, engines
+from conftest import run_with_timeout
+from test_helping import HeldWakeups, lane_asleep
+
+CHAIN = 6            # small additions in the chain a wait runs through (every point, every n)
+
+
+@pytest.fixture
+def own_engine(monkeypatch):
+    """A threaded engine for this test alone: one that a failing test leaves stuck is dropped
+    (its threads idle on), rather than waited for by every later test."""
+    eng = engine.ThreadedEngine()
+    monkeypatch.setattr(engine, '_engine', eng)
+    yield eng
+    if not eng.in_flight:
+        with contextlib.suppress(engine.OperationError):     # the test has said so already
+            eng.wait_all()
+        eng.stop()
+
+
+@contextlib.contextmanager
+def ctrl_c_armed():
+    """While inside, until the `disarm()` it gives is called, SIGINT raises KeyboardInterrupt
+    (as Python's own handler does); one that arrives later is dropped, so that it never ends
+    the test run."""
+    armed = [True]
+
+    def interrupt(signum, frame):
+        if armed[0]:
+            raise KeyboardInterrupt
+
+    def disarm():
+        armed[0] = False
+    old = signal.signal(signal.SIGINT, interrupt)
+    try:
+        yield disarm
+    finally:
+        disarm()
+        signal.signal(signal.SIGINT, old)       # a SIGINT still pending is dropped first
+
+
+class CtrlCAt:
+    """Called at one point of the engine's path: raises SIGINT the `n`-th time the main
+    thread passes it while `armed` (None: only count the passes)."""
+
+    def __init__(self):
+        self.n, self.passes, self.armed = None, 0, False
+
+    def __call__(self):
+        if self.armed and threading.current_thread() is threading.main_thread():
+            self.passes += 1
+            if self.passes == self.n:
+                signal.raise_signal(signal.SIGINT)
+
+    def at(self, n):
+        self.n, self.passes = n, 0
+        return self
+
+
+class HookedDeque(collections.deque):
+    """A lane's queue that calls `hook` once an operation is taken from it."""
+
+    def popleft(self):
+        op = super().popleft()
+        self.hook()
+        return op
+
+
+class HookedLock:
+    """A lock that calls `taken` right after it is acquired and `releasing` just before it
+    is released: where CPython can raise an interrupt that `with` does not see."""
+
+    def __init__(self, lock, taken=lambda: None, releasing=lambda: None):
+        self.lock, self.taken, self.releasing = lock, taken, releasing
+
+    def acquire(self, blocking=True, timeout=-1):
+        got = self.lock.acquire(blocking, timeout)
+        if got:
+            self.taken()
+        return got
+
+    def release(self):
+        self.releasing()
+        self.lock.release()
+
+
+def after(hook, fn):
+    def wrapped(*args, **kwargs):
+        result = fn(*args, **kwargs)
+        hook()
+        return result
+    return wrapped
+
+
+def before(hook, fn):
+    def wrapped(*args, **kwargs):
+        hook()
+        return fn(*args, **kwargs)
+    return wrapped
+
+
+def taken_from_queue(eng, worker, hook, monkeypatch):
+    queued = HookedDeque(worker.queued)
+    queued.hook = hook
+    monkeypatch.setattr(worker, 'queued', queued)
+
+
+def about_to_run(eng, worker, hook, monkeypatch):
+    monkeypatch.setattr(worker, 'run', before(hook, worker.run))
+
+
+def inside_the_operation(eng, worker, hook, monkeypatch):
+    """Its value computed, not yet stored."""
+    monkeypatch.setattr(d2l.ndarray, 'as_array', after(hook, d2l.ndarray.as_array))
+
+
+def completing(eng, worker, hook, monkeypatch):
+    """Under the engine's lock, with part of the bookkeeping done."""
+    monkeypatch.setattr(engines, 'complete_write', after(hook, engines.complete_write))
+
+
+def lane_taken(eng, worker, hook, monkeypatch):
+    monkeypatch.setattr(worker, 'runner', HookedLock(worker.runner, taken=hook))
+
+
+def lane_released(eng, worker, hook, monkeypatch):
+    monkeypatch.setattr(worker, 'runner', HookedLock(worker.runner, releasing=hook))
+
+
+def engine_lock_taken(eng, worker, hook, monkeypatch):
+    monkeypatch.setattr(eng.lock, '_lock', HookedLock(eng.lock._lock, taken=hook))
+
+
+def engine_lock_released(eng, worker, hook, monkeypatch):
+    monkeypatch.setattr(eng.lock, '_lock', HookedLock(eng.lock._lock, releasing=hook))
+
+
+def waking_the_lane(eng, worker, hook, monkeypatch):
+    """The lane sleeps through these tests (`lane_asleep`): its wake-ups are held."""
+    monkeypatch.setattr(HeldWakeups, 'put', before(hook, HeldWakeups.put))
+
+
+def between_helps(eng, worker, hook, monkeypatch):
+    monkeypatch.setattr(eng, 'help', after(hook, eng.help))
+
+
+POINTS = [taken_from_queue, about_to_run, inside_the_operation, completing, lane_taken,
+          lane_released, engine_lock_taken, engine_lock_released, waking_the_lane,
+          between_helps]
+
+
+def lane(device):
+    """`device`'s compute worker, started."""
+    engine.push(lambda: None, [], [], device, 'start the lane')
+    engine.wait_all()
+    return engine.current().workers.lanes[device, COMPUTE]
+
+
+def wait_through_chain(hook):
+    """Push a chain of CHAIN additions while the lane sleeps, so that the main thread runs
+    them all as it waits for the last, `hook` armed. Returns the chain's end and whether the
+    wait raised KeyboardInterrupt; every operation has finished."""
+    x = d2l.np.zeros((2,))
+    interrupted = False
+    with lane_asleep(d2l.cpu()):
+        for _ in range(CHAIN):
+            x = x + 1
+        hook.armed = True
+        try:
+            with ctrl_c_armed():
+                x.asnumpy()
+        except KeyboardInterrupt:
+            interrupted = True
+        hook.armed = False
+    run_with_timeout(engine.wait_all, 10)         # raises the error of any failed operation
+    return x, interrupted
+
+
+@pytest.mark.parametrize('point', POINTS, ids=lambda point: point.__name__)
+def test_ctrl_c_anywhere_on_the_helping_path_leaves_the_engine_whole(own_engine, point,
+                                                                      monkeypatch):
+    hook = CtrlCAt()
+    point(own_engine, lane(d2l.cpu()), hook, monkeypatch)
+    x, interrupted = wait_through_chain(hook)
+    passes = hook.passes
+    assert passes and not interrupted
+    for n in range(1, passes + 1):
+        x, interrupted = wait_through_chain(hook.at(n))
+        assert hook.passes >= n, f'pass {n} of {point.__name__} was never reached'
+        assert interrupted, f'Ctrl-C at pass {n} of {point.__name__} was swallowed'
+        assert x.asnumpy().tolist() == [CHAIN, CHAIN], f'pass {n} of {point.__name__}'
+        later = x + 1                    # the lane's own thread still runs what comes next
+        run_with_timeout(engine.wait_all, 10)
+        assert later.asnumpy().tolist() == [CHAIN + 1] * 2
+
+
+ringing = [False]        # whether a SIGALRM now is a Ctrl-C
+
+
+@pytest.fixture(scope='module')
+def alarm_rings_ctrl_c():
+    """While `ringing`, SIGALRM sends a SIGINT (Ctrl-C), for this module's tests: SIGALRM's
+    default ends the process, and one still on its way to a thread when that default is back
+    would end the test run. It is put back once none can be on its way."""
+    def ring(signum, frame):
+        if ringing[0]:
+            signal.raise_signal(signal.SIGINT)
+    previous = signal.signal(signal.SIGALRM, ring)
+    yield
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    time.sleep(0.1)
+    signal.signal(signal.SIGALRM, previous)
+
+
+def interrupt_after(seconds, wait):
+    """Call `wait()` with a Ctrl-C (a real SIGINT) timed to arrive `seconds` later; whether it
+    raised KeyboardInterrupt (or one arrived as it returned)."""
+    with ctrl_c_armed() as disarm:
+        ringing[0] = True
+        try:
+            try:
+                signal.setitimer(signal.ITIMER_REAL, seconds)
+                wait()
+            finally:
+                ringing[0] = False
+                disarm()
+        except KeyboardInterrupt:
+            return True
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+    return False
+
+
+@pytest.mark.parametrize('helping', [True, False], ids=['helping', 'not helping'])
+def test_ctrl_c_at_random_moments_of_a_long_wait_loses_nothing(own_engine, helping,
+                                                               alarm_rings_ctrl_c):
+    """The issue's reproduction: before, with helping on, `wait_all` hung or an addition
+    failed with KeyboardInterrupt within 40 trials."""
+    own_engine.set_helping(helping)
+    rng, steps, interrupted = random.Random(0), 3000, 0
+    expected = numpy.full(2, steps, numpy.float32)
+    for trial in range(40):
+        x = d2l.np.zeros((2,))
+        for _ in range(steps):
+            x = x + 1
+        interrupted += interrupt_after(rng.uniform(0, 0.004), x.asnumpy)
+        run_with_timeout(engine.wait_all, 10)
+        numpy.testing.assert_array_equal(x.asnumpy(), expected, err_msg=f'trial {trial}')
+    assert interrupted >= 10          # the test tested something: many waits were interrupted
+
+
+def test_a_programs_own_ctrl_c_handler_gets_a_held_ctrl_c_once_and_is_put_back(own_engine,
+                                                                              monkeypatch):
+    """A handler that only notes Ctrl-C (to stop after this epoch, say) is called once the
+    operation in hand is done, and the wait then goes on to its value."""
+    calls = []
+
+    def note(signum, frame):
+        calls.append(signum)
+    hook = CtrlCAt().at(2)
+    inside_the_operation(own_engine, lane(d2l.cpu()), hook, monkeypatch)
+    previous = signal.signal(signal.SIGINT, note)
+    try:
+        x = d2l.np.zeros((2,))
+        with lane_asleep(d2l.cpu()):
+            for _ in range(CHAIN):
+                x = x + 1
+            hook.armed = True
+            assert x.asnumpy().tolist() == [CHAIN, CHAIN]
+        assert calls == [signal.SIGINT] and signal.getsignal(signal.SIGINT) is note
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_in_a_waiter_run_on_the_callers_thread_still_lets_the_variable_go(own_engine):
+    """A waiter (`wait_for` with nothing to help) that is ready at once runs on the caller's
+    thread, and reads the variable until it completes: Ctrl-C must not leave it read."""
+    var = engine.Var()
+    with ctrl_c_armed(), pytest.raises(KeyboardInterrupt):
+        engine.push(lambda: signal.raise_signal(signal.SIGINT), [var], [], None, 'wait_for')
+    engine.push(lambda: None, [], [var], d2l.cpu(), 'a later write')
+    run_with_timeout(engine.wait_all, 10)
