@@ -112,7 +112,8 @@ def test_a_long_float16_sum_is_off_by_one_float16_rounding_at_most(tmp_path):
 
 def test_float16_goes_at_the_end_so_older_codes_keep_their_meaning():
     assert [d.name for d in protocol.DTYPES] == ['float32', 'float64', 'int32', 'int64',
-                                                  'float16']
+                                                  'float16', 'uint8']    # uint8: text
+    assert protocol.VALUE_DTYPES == protocol.DTYPES[:5]
     header = protocol.header_for('push', 5, numpy.ones((3, 2), HALF))
     assert protocol.parse_header(header.view(numpy.uint8), 1) == (
         'push', 5, numpy.dtype(HALF), (3, 2), 12)

@@ -1,6 +1,6 @@
 """What a server and a pulling worker refuse: forged messages sent with `protocol.send`
 in real MPI jobs. A server's refusal ends the job with one line naming the sender; a worker's
-leaves the pull's output as it was."""
+leaves the pull's output as it was. A server that fails tells the workers why."""
 import pytest
 
 from tests.dist_helpers import run_program
@@ -18,6 +18,9 @@ def send(command, key=key, array=None):
     requests, buffers = protocol.send(world, 2, command, key, array)
     MPI.Request.Waitall(requests)
 
+def name(text, key=key):
+    send('name', key, protocol.as_text(text))
+
 def answer():
     command, _, array, _ = protocol.receive(world, 2)
     print('ANSWER', command, None if array is None else array.tolist(), flush=True)
@@ -30,6 +33,16 @@ elif world.rank == 0:
     world.Send(numpy.zeros(1), dest=1, tag=9)             # the key exists: rank 1 may go
     if case == 'init without a value':
         send('init', protocol.key_id('v'))
+    elif case == 'a wrong name':
+        name('str:v')
+    elif case == 'named state of a wrong size':
+        name('str:w')
+        send('optimizer', 0, numpy.array([0.1, 0.9, 0, 1]))
+        answer()
+        send('set_state', key, numpy.zeros(3, numpy.float32))
+    elif case == 'a header without its payload':
+        header = protocol.header_for('push', key, numpy.ones(4, numpy.float32))
+        world.Send(header, dest=2, tag=protocol.HEADER_TAG)
     elif case == 'state of a wrong size':
         send('optimizer', 0, numpy.array([0.1, 0.9, 0, 1]))
         answer()
@@ -76,6 +89,10 @@ def test_the_forger_speaks_the_protocol(tmp_path):
     ('inf momentum', 'rank 0 sent optimizer numbers SGD refuses: SGD needs a finite number '
                      '>= 0 for momentum, not inf'),
     ('second bye', "rank 0 sent 'bye' after its bye"),     # counted, it would end the server
+    ('a wrong name', "rank 0 named key id {w} 'str:v', which is not the name of a key of that "
+                     "id ('int:3' for key 3, 'str:w' for 'w')"),
+    ('named state of a wrong size', "rank 0 sent an optimizer state of shape (3,) float32 for "
+                                    "key 'w', whose slice on this server is shape (4,) float32"),
 ])
 def test_the_server_refuses_naming_the_sender(tmp_path, case, refusal):
     from d2lperf.kvstore.protocol import key_id
@@ -83,8 +100,61 @@ def test_the_server_refuses_naming_the_sender(tmp_path, case, refusal):
     assert result.returncode != 0, result.report()
     server = result.stderr[2]
     expected = refusal.format(v=key_id('v'), w=key_id('w'))
-    assert f'd2lperf server (rank 2): ProtocolError: {expected}' in server, result.report()
+    assert f'd2lperf server (rank 2) failed on the ' in server, result.report()
+    assert f': ProtocolError: {expected}' in server, result.report()
     assert 'Traceback' not in server
+
+
+def test_a_message_cut_short_names_its_sender(tmp_path):
+    result = run_program(tmp_path, FORGER, 3, timeout=120, CASE='a header without its payload',
+                         D2LPERF_TIMEOUT=2)
+    assert result.returncode != 0, result.report()
+    assert ('d2lperf server (rank 2) failed while it waited for a message: DeadlineError: '
+            'server rank 2 waited for the rest of a message from rank 0 (a payload), in vain '
+            'for 2 s' in result.stderr[2]), result.report()
+
+
+FAILING = '''
+import os, sys, time, types, numpy, d2lperf as d2l
+from mpi4py import MPI
+from d2lperf.kvstore import protocol, server
+from d2lperf.kvstore.dist import DistKVStore
+
+world = MPI.COMM_WORLD
+if world.rank == 1:
+    def broken(self, key, total):
+        raise RuntimeError('a bug in the update')
+    server.Server.apply = broken
+    # Here the server outlives its last words, as it would under a process manager that
+    # does not end a job when one rank fails (MPICH's does, at once).
+    server.os = types.SimpleNamespace(_exit=lambda code: (time.sleep(5), os._exit(code)))
+    server.run_server(world, True, 1)
+else:
+    kv = DistKVStore('dist_sync', world, MPI.COMM_SELF, 1)
+    x = d2l.np.array(numpy.ones(3, numpy.float32))
+    kv.init('w', x)
+    kv.push('w', x)
+    started = time.monotonic()
+    try:
+        kv.pull('w', out=x)
+    except protocol.ServerError as error:
+        print(f'RAISED after {time.monotonic() - started:.1f} s: {error}', flush=True)
+    os._exit(0)
+'''
+
+
+def test_a_failing_server_tells_the_waiting_worker_why(tmp_path):
+    """The worker does not wait out D2LPERF_TIMEOUT (60 s here): it raises ServerError with
+    the server's own line, which names the server, the message, its key and the error."""
+    result = run_program(tmp_path, FAILING, 2, timeout=120, D2LPERF_TIMEOUT=60)
+    said = result.stdout[0]
+    assert said.startswith('RAISED after '), result.report()
+    assert float(said.split()[2]) < 10, said
+    assert ("rank 0's pull of key 'w', which waits for every worker's push will never be "
+            "answered: d2lperf server (rank 1) failed on the push of key 'w' from rank 0: "
+            'RuntimeError: a bug in the update (its traceback is in the output of rank 1)'
+            in said)
+    assert 'Traceback' in result.stderr[1] and "a bug in the update" in result.stderr[1]
 
 
 PULLER = '''
@@ -142,7 +212,7 @@ def test_a_refused_pull_leaves_its_output_whole(tmp_path):
     assert result.stdout[0].splitlines() == [
         'REFUSED rank 2 sent shape (4,) float32 for a slice of shape (3,) float32',
         f'TWO SERVERS {[7.0] * 6}',
-        f"REFUSED rank 2 answered 'value' for key id {key_id('w')}; this worker waited for a "
-        f"value of key id {key_id('v')}",
+        f"REFUSED rank 2 answered 'value' for key id {key_id('w')} (not one of this store's "
+        "keys); this worker waited for a value of key 'v'",
         f'ONE SERVER {[7.0] * 6}',
         'IN STEP [0.0, 10.0, 20.0, 30.0, 40.0, 50.0] True']

@@ -11,7 +11,8 @@ What differs between stores is only *where* the values live and the sums happen:
     local      the in-process stores, 'local' (every value on cpu(0)) and 'device' (each key
                on one of the devices that push it)
     keys       what every store says about keys: one key type a store, names in states files
-    protocol   the wire format between worker and server processes: numbers, never pickles
+    protocol   the wire format between worker and server processes (numbers and text, never
+               pickles), and the deadline of every wait, from MPI's start on
     server     a server process: a slice of every key, sync rounds or async updates
     dist       the worker side of 'dist_sync', 'dist_device_sync' and 'dist_async' (MPI)
 

@@ -12,16 +12,21 @@ With an optimizer (`set_optimizer`), the servers run the update: the workers sen
 hyperparameters, as numbers. In dist_sync a server applies a round once every worker has
 pushed the key, so n workers of batch b each take the step that one process would take at
 batch n·b when the optimizer's rescale_grad is 1/(n·b): gradients are summed, not averaged
-(`train_mnist` calls `Trainer.step(n·b)`). Every worker makes the same calls: one that any worker refuses is refused
-on every worker (`agree_on_failure`), so none is left waiting for the others.
+(`train_mnist` calls `Trainer.step(n·b)`). Every worker makes the same calls: one that any
+worker refuses is refused on every worker (`agree_on_failure`), so none is left waiting for
+the others.
 dist_device_sync first sums a worker's values on its first value's device, dist_sync on the
 host; dist_async applies each push as it arrives.
 
-Every wait (for a server's answer, for a send to leave, at the workers' barrier) gives up
-after D2LPERF_TIMEOUT seconds with a `DeadlineError` naming the rank waited for, the key and
-the command (`protocol.wait_until`); uncaught, it ends the process, and the launcher the job.
-In dist_sync, a pull that waits for a round a departed worker never pushed into is refused
-(`IncompleteRoundError`, naming that worker). Taught in "Parameter Servers".
+Every wait (for every rank to start, for a server's answer, for a send to leave, at the
+workers' barrier) gives up after D2LPERF_TIMEOUT seconds with a `DeadlineError` naming the
+rank waited for, the key and the command (`protocol.wait_until`); uncaught, it ends the
+process, and the launcher the job. In dist_sync, a pull that waits for a round a departed
+worker never pushed into is refused (`IncompleteRoundError`, naming that worker). A server
+that fails tells every worker before it exits: a worker waiting on it raises `ServerError`
+with the server's error. The servers' SGD updates floating-point keys only: an integer key
+is refused at `init` (or `set_optimizer`), as each step would be rounded to a whole number.
+Taught in "Parameter Servers".
 """
 import atexit
 import os
@@ -37,9 +42,11 @@ from ..optimizer import SGD
 from ..utils import atomic_write
 from . import DIST_TYPES as TYPES
 from .keys import as_list, describe, pairs, state_name
-from .protocol import (DTYPES, IncompleteRoundError, ProtocolError, key_id, log, receive, send,
+from .protocol import (VALUE_DTYPES, IncompleteRoundError, ProtocolError, ServerError, as_text,
+                       key_id, log, receive, roll_call, send, start_mpi, text_of,
                        wait_for_request, wait_for_sends)
 _created = {}      # the one store of this process: creating a second would split MPI again
+SERVER_HEAD_START = 1.0   # seconds a worker waits before raising a server's failure (`answer`)
 
 
 def create_dist(name):
@@ -53,21 +60,30 @@ def create_dist(name):
                              f'process runs one distributed store, not also {name!r}')
         return store
     try:
-        from mpi4py import MPI
+        MPI = start_mpi()
     except ImportError as error:
         raise ImportError("the distributed key-value store needs mpi4py: pip install -e "
                           "'.[mpi]', and start the job with python -m d2lperf.launch") from error
+    end_on_uncaught_error()
     world = MPI.COMM_WORLD
     servers = num_servers(world.size)
-    is_server = world.rank >= world.size - servers
-    worker_comm = world.Split(1 if is_server else 0, world.rank)   # the worker ranks alone
-    if is_server:
+    first_server = world.size - servers
+    roll_call(world, lambda missing: f'rank {world.rank} waited for '
+                                     f'{rank_names(missing, first_server)} to reach '
+                                     f'd2l.kvstore.create({name!r})')
+    worker_comm = world.Split(int(world.rank >= first_server), world.rank)  # workers alone
+    if world.rank >= first_server:
         from .server import run_server
-        run_server(world, name != 'dist_async', world.size - servers)
+        run_server(world, name != 'dist_async', first_server)
     _created[name] = store = DistKVStore(name, world, worker_comm, servers)
     atexit.register(store.close)
-    end_on_uncaught_error()
     return store
+
+
+def rank_names(ranks, first_server):
+    """'worker rank 1, server rank 3': ranks of the world, with their roles."""
+    return ', '.join(f'{"server" if rank >= first_server else "worker"} rank {rank}'
+                     for rank in ranks)
 
 
 def end_on_uncaught_error():
@@ -121,9 +137,12 @@ class DistKVStore:
         if self.agree_on_failure(refusal is not None, about):
             raise refusal or ValueError('another worker refused this init; its error says why')
         if self.rank == 0:
-            for one_key, identity, value in new:
-                self.to_servers('init', identity, value, f'init of key {one_key!r}')
-                self.wait_for_acks(f'init of key {one_key!r}')
+            for one_key, identity, value in new:    # its name first: for the servers' errors
+                about = f'init of key {one_key!r}'
+                self.to_servers('name', identity, as_text(state_name(one_key)), about,
+                                sliced=False)
+                self.to_servers('init', identity, value, about)
+                self.wait_for_acks(about)
         for one_key, identity, value in new:
             self.keys[one_key] = (identity, value.shape, value.dtype)
         if self.first_key is None and new:
@@ -143,9 +162,11 @@ class DistKVStore:
                 raise ValueError(f'key {key!r} has the same id as another key; rename it')
             host = host_copy(values[0]) if self.rank == 0 else \
                 numpy.empty(values[0].shape, values[0].dtype)
-            if host.dtype not in DTYPES:
-                raise ValueError(f'the store holds {[d.name for d in DTYPES]}, not {host.dtype}'
-                                 f' (key {key!r}): cast the value with .astype first')
+            if host.dtype not in VALUE_DTYPES:
+                raise ValueError(f'the store holds {[d.name for d in VALUE_DTYPES]}, not '
+                                 f'{host.dtype} (key {key!r}): cast the value with .astype first')
+            if self.optimizer is not None:
+                check_updatable(key, host.dtype)
             new.append((key, identity, host))
         return new
 
@@ -193,6 +214,8 @@ class DistKVStore:
         if not isinstance(optimizer, SGD):
             raise TypeError(f'the servers run d2lperf.optimizer.SGD, not {optimizer!r}')
         self.check_open()
+        for key, (_, _, dtype) in self.keys.items():
+            check_updatable(key, dtype)
         self.optimizer = optimizer
         numbers = numpy.array([optimizer.learning_rate, optimizer.momentum, optimizer.wd,
                                optimizer.rescale_grad], numpy.float64)
@@ -372,12 +395,31 @@ class DistKVStore:
                 f'the servers (ranks {servers[0]} to {servers[-1]})')
         return f'rank {self.world.Get_rank()} waited for {whom} to {verb} its {about}'
 
-    def expect(self, server, command, identity, about):
-        got, key, array, sender = receive(self.world, server,
+    def answer(self, server, about, into=None, for_message=None):
+        """(command, key id, array, sender) of `server`'s next message to this worker, which
+        answers its `about`; ServerError if it is the server's last word: why it failed."""
+        got, key, array, sender = receive(self.world, server, into, for_message,
                                           waiting_for=self.waited([server], 'answer', about))
+        if got == 'failed':
+            # The server exits right after telling us: let its exit reach the launcher first,
+            # so that the launcher names the rank that failed, not this one.
+            time.sleep(SERVER_HEAD_START)
+            raise ServerError(f"rank {self.world.Get_rank()}'s {about} will never be "
+                              f'answered: {text_of(array)}')
+        return got, key, array, sender
+
+    def key_name(self, identity):
+        """How an error names the key of id `identity`: by the key itself where it is ours."""
+        names = {known[0]: key for key, known in self.keys.items()}
+        return (f'key {names[identity]!r}' if identity in names else
+                f"key id {identity} (not one of this store's keys)")
+
+    def expect(self, server, command, identity, about):
+        got, key, array, sender = self.answer(server, about)
         if got != command or (identity is not None and key != identity):
-            raise ProtocolError(f'rank {sender} answered {got!r} for key id {key}; this worker '
-                                f'waited for {command!r} for key id {identity}')
+            wanted = '' if identity is None else f' for {self.key_name(identity)}'
+            raise ProtocolError(f'rank {sender} answered {got!r} for {self.key_name(key)}; '
+                                f'this worker waited for {command!r}{wanted}')
         return key, array
 
     def receive_slices(self, key, value):
@@ -400,9 +442,7 @@ class DistKVStore:
         about = f'pull of key {name!r}'
         if self.type != 'dist_async':
             about += ", which waits for every worker's push"
-        got, key, value, sender = receive(self.world, server, into=part,
-                                          for_message=('value', identity),
-                                          waiting_for=self.waited([server], 'answer', about))
+        got, key, value, sender = self.answer(server, about, part, ('value', identity))
         if got == 'refused' and key == identity and value is not None and value.size == 3:
             departed, its_pushes, pushes = (int(number) for number in value)
             raise IncompleteRoundError(
@@ -412,17 +452,15 @@ class DistKVStore:
                 'complete. In dist_sync every worker pushes every key the same number of '
                 'times (give each the same number of batches)')
         if got != 'value' or key != identity:
-            raise ProtocolError(f'rank {sender} answered {got!r} for key id {key}; this worker '
-                                f'waited for a value of key id {identity}')
+            raise ProtocolError(f'rank {sender} answered {got!r} for {self.key_name(key)}; this '
+                                f'worker waited for a value of key {name!r}')
         if value is not part:
             raise ProtocolError(f'rank {server} sent {describe(value)} for a slice of shape '
                                 f'{part.shape} {part.dtype}')
 
     def receive_states(self, server, about):
         while True:
-            got, key, array, sender = receive(self.world, server,
-                                              waiting_for=self.waited([server], 'answer',
-                                                                      about))
+            got, key, array, sender = self.answer(server, about)
             if got == 'end':
                 return
             if got != 'state' or array is None:
@@ -432,6 +470,17 @@ class DistKVStore:
     def wait_for_acks(self, about):
         for server in self.servers:
             self.expect(server, 'ack', None, about)
+
+
+def check_updatable(key, dtype):
+    """Refuse an integer key under the servers' SGD: each step would be rounded to a whole
+    number, so a step below one would be lost, silently."""
+    if numpy.dtype(dtype).kind in 'iu':
+        raise ValueError(f'key {key!r} holds {numpy.dtype(dtype)}, and the servers\' SGD '
+                         'updates floating-point values only (a step would be rounded to a '
+                         'whole number, and lost when below one): init the key with a float '
+                         "value (value.astype('float32')), or keep integers in a store without "
+                         'set_optimizer, which sums them exactly')
 
 
 def host_copy(value):

@@ -14,10 +14,16 @@ Keys: `key_id` maps an int or str key to a 56-bit number by a stable hash (BLAKE
 key's type and text), the same in every process and in any order of `init`, so no process
 has to tell the others its keys. A store refuses two keys with the same id.
 
-Deadlines: MPI's blocking calls (Probe, Recv, Barrier, Wait) wait forever, so a peer that is
-alive but stuck would hang the job. Every wait here polls MPI's nonblocking form through
-`wait_until`, which gives up after D2LPERF_TIMEOUT seconds (`timeout_seconds`) with a
-`DeadlineError` that names the rank waited for, the key and the command.
+Text travels as UTF-8 bytes (dtype uint8, `TEXT`), read back as text and never run: a key's
+name, so that a server's errors say 'w' rather than an id, and a failed server's error, which
+it sends to every worker (`failed`) before it exits, so that none waits out its deadline.
+
+Deadlines: MPI's blocking calls (Init, Probe, Recv, Barrier, Comm_split, Wait) wait forever,
+so a peer that is alive but stuck, or late, would hang the job. Every wait here polls MPI's
+nonblocking form through `wait_until`, which gives up after D2LPERF_TIMEOUT seconds
+(`timeout_seconds`) with a `DeadlineError` that names the rank waited for, the key and the
+command. Two waits have no nonblocking form: `start_mpi` bounds MPI_Init with a watchdog,
+and `roll_call` makes sure every rank has come before a blocking collective that follows it.
 
 `log` is the D2LPERF_VERBOSE=1 line the stores write for every push and pull.
 Taught in "Parameter Servers".
@@ -25,22 +31,25 @@ Taught in "Parameter Servers".
 import hashlib
 import math
 import os
+import subprocess
 import sys
 import time
 
 import numpy
 
 COMMANDS = ('init', 'push', 'pull', 'value', 'ack', 'optimizer', 'get_states', 'state',
-            'set_state', 'end', 'bye', 'refused')
+            'set_state', 'end', 'bye', 'refused', 'name', 'failed')
 CODE = {name: i for i, name in enumerate(COMMANDS)}
 # A dtype's code is its place here: a new dtype goes at the end, so old codes keep their meaning.
-DTYPES = (numpy.dtype('float32'), numpy.dtype('float64'), numpy.dtype('int32'),
-          numpy.dtype('int64'), numpy.dtype('float16'))
+VALUE_DTYPES = (numpy.dtype('float32'), numpy.dtype('float64'), numpy.dtype('int32'),
+                numpy.dtype('int64'), numpy.dtype('float16'))      # what a store holds
+TEXT = numpy.dtype('uint8')                                         # UTF-8: names, errors
+DTYPES = VALUE_DTYPES + (TEXT,)                                     # what travels
 MAX_DIMS = 8
 HEADER_WORDS = 5 + MAX_DIMS          # command, key, dtype, ndim, dims..., nbytes
-HEADER_TAG, PAYLOAD_TAG = 1, 2
+HEADER_TAG, PAYLOAD_TAG, ROLL_CALL_TAG = 1, 2, 3
 DEFAULT_TIMEOUT = 300.0        # seconds: generous, as a slow step is not a stuck one
-SPIN_SECONDS = 0.005           # poll without sleeping this long: most waits end within it
+SPIN_SECONDS = 0.005           # poll, yielding the core, this long: most waits end within it
 LONGEST_PAUSE = 0.001          # then sleep, doubling up to this, between polls
 abandoned = []                 # (request, buffer) given up on at a deadline: MPI may write it
 
@@ -55,6 +64,10 @@ class DeadlineError(TimeoutError):
 
 class IncompleteRoundError(RuntimeError):
     """A dist_sync round that can never complete: a worker left before pushing into it."""
+
+
+class ServerError(RuntimeError):
+    """A server failed, so it will never answer: its error, as it sent it before exiting."""
 
 
 def timeout_seconds():
@@ -77,10 +90,14 @@ def wait_until(test, deadline, what):
     Why poll: MPI's blocking calls have no timeout, so a peer that is alive but never answers
     (stuck, or waiting for yet another rank) would hold this process forever, and its job with
     it. Each `test` is one nonblocking MPI call (Iprobe, Request.Test), which also drives MPI's
-    progress. The first SPIN_SECONDS poll without a pause, as MPI's own blocking calls do: most
-    answers come within microseconds, and a large message may move only while its ranks poll. Past
-    that the process sleeps between polls, from 10 microseconds doubling up to LONGEST_PAUSE,
-    so a long wait leaves the CPU to the ranks that compute, and answers within a millisecond."""
+    progress. For the first SPIN_SECONDS it polls again at once, as MPI's own blocking calls do
+    (most answers come within microseconds, and a large message may move only while its ranks
+    poll), but yields the core between polls: on a machine with more ranks than cores, the rank
+    we wait for may need this very core to compute the answer. Past that the process sleeps
+    between polls, from 10 microseconds doubling up to LONGEST_PAUSE, so a long wait costs
+    1 to 2% of a core (measured: tests/test_kvstore_deadlines.py) and still answers within
+    a millisecond. The yield matters where ranks outnumber cores: with 4 workers and a server
+    on 2 cores, polling without it kept LeNet's images/s in all below one worker's."""
     done = test()
     if done:
         return done
@@ -92,18 +109,96 @@ def wait_until(test, deadline, what):
             return done
         now = time.monotonic()
         if now > deadline:
-            raise DeadlineError(f'{what}, in vain for {timeout_seconds():g} s. Look at the '
-                                'output of the ranks it waited for to see why they are stuck; '
-                                'if they are only slow, raise D2LPERF_TIMEOUT (python -m '
-                                'd2lperf.launch --timeout SECONDS)')
-        if now > spin_until:
+            raise DeadlineError(in_vain(what))
+        if now < spin_until:
+            os.sched_yield()
+        else:
             time.sleep(pause)
             pause = min(2 * pause, LONGEST_PAUSE)
+
+
+def in_vain(what):
+    """What a DeadlineError says: `what` was waited for, how long, and what to do."""
+    return (f'{what}, in vain for {timeout_seconds():g} s. Look at the output of the ranks it '
+            'waited for to see why they are stuck; if they are only slow, raise '
+            'D2LPERF_TIMEOUT (python -m d2lperf.launch --timeout SECONDS)')
 
 
 def deadline():
     """The time (`time.monotonic()`) at which a wait that starts now gives up."""
     return time.monotonic() + timeout_seconds()
+
+
+def start_mpi():
+    """mpi4py's MPI module, with MPI started (MPI_Init) within D2LPERF_TIMEOUT.
+
+    MPI_Init returns only once every rank of the job has called it, and it has no timeout: a
+    rank that never comes (it failed, or computes something first) would hold the others
+    forever, each spinning on a core (MPICH polls there: 0.7 of a core each, measured). No
+    thread of ours can run meanwhile (MPI_Init holds Python's GIL), so the watchdog is a small
+    process of its own: past the deadline it says why on our stderr and kills us; the launcher
+    then names this rank and ends the job. Closing its stdin, as we do once MPI runs (or as
+    our death does), sends it away."""
+    started = sys.modules.get('mpi4py.MPI')     # the program imported it: MPI runs already
+    if started is not None:
+        return started
+    rank = os.environ.get('PMI_RANK', '?')        # MPI is not running: its launcher's word
+    what = (f'rank {rank} waited for every rank of the job to start MPI, which each process '
+            'does in its first d2l.kvstore.create')
+    watchdog = subprocess.Popen([sys.executable, '-I', '-S', '-c', WATCHDOG,
+                                 str(timeout_seconds()), f'DeadlineError: {in_vain(what)}'],
+                                stdin=subprocess.PIPE)
+    try:
+        from mpi4py import MPI
+    finally:
+        watchdog.stdin.close()
+        watchdog.wait()
+    return MPI
+
+
+WATCHDOG = """
+import os, select, signal, sys
+seconds, message = float(sys.argv[1]), sys.argv[2]
+if not select.select([sys.stdin], [], [], seconds)[0]:    # neither closed nor gone in time
+    sys.stderr.write(message + '\\n')
+    sys.stderr.flush()
+    os.kill(os.getppid(), signal.SIGKILL)       # SIGKILL: inside MPI_Init, no handler runs
+"""
+
+
+def roll_call(comm, waiting_for):
+    """Return once every rank of `comm` has called this too, within D2LPERF_TIMEOUT; past it,
+    raise DeadlineError saying `waiting_for(ranks that never came)`.
+
+    Each rank sends a word to every other and waits for theirs: unlike a barrier, this knows
+    who is missing. Put before a blocking collective (Comm_split), it bounds that one's wait."""
+    others = [rank for rank in range(comm.Get_size()) if rank != comm.Get_rank()]
+    here = numpy.zeros(1, numpy.int64)
+    words = {rank: numpy.empty(1, numpy.int64) for rank in others}
+    sends = [comm.Isend(here, dest=rank, tag=ROLL_CALL_TAG) for rank in others]
+    missing = {rank: comm.Irecv(words[rank], source=rank, tag=ROLL_CALL_TAG) for rank in others}
+
+    def everyone_came():
+        for rank in [rank for rank, request in missing.items() if request.Test()]:
+            del missing[rank]
+        return not missing
+    try:
+        wait_until(everyone_came, deadline(), 'the roll call')
+    except DeadlineError:
+        abandoned.extend((request, words[rank]) for rank, request in missing.items())
+        abandoned.extend((request, here) for request in sends)
+        raise DeadlineError(in_vain(waiting_for(sorted(missing)))) from None
+    wait_for_sends(sends, f'rank {comm.Get_rank()} waited for its roll-call word to leave')
+
+
+def as_text(text):
+    """`text` as the array that carries it: its UTF-8 bytes."""
+    return numpy.frombuffer(text.encode(), TEXT).copy()
+
+
+def text_of(array):
+    """The text an array of UTF-8 bytes carries (never run, only shown)."""
+    return bytes(array).decode(errors='replace') if array is not None else ''
 
 
 def key_id(key):
@@ -152,12 +247,15 @@ def receive(comm, source, into=None, for_message=None, *, waiting_for=None):
     Each wait gives up after D2LPERF_TIMEOUT with a DeadlineError that says `waiting_for`
     (which rank waited for which, and for what; by default, only the ranks)."""
     from mpi4py import MPI
-    waiting_for = waiting_for or (f'rank {comm.Get_rank()} waited for a message from '
-                                  + ('any rank' if source == MPI.ANY_SOURCE else f'rank {source}'))
+    anyone = source == MPI.ANY_SOURCE
+    waiting_for = waiting_for or (f'rank {comm.Get_rank()} waited for a message'
+                                  + ('' if anyone else f' from rank {source}'))
     status = MPI.Status()
     wait_until(lambda: comm.Iprobe(source=source, tag=HEADER_TAG, status=status), deadline(),
                waiting_for)
     sender, size = status.Get_source(), status.Get_count(MPI.BYTE)
+    if anyone:                      # the rest comes from the header's sender: name it
+        waiting_for += f' from rank {sender}'
     raw = numpy.empty(max(size, 1), numpy.uint8)
     receive_exactly(comm, raw[:size], sender, HEADER_TAG, waiting_for)
     try:

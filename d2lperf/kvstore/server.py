@@ -19,14 +19,19 @@ float16 keys travel as float16 but are summed and kept in float32 here (MXNet ke
 float16 unless the optimizer has multi_precision=True; a server is where a weight takes
 thousands of updates, and each float16 rounding loses an update smaller than half a unit in
 the last place). Measured (`python -m pytest -s tests/test_kvstore_dist_float16.py` prints
-it): 1000 dist_async pushes of values in [0, 0.002) onto a float16 key under SGD(learning_rate=1) pull
-back within a relative 4.8e-4 of the float64 sum, which is the one float16 rounding of the
-result (at most 2^-11 = 4.9e-4); summed and kept in float16, as MXNet does by default, the
-same pushes end up to 1.2e-2 off. Momentum is float32 here too; states travel in the key's
-dtype, as the workers save them.
+it): 1000 dist_async pushes of values in [0, 0.002) onto a float16 key under
+SGD(learning_rate=1) pull back within a relative 4.8e-4 of the float64 sum, which is the one
+float16 rounding of the result (at most 2^-11 = 4.9e-4); summed and kept in float16, as MXNet
+does by default, the same pushes end up to 1.2e-2 off. Momentum is float32 here too; states
+travel in the key's dtype, as the workers save them.
 
 Every message is checked against what it may be before anything changes: a refusal
-(`ProtocolError`, naming the sender's rank) ends the job with the reason.
+(`ProtocolError`, naming the sender's rank) ends the job with the reason. So does any other
+error (a bug, an update that fails): a server that died silently would leave every worker
+waiting for its answer. A failing server prints why, naming itself, the message in hand and
+its key (worker 0 sends each key's name with its init; the wire carries ids), sends the same
+line to every worker still here ('failed', which a waiting worker raises as ServerError),
+and exits non-zero, so that the launcher names it and ends the job.
 
 A worker that leaves (says `bye`) after fewer pushes of a key than another has made leaves a
 round that can never be complete: the server refuses the pulls that wait for it ('refused',
@@ -36,19 +41,21 @@ rest of a message, and a reply's send, give up after D2LPERF_TIMEOUT. Taught in 
 Servers".
 """
 import math
+import os
 import sys
 import time
+import traceback
 
 import numpy
 
 from ..device import cpu
 from ..ndarray import from_host
 from ..optimizer import SGD
-from .keys import describe
-from .protocol import (HEADER_TAG, DeadlineError, ProtocolError, log, receive, send,
-                       wait_for_sends, wait_until)
+from .keys import describe, key_of_state
+from .protocol import (HEADER_TAG, TEXT, DeadlineError, ProtocolError, as_text, key_id, log,
+                       receive, send, text_of, wait_for_sends, wait_until)
 
-LINE_FORWARDING_SECONDS = 0.5     # before a refusing server aborts the job (see run_server)
+FAREWELL_SECONDS = 2.0    # how long a failing server waits for its last words to leave
 
 
 class Server:
@@ -66,15 +73,19 @@ class Server:
         self.staged_states = {}   # key id -> momentum chunk, until 'end' commits them
         self.sending = []         # (key id, worker, command, requests, buffers) of replies
         self.departed = set()     # workers that said goodbye
+        self.names = {}           # key id -> the key, for messages
+        self.handling = None      # (command, key id, sender) of the message in hand
 
     def serve(self):
         """Handle messages until every worker said goodbye."""
         from mpi4py import MPI
         while len(self.departed) < self.num_workers:
+            self.handling = None
             self.wait_for_work()
             command, key, array, sender = receive(
                 self.world, MPI.ANY_SOURCE,
                 waiting_for=f'server rank {self.world.rank} waited for the rest of a message')
+            self.handling = command, key, sender
             started = time.perf_counter()              # the handling, not the waiting
             handler = getattr(self, 'on_' + command, None)
             if handler is None:
@@ -84,7 +95,7 @@ class Server:
                 raise ProtocolError(f'rank {sender} sent {command!r} after its bye; a worker '
                                     'says bye once, when it closes its store, and then nothing')
             handler(key, array, sender)
-            log(self.world.rank, f'{command} key {key} from rank {sender}',
+            log(self.world.rank, f'{command} {self.key_name(key)} from rank {sender}',
                 0 if array is None else array.nbytes, started)
         for sent, worker, command, requests, _ in self.sending:
             self.wait_for_reply(sent, worker, command, requests)
@@ -105,7 +116,11 @@ class Server:
 
     def wait_for_reply(self, key, worker, command, requests):
         wait_for_sends(requests, f'server rank {self.world.rank} waited for rank {worker} to '
-                                 f'take its {command} of key id {key}')
+                                 f'take its {command} of {self.key_name(key)}')
+
+    def key_name(self, key):
+        """How a message names key id `key`: by the key, once a worker has said its name."""
+        return f'key {self.names[key]!r}' if key in self.names else f'key id {key}'
 
     def finish_replies(self, key):
         """Wait until the values of `key` in flight have left: an update may then overwrite them."""
@@ -125,24 +140,39 @@ class Server:
         """The key's chunk, after checking that a worker sent `command` for a known key."""
         self.from_worker(sender, command)
         if key not in self.values:
-            raise ProtocolError(f'rank {sender} used key id {key}, which was never initialized')
+            raise ProtocolError(f'rank {sender} used {self.key_name(key)}, which was never '
+                                'initialized')
         return self.values[key]
 
     def check_chunk(self, key, array, sender, what):
         """Refuse `array` unless it has the key's dtype and this server's slice size."""
         stored, dtype = self.values[key], self.dtypes[key]
         if array is None or array.shape != stored.shape or array.dtype != dtype:
-            raise ProtocolError(f'rank {sender} sent {what} of {describe(array)} for key id '
-                                f'{key}, whose slice on this server is shape {stored.shape} '
-                                f'{dtype}')
+            raise ProtocolError(f'rank {sender} sent {what} of {describe(array)} for '
+                                f'{self.key_name(key)}, whose slice on this server is shape '
+                                f'{stored.shape} {dtype}')
+
+    def on_name(self, key, array, sender):
+        """Learn the key of id `key` (its `keys.state_name`), to name it in messages."""
+        self.from_worker(sender, 'name')
+        name = text_of(array) if array is not None and array.dtype == TEXT else None
+        try:
+            named = key_of_state(name or '')
+        except ValueError:
+            named = None
+        if named is None or key_id(named) != key:
+            raise ProtocolError(f'rank {sender} named key id {key} {name!r}, which is not the '
+                                "name of a key of that id ('int:3' for key 3, 'str:w' for 'w')")
+        self.names[key] = named
 
     def on_init(self, key, array, sender):
         self.from_worker(sender, 'init')
         if array is None:
-            raise ProtocolError(f'rank {sender} sent init of key id {key} without a value; an '
-                                "init carries the key's first value (kv.init(key, value))")
+            raise ProtocolError(f'rank {sender} sent init of {self.key_name(key)} without a '
+                                "value; an init carries the key's first value (kv.init(key, "
+                                'value))')
         if key in self.values:
-            raise ProtocolError(f'rank {sender} initialized key id {key} a second time')
+            raise ProtocolError(f'rank {sender} initialized {self.key_name(key)} a second time')
         self.dtypes[key] = array.dtype
         self.values[key] = from_host(summable(array), cpu(0))
         self.rounds[key], self.pushes[key], self.waiting[key] = 0, [0] * self.num_workers, []
@@ -255,15 +285,53 @@ def summable(array):
 
 
 def run_server(world, synchronous, num_workers):
-    """Serve until every worker has left, then end the process; on a broken message or a
-    deadline passed, the job."""
+    """Serve until every worker has left, then end the process; on any error, fail (below)."""
+    server = Server(world, synchronous, num_workers)
     try:
-        Server(world, synchronous, num_workers).serve()
-    except (ProtocolError, DeadlineError) as error:
-        print(f'd2lperf server (rank {world.rank}): {type(error).__name__}: {error}',
-              file=sys.stderr, flush=True)
-        # The line goes through a pipe to MPICH's process manager, which forwards it; Abort
-        # tears the job down at once, sometimes before the forwarding. Give it a moment.
-        time.sleep(LINE_FORWARDING_SECONDS)
-        world.Abort(3)
+        server.serve()
+    except Exception as error:      # noqa: BLE001 - whatever it is, the workers must learn it
+        fail(server, error)
     sys.exit(0)
+
+
+def fail(server, error):
+    """Say why on stderr, send the same line to every worker still here, and exit non-zero.
+
+    Not MPI_Abort, which kills every rank at once, often before their lines (and this one)
+    are forwarded: a worker that reads why it will get no answer can say so itself. Nor
+    MPI_Finalize, which would wait for the other ranks: the launcher, seeing this rank end,
+    ends the job."""
+    line = failure_line(server, error)
+    if not isinstance(error, (ProtocolError, DeadlineError)):   # not a refusal: show where
+        traceback.print_exception(error)
+        line += f' (its traceback is in the output of rank {server.world.rank})'
+    print(line, file=sys.stderr, flush=True)
+    tell_workers(server, line)
+    sys.stdout.flush()
+    os._exit(1)
+
+
+def failure_line(server, error):
+    """'d2lperf server (rank 2) failed on the push of key 'w' from rank 0: ValueError: ...'"""
+    where = 'while it waited for a message'
+    if server.handling is not None:
+        command, key, sender = server.handling
+        keyed = command in ('init', 'name', 'push', 'pull', 'set_state')
+        where = (f'on the {command}' + (f' of {server.key_name(key)}' if keyed else '')
+                 + f' from rank {sender}')
+    return (f'd2lperf server (rank {server.world.rank}) failed {where}: '
+            f'{type(error).__name__}: {error}')
+
+
+def tell_workers(server, line):
+    """Send `line` to every worker that has not left, within FAREWELL_SECONDS."""
+    from mpi4py import MPI
+    key = server.handling[1] if server.handling else 0
+    sent = [send(server.world, worker, 'failed', key, as_text(line))
+            for worker in range(server.num_workers) if worker not in server.departed]
+    requests = [request for requests, _buffers in sent for request in requests]
+    try:
+        wait_until(lambda: MPI.Request.Testall(requests), time.monotonic() + FAREWELL_SECONDS,
+                   'the last words')
+    except DeadlineError:
+        pass                        # a worker that takes nothing: the launcher ends it
