@@ -57,7 +57,7 @@ folder is a layer of several lessons, a module one lesson.
     train_mnist   python -m d2lperf.train_mnist: LeNet or an MLP with any store, one line
                   an epoch.
 """
-from . import engine
+from . import engine      # first: it sets OpenBLAS's spin before NumPy loads (engine/blas.py)
 from .device import Device, cpu, gpu, num_gpus, try_all_gpus, try_devices, try_gpu
 from . import np, npx, autograd, nn
 from .nn import L2Loss, SoftmaxCrossEntropyLoss

@@ -156,24 +156,3 @@ def test_fewer_blas_threads_set_from_outside_mean_fewer_pieces(monkeypatch):
     monkeypatch.setattr(cores, 'current', 2)
     monkeypatch.setattr(cores, 'get', lambda: 1)
     assert pieces.count(pieces.SPLIT_BYTES) == 1
-
-
-SPIN_CHECK = """
-    import ctypes, os, threadpoolctl
-    import numpy                                  # OpenBLAS loaded before d2lperf
-    import d2lperf
-    timeouts = {ctypes.CDLL(i['filepath']).openblas_thread_timeout()
-                for i in threadpoolctl.threadpool_info() if i['internal_api'] == 'openblas'}
-    a = numpy.arange(4.0, dtype=numpy.float32).reshape(2, 2)
-    print(os.environ['OPENBLAS_THREAD_TIMEOUT'], sorted(timeouts), (a @ a).tolist())
-"""
-
-
-@pytest.mark.parametrize('chosen, expected', [(None, '16 [16]'), ('8', '8 [8]')])
-def test_blas_threads_spin_briefly_unless_the_user_chose(chosen, expected, monkeypatch):
-    from conftest import run_in_subprocess
-    monkeypatch.delenv('OPENBLAS_THREAD_TIMEOUT', raising=False)
-    if chosen is not None:
-        monkeypatch.setenv('OPENBLAS_THREAD_TIMEOUT', chosen)
-    out = run_in_subprocess(SPIN_CHECK).strip()
-    assert out == f'{expected} [[2.0, 3.0], [6.0, 11.0]]'

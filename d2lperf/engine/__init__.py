@@ -13,6 +13,7 @@ import os
 import threading
 
 from . import blas
+blas.spin_briefly()         # before the imports below load NumPy, and with it OpenBLAS
 from .tracking import OperationError, OpRecord, Var                      # noqa: F401
 from .engines import Engine, NaiveEngine, ThreadedEngine
 from .workers import COMPUTE, COPY_IN, COPY_OUT, copy_lane               # noqa: F401
@@ -30,7 +31,6 @@ def new_engine(kind, where=''):
 
 
 _engine = new_engine(os.environ.get('D2LPERF_ENGINE', 'threaded'), 'D2LPERF_ENGINE=')
-blas.spin_briefly()
 
 
 def current():

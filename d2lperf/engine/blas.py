@@ -5,9 +5,10 @@ as its slowest thread: a thread that waits for a core another program holds make
 product wait for it. `threads_that_fit` is the policy: the cores other programs leave free
 (`load_by_others`, sampled every `SAMPLE_SECONDS`, counted in whole cores by `cores_taken`),
 divided among the CPU devices computing at once when asked (`engine.set_blas_division(True)`).
-`SharedCores` applies it before each operation of a CPU device; `OpenBLASThreads` reads and
-sets the count from any thread. `spin_briefly` makes OpenBLAS's idle threads give their cores
-back soon after a product.
+`SharedCores` applies it before each operation of a CPU device, reading the load once per
+period however many devices ask, and keeping the count if the load cannot be read;
+`OpenBLASThreads` reads and sets the count from any thread. `spin_briefly` makes OpenBLAS's
+idle threads give their cores back soon after a product, where NumPy has not loaded it yet.
 Taught in "Automatic Parallelism" and "Hardware".
 """
 import collections
@@ -17,8 +18,7 @@ import os
 import sys
 import threading
 import time
-
-from ..device import available_cores
+import warnings
 
 SAMPLE_SECONDS = 0.2      # how often the load of other programs is read: ~20 µs each time
 
@@ -93,6 +93,7 @@ class SharedCores:
     """
 
     def __init__(self, cores=None, controllers=None, sample=None):
+        from ..device import available_cores    # here: device imports NumPy (see spin_briefly)
         self.cores = cores or available_cores()
         self.enabled = False
         self.devices = 0             # CPU devices with a compute worker
@@ -106,7 +107,9 @@ class SharedCores:
         self.taken = 0               # whole cores they hold, by cores_taken
         self.changes = 0             # how often the count was changed
         self.sample = sample or cpu_times
-        self.last_sample = None
+        self.last_sample = None      # the sample the next load is measured from
+        self.last_sampled = float('-inf')      # when the load was last read, or tried
+        self.told = False            # that the sampler failed
         self.lock = threading.Lock()
         self.idle = threading.Condition(self.lock)
         self.controllers = controllers     # None: every OpenBLAS loaded, found when needed
@@ -123,16 +126,49 @@ class SharedCores:
 
     def fit(self):
         """Before an operation: the count that fits the free cores, read again when stale."""
-        last = self.last_sample
-        if last is not None and time.perf_counter() - last.wall_seconds < SAMPLE_SECONDS:
+        if self.sampled_recently():
             return
         with self.lock:
+            # Another lane may have read the load while this one waited for the lock: a
+            # second read now would measure it over a few milliseconds.
+            if not self.sampled_recently():
+                self.read_load()
+                self.apply()
+
+    def sampled_recently(self):
+        return time.perf_counter() - self.last_sampled < SAMPLE_SECONDS
+
+    def read_load(self):
+        """Sample the load of other programs and count the cores they take. A load measured
+        over less than half the sample period is ignored: the OS counts CPU time in ticks of
+        10 ms, and one tick over a gap of 5 ms reads as two cores. A sampler that fails
+        keeps the count (it runs in a lane that has taken an operation from its queue)."""
+        self.last_sampled = time.perf_counter()
+        try:
             now = self.sample()
-            if self.last_sample is not None:
-                self.others = load_by_others(self.last_sample, now)
-                self.taken = cores_taken(self.others, self.taken)
+        except Exception as error:
+            self.tell_once(error)
+            return
+        if self.last_sample is None:
             self.last_sample = now
-            self.apply()
+        elif now.wall_seconds - self.last_sample.wall_seconds >= SAMPLE_SECONDS / 2:
+            self.others = load_by_others(self.last_sample, now)
+            self.taken = cores_taken(self.others, self.taken)
+            self.last_sample = now
+
+    def tell_once(self, error):
+        """Say once that the load cannot be read, and what the user can do instead."""
+        if self.told:
+            return
+        self.told = True
+        message = (f'd2lperf could not read the load of other programs '
+                   f'({type(error).__name__}: {error}), so the BLAS thread count no longer '
+                   'follows it and stays as it is; to choose it yourself, use '
+                   'threadpoolctl.threadpool_limits(n).')
+        try:
+            warnings.warn(message, RuntimeWarning)
+        except Warning:           # warnings made errors (-W error) must not end the lane
+            print(f'RuntimeWarning: {message}', file=sys.stderr)
 
     def enter(self):
         """A device starts computing."""
@@ -190,7 +226,6 @@ class OpenBLASThreads:
     """
 
     def __init__(self, path):
-        import ctypes
         library = ctypes.CDLL(path)
         for prefix, suffix in itertools.product(('', 'scipy_'), ('', '64_', '_64')):
             name = f'{prefix}openblas_%s_num_threads{suffix}'
@@ -205,26 +240,28 @@ SPIN = 16       # OpenBLAS's idle threads spin 2**SPIN cycles (tens of µs), not
 
 
 def spin_briefly():
-    """Let OpenBLAS's threads sleep tens of microseconds after a product, not a tenth of a
-    second, unless OPENBLAS_THREAD_TIMEOUT says otherwise: the user's choice is kept.
+    """Load NumPy's OpenBLAS with idle threads that sleep tens of microseconds after a product,
+    not a tenth of a second, where that is safe; called as d2lperf is imported, before anything
+    imports NumPy.
 
     Between products OpenBLAS keeps its threads spinning, so that the next product starts at
     once. Meanwhile they hold cores that the pieces of the next operation (`engine.pieces`),
-    another device's worker or another program could use: measured in benchmarks/RESULTS.md,
-    a LeNet step at 2 threads takes 0.85 times as long when they sleep soon, and back-to-back
-    products of 128² are not slower. Libraries loaded later read the variable as they load;
-    those loaded already read it again and restart their threads, which is safe only while
-    none computes: called once, as d2lperf is imported."""
-    if 'OPENBLAS_THREAD_TIMEOUT' in os.environ:
+    another device's worker or another program could use: on 2 cores a LeNet step ran 1.10×
+    as fast with the brief spin, and 1.13× with its large operations in pieces
+    (benchmarks/training.py, OPENBLAS_THREAD_TIMEOUT=16 against unset, alternating runs).
+    OpenBLAS reads OPENBLAS_THREAD_TIMEOUT once, as it loads, and its threads keep the spin
+    until they are shut down and restarted; a shutdown while another thread's product runs
+    leaves that product waiting forever. So the variable is set only when NumPy is not loaded
+    yet, and only while it loads: programs the process starts later do not inherit it. Where
+    NumPy came first, OpenBLAS keeps its own spin; for the brief one, import d2lperf before
+    NumPy, or set OPENBLAS_THREAD_TIMEOUT=16 before Python starts. A value set is kept."""
+    if 'numpy' in sys.modules or 'OPENBLAS_THREAD_TIMEOUT' in os.environ:
         return
     os.environ['OPENBLAS_THREAD_TIMEOUT'] = str(SPIN)
-    import threadpoolctl
-    for info in threadpoolctl.threadpool_info():
-        if info['internal_api'] == 'openblas' and info.get('threading_layer') != 'openmp':
-            library = ctypes.CDLL(info['filepath'])
-            if hasattr(library, 'openblas_read_env') and hasattr(library, 'blas_thread_shutdown_'):
-                library.openblas_read_env()
-                library.blas_thread_shutdown_()      # restarted, and told, by the next product
+    try:
+        import numpy   # noqa: F401  (its OpenBLAS reads the variable as it loads)
+    finally:
+        del os.environ['OPENBLAS_THREAD_TIMEOUT']
 
 
 _controls = (None, ())      # (len(sys.modules) when found, the controls found then)
