@@ -15,9 +15,11 @@ Target (issue 10): ring busbw at 64 MiB on 2 devices ≥ 50 % of the floor's, #w
 import os
 import platform
 
+# d2lperf before NumPy, as the chapters: OpenBLAS then loads with its brief spin
+# (engine/blas.py, spin_briefly), which the rows measured so far ran with.
+import d2lperf as d2l
 import numpy
 
-import d2lperf as d2l
 from d2lperf import comm, np, npx
 from d2lperf.comm.cost import bus_bandwidth
 from d2lperf.utils import median_seconds

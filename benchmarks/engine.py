@@ -18,9 +18,11 @@ import queue
 import threading
 import time
 
+# d2lperf before NumPy, as the chapters: OpenBLAS then loads with its brief spin
+# (engine/blas.py, spin_briefly), which the rows measured so far ran with.
+import d2lperf as d2l
 import numpy
 
-import d2lperf as d2l
 from d2lperf import engine, np, npx
 from d2lperf.utils import median_seconds
 

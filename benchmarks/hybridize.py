@@ -17,9 +17,11 @@ import gc
 import os
 import platform
 
+# d2lperf before NumPy, as the chapters: OpenBLAS then loads with its brief spin
+# (engine/blas.py, spin_briefly), which the rows measured so far ran with.
+import d2lperf as d2l
 import numpy
 
-import d2lperf as d2l
 from d2lperf import engine, np, npx, nn
 from d2lperf.utils import median_seconds
 

@@ -34,9 +34,11 @@ import os
 import platform
 import threading
 
+# d2lperf before NumPy, as the chapters: OpenBLAS then loads with its brief spin
+# (engine/blas.py, spin_briefly), which the rows measured so far ran with.
+import d2lperf as d2l
 import numpy
 
-import d2lperf as d2l
 from d2lperf import engine, hardware, np, npx
 from d2lperf.engine import pieces
 from d2lperf.utils import median_seconds

@@ -23,11 +23,13 @@ Each figure is the best of several interleaved repeats.
 """
 import platform
 
+# d2lperf before NumPy, as the chapters: OpenBLAS then loads with its brief spin
+# (engine/blas.py, spin_briefly), which the rows measured so far ran with.
+import d2lperf as d2l
 import numpy
 from numpy.lib.stride_tricks import sliding_window_view
 from threadpoolctl import threadpool_limits
 
-import d2lperf as d2l
 from d2lperf import autograd, engine, np, npx
 from d2lperf.device import available_cores
 from d2lperf.engine import pieces

@@ -46,3 +46,17 @@ def test_each_glue_name_is_glued_once(markdown):
 def test_lines_fit_in_100_characters(markdown):
     long = [n for n, line in enumerate(markdown.read_text().splitlines(), 1) if len(line) > 100]
     assert not long, f'{markdown.name}: lines {long} are over 100 characters'
+
+
+@pytest.mark.parametrize('markdown', CHAPTERS, ids=lambda p: p.stem)
+def test_d2lperf_is_imported_before_numpy(markdown):
+    """d2lperf sets OpenBLAS's brief spin only if NumPy has not loaded OpenBLAS yet
+    (engine/blas.py, spin_briefly): a chapter that imports NumPy or matplotlib first runs with
+    OpenBLAS's idle threads spinning on the cores its devices share."""
+    import re
+    code = '\n'.join(source for kind, source, _ in cells(markdown) if kind == 'code')
+    first = {name: match.start() for name, pattern in (
+        ('d2lperf', r'^(import|from) d2lperf\b'), ('numpy', r'^(import|from) (numpy|matplotlib)\b'))
+        for match in [re.search(pattern, code, re.MULTILINE)] if match}
+    assert first.get('d2lperf', 0) <= first.get('numpy', len(code)), (
+        f'{markdown.name} imports NumPy or matplotlib before d2lperf')

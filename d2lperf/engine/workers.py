@@ -166,9 +166,9 @@ class Worker:
             while queued and not (finished and finished()):
                 if helper and ctrl_c.noted:
                     break
-                op = queued.popleft()
                 if cores is not None:
-                    cores.fit()
+                    cores.fit()          # before the pop: nothing it does can lose an operation
+                op = queued.popleft()
                 if helper and op.record is not None:       # before it completes: waiters
                     op.record.helped = threading.current_thread().name     # may read it
                 self.run(op, self)
