@@ -1,82 +1,91 @@
 """d2lperf: the package behind "Computational Performance, a runnable course".
 
-Its entries are the course's table of contents, listed here from the bottom layer up: each
-imports only from itself and from entries above it (tests/test_layering.py checks it). A
-folder is a layer of several lessons, a module one lesson.
+Its entries are the course's table of contents. They are listed here in the order the
+chapters teach them (_toc.yml), after those that every chapter uses; a folder is a part of
+several lessons, a module one lesson. Below the list, the same entries as layers, bottom
+first: each imports only from itself and from the layers before it (tests/test_layering.py
+checks the list and the layers against the tree and every import).
 
-    utils         timers (one median-of-repeats loop for everything), workload sizes, atomic
-                  file writes and the training-curve Animator.
+Every chapter
+    utils         timers (one median-of-repeats loop for everything: `median_seconds`),
+                  workload sizes, atomic file writes and the training-curve Animator.
     device        where an array lives (cpu(i), gpu(i)), which array module computes there,
                   how data moves between two devices, the one way CuPy is imported, and the
                   bytes each device holds by kind, with the peak (`memory`).
-    engine/       the dependency engine ("Asynchronous Computation", "Automatic Parallelism"):
-                  tracking (variables, operations, the rules that order them, failures) apart
-                  from the policies that run them (threaded and naive engines; workers: a
-                  thread per device and lane, CUDA streams, waiters that help; blas: BLAS
-                  threads that fit the cores others leave free; pieces: a large operation cut
-                  over the cores; host_memory: freed memory kept for the next step).
-    ops/          every operation, by family, with its compute, shape, dtype and gradient
-                  rules and what the compiler may do with it.
-    tape          what autograd records on each array, the recording and training flags,
-                  and the door through which an array reaches the reverse walk.
     ndarray       NDArray, a NumPy-like array whose every operation is one engine push.
     np/           NumPy's names for NDArray's operations, and np.random.
     npx           the operators NumPy lacks: activations, convolution, pooling, batch norm.
+    tape          what autograd records on each array, the recording and training flags,
+                  and the door through which an array reaches the reverse walk.
     autograd      reverse mode over the tape, with Gluon's record, pause, train and predict
                   modes.
-    hybrid/       the tracing compiler ("Compilers and Interpreters"): trace, graph IR,
-                  passes, memory plan, generated code (NumPy, or CuPy kernels on a GPU),
-                  export and import.
     nn/           Gluon-style blocks, layers, losses, initializers and parameters, compiled by
                   hybrid, and the networks the training chapters build (LeNet, ResNet-18).
+    data          Fashion-MNIST, downloaded, checked and cached, with an offline fallback.
+Compilers and Interpreters
+    hybrid/       the tracing compiler: trace, graph IR, passes, memory plan, generated code
+                  (NumPy, or CuPy kernels on a GPU), export and import.
+Asynchronous Computation, Automatic Parallelism
+    engine/       the dependency engine: tracking (variables, operations, the rules that
+                  order them, failures) apart from the policies that run them (threaded and
+                  naive engines; workers: a thread per device and lane, CUDA streams, waiters
+                  that help; blas: BLAS threads that fit the cores others leave free; pieces:
+                  a large operation cut over the cores; host_memory: freed memory kept for
+                  the next step).
+    ops/          every operation, by family, with its compute, shape, dtype and gradient
+                  rules and what the compiler may do with it.
+    profiler/     the engine's records of what ran where and when: a Chrome trace, a
+                  timeline, a summary, and the dependency graph they imply.
+Hardware
+    hardware/     microbenchmarks of the reader's machine: what is in the box, memory,
+                  arithmetic, storage and network, the GPU; imported on demand.
+Training on Multiple GPUs, Concise Implementation for Multiple GPUs
     comm/         a minibatch split among devices; allreduce across them by six algorithms
                   (schedules run as engine operations), its two halves (reduce-scatter,
                   all-gather), and what each costs on a topology.
+    data_parallel/  every way the book sums gradients: by hand (from_scratch), the Trainer
+                  through a key-value store of any type, overlap with backward, and, "Data
+                  Parallelism at Scale", buckets, ZeRO's stages 1-3 and the calculator that
+                  predicts what a step holds and moves.
+    evaluation    test accuracy on one device, or split among every device of a net.
+Parameter Servers
     optimizer     the update rules (SGD with momentum and weight decay, Adam) that a trainer
                   or a key-value store applies, with their states as plain arrays.
-    kvstore/      the (key, value) store ("Parameter Servers", "Distributed Training"): the
-                  in-process stores (local, device); the distributed store's worker side,
-                  its server and the wire protocol between them (over MPI, never pickled).
-    trainer       minibatch SGD over a net's parameters on every device, its gradients
-                  summed through a key-value store of any type (updated there, if it is
-                  distributed).
-    data_parallel/  past the source ("Data Parallelism at Scale"): gradients summed in
-                  buckets while backward runs, ZeRO's stages 1-3 on reduce-scatter and
-                  all-gather, and the calculator that predicts what a step holds and moves.
-    from_scratch  data parallelism by hand ("Training on Multiple GPUs"): parameters copied
-                  to a device, and SGD where they live.
-    evaluation    test accuracy on one device, or split among every device of a net.
-    profiler/     the engine's records of what ran where and when: a Chrome trace, a
-                  timeline, a summary, and the dependency graph they imply.
-    data          Fashion-MNIST, downloaded, checked and cached, with an offline fallback.
-    hardware/     microbenchmarks of the reader's machine ("Hardware"): what is in the box,
-                  memory, arithmetic, storage and network, the GPU; imported on demand.
+    kvstore/      the (key, value) store (also "Distributed Training"): the in-process stores
+                  (local, device); the distributed store's worker side, its server and the
+                  wire protocol between them (over MPI, never pickled).
+Distributed Training
     launch        python -m d2lperf.launch: a job under mpiexec, here, on a hostfile or over
                   ssh; a failed rank is named and ends the job. It imports nothing of the
                   package, so that it runs before d2lperf's dependencies are installed.
     train_mnist   python -m d2lperf.train_mnist: LeNet or an MLP with any store, one line
                   an epoch.
+
+Layers, bottom first:
+    utils < device < engine < ops < tape < ndarray < np < npx < autograd < hybrid < nn < comm
+    < optimizer < kvstore < data_parallel < evaluation < profiler < data < hardware < launch
+    < train_mnist
 """
 from . import engine      # first: it sets OpenBLAS's spin before NumPy loads (engine/blas.py)
 from .device import Device, cpu, gpu, num_gpus, try_all_gpus, try_devices, try_gpu
 from . import np, npx, autograd, nn
 from .nn import L2Loss, SoftmaxCrossEntropyLoss
-from .trainer import Trainer
-from .utils import Accumulator, Animator, Benchmark, Timer, memory_in_use, quick_mode, workload
-from . import comm, data, hybrid, kvstore, optimizer, profiler
+from .data_parallel import Trainer, get_params, sgd
+from .utils import (Accumulator, Animator, Benchmark, Timer, median_seconds, memory_in_use,
+                    quick_mode, workload)
+from . import comm, data, data_parallel, hybrid, kvstore, optimizer, profiler
 from .comm import split_and_load, split_batch
 # d2l.allreduce is the from-scratch chapter's "everything to the first device" (the name the
 # MXNet edition gives it); d2l.comm.allreduce runs the six algorithms of "Parameter Servers".
 from .comm import allreduce_on_first as allreduce
 from .evaluation import accuracy, evaluate_accuracy_gpu, evaluate_accuracy_gpus
-from .from_scratch import get_params, sgd
 from .data import load_data_fashion_mnist
 from .nn import Residual, lenet, resnet18
 
 __all__ = ['engine', 'Device', 'cpu', 'gpu', 'num_gpus', 'try_all_gpus', 'try_devices',
            'try_gpu', 'np', 'npx', 'autograd', 'nn', 'L2Loss', 'SoftmaxCrossEntropyLoss',
-           'Trainer', 'Accumulator', 'Animator', 'Benchmark', 'Timer', 'memory_in_use',
-           'quick_mode', 'workload', 'comm', 'data', 'hybrid', 'kvstore', 'optimizer', 'profiler',
-           'allreduce', 'split_and_load', 'split_batch', 'accuracy', 'evaluate_accuracy_gpu',
-           'evaluate_accuracy_gpus', 'get_params', 'sgd', 'load_data_fashion_mnist', 'Residual',
-           'lenet', 'resnet18']
+           'Trainer', 'get_params', 'sgd', 'Accumulator', 'Animator', 'Benchmark', 'Timer',
+           'median_seconds', 'memory_in_use', 'quick_mode', 'workload', 'comm', 'data',
+           'data_parallel', 'hybrid', 'kvstore', 'optimizer', 'profiler', 'allreduce',
+           'split_and_load', 'split_batch', 'accuracy', 'evaluate_accuracy_gpu',
+           'evaluate_accuracy_gpus', 'load_data_fashion_mnist', 'Residual', 'lenet', 'resnet18']

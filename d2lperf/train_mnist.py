@@ -16,7 +16,7 @@ import sys
 from . import autograd, comm, data, engine, kvstore, nn, np, npx
 from .device import cpu, gpu, slow_down
 from .nn import lenet
-from .trainer import Trainer
+from .data_parallel import Trainer
 from .evaluation import evaluate_accuracy_gpus
 from .utils import Timer
 

@@ -1,5 +1,14 @@
-"""Data parallelism past the source ("Data Parallelism at Scale").
+"""Every way the book sums gradients over devices, in the order the chapters teach them.
 
+    from_scratch  by hand ("Training on Multiple GPUs"): a copy of the parameters for each
+              device, and SGD where they live (comm's `allreduce_on_first` sums between).
+    updates   what every way below shares: which parameters train, their devices, and the
+              one update path (the user's rescale_grad times 1/batch_size, every copy alike).
+    trainer   the Trainer ("Concise Implementation for Multiple GPUs", "Parameter Servers",
+              "Distributed Training"): gradients summed through a key-value store of any type,
+              and the update on the devices or in the store.
+    overlap   each parameter's sum pushed as soon as backward has pushed its last gradient
+              (Horovod's overlap), the one loop the Trainer, buckets and zero start from.
     buckets   gradients summed in buckets of a chosen size while backward runs, in the order
               backward finishes them (PyTorch DDP's buckets, Horovod's tensor fusion); one
               parameter a bucket and one bucket for everything are the ladder's two ends.
@@ -8,11 +17,13 @@
     predict   memory per device and the time a step spends communicating, predicted from the
               parameter count, the devices, the stage, the optimizer and the fitted α and β.
 
-Both kinds of step take `step(forward, batch_size)`, where `forward()` computes every device's
+Buckets and Zero take `step(forward, batch_size)`, where `forward()` computes every device's
 loss on its part of the batch, so that the chapter and the benchmarks time them alike.
 """
+from .from_scratch import get_params, sgd
+from .trainer import Trainer
 from .buckets import Buckets, plan_buckets
 from .zero import Zero
 from . import predict
 
-__all__ = ['Buckets', 'plan_buckets', 'Zero', 'predict']
+__all__ = ['get_params', 'sgd', 'Trainer', 'Buckets', 'plan_buckets', 'Zero', 'predict']

@@ -12,9 +12,10 @@ before summing anything, the step of frameworks without an asynchronous engine.
 """
 import math
 
-from .. import autograd, comm, engine, np, optimizer as optimizers
+from .. import autograd, comm, engine, np
 from ..device import label
-from ..trainer import apply_updates, backward_reporting, copies_of
+from .overlap import backward_reporting
+from .updates import apply_updates, check_devices, copies_of, create_optimizer, trained
 
 
 def plan_buckets(params, cap_bytes):
@@ -52,7 +53,7 @@ class Buckets:
         self.devices = check_devices(self.params)
         self.buckets = plan_buckets(self.params, cap_bytes)
         self.overlap, self.algorithm = overlap, algorithm
-        self.optimizer = optimizers.create(optimizer, **(optimizer_params or {}))
+        self.optimizer = create_optimizer(optimizer, optimizer_params)
         self.scale = self.optimizer.rescale_grad       # the user's; step(b) scales by scale / b
         bucket_of = {id(param): i for i, bucket in enumerate(self.buckets) for param in bucket}
         self.bucket_of = [bucket_of[id(param)] for param in self.params]
@@ -132,23 +133,3 @@ def unpack(buffer, grads, index):
             start += grad.size
     engine.push(run, [buffer.var], [g.var for g in grads], buffer.device,
                 f'bucket {index} unpack')
-
-
-def trained(params):
-    """(names, parameters) of those that take gradients, from `net.collect_params()` or a list."""
-    named = list(params.items()) if isinstance(params, dict) else [(p.name, p) for p in params]
-    named = [(name, p) for name, p in named if p.grad_req == 'write']
-    return [name for name, _ in named], [p for _, p in named]
-
-
-def check_devices(params):
-    """The devices every parameter has one copy on, in order; a clear error otherwise."""
-    if not params:
-        raise ValueError('no parameters to train: initialize the net first')
-    devices = params[0].list_device()
-    for param in params[1:]:
-        if param.list_device() != devices:
-            raise ValueError(f'parameter {param.name!r} lives on {param.list_device()}, '
-                             f'{params[0].name!r} on {devices}: initialize the whole net on '
-                             'one list of devices')
-    return devices

@@ -21,12 +21,12 @@ Taught in "Data Parallelism at Scale"; `predict` says what each stage should hol
 """
 import numpy
 
-from .. import autograd, comm, engine, np, optimizer as optimizers
+from .. import autograd, comm, engine, np
 from ..comm import chunk_bounds, fill
 from ..device import label, release, restore
 from ..ndarray import NDArray
-from ..trainer import apply_updates, backward_reporting
-from .buckets import check_devices, trained
+from .overlap import backward_reporting
+from .updates import apply_updates, check_devices, create_optimizer, trained
 
 STAGES = (1, 2, 3)
 
@@ -51,7 +51,7 @@ class Zero:
         self.names, self.params = trained(params)
         self.devices = check_devices(self.params)
         self.stage, self.algorithm = stage, algorithm
-        self.optimizer = optimizers.create(optimizer, **(optimizer_params or {}))
+        self.optimizer = create_optimizer(optimizer, optimizer_params)
         self.scale = self.optimizer.rescale_grad       # the user's; step(b) scales by scale / b
         self.shapes = [p.list_data()[0].shape for p in self.params]
         self.bounds = [chunk_bounds(p.list_data()[0].size, len(self.devices))

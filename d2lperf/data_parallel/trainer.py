@@ -16,8 +16,9 @@ of one process on the combined batch each worker calls `step(batch_size · num_w
 examples that went into the sum (train_mnist does); `step(batch_size)` takes a step
 num_workers times larger, MXNet's behaviour. dist_async applies each push as it arrives.
 """
-from . import kvstore as kvstores, optimizer as optimizers
-from .nn.parameter import Parameter
+from .. import kvstore as kvstores
+from .overlap import backward_reporting
+from .updates import apply_updates, copies_of, create_optimizer, trained
 
 
 class Trainer:
@@ -30,15 +31,8 @@ class Trainer:
 
     def __init__(self, params, optimizer='sgd', optimizer_params=None, kvstore='device',
                  update_on_kvstore=None):
-        params = list(params.values()) if isinstance(params, dict) else list(params)
-        if not all(isinstance(p, Parameter) for p in params):
-            raise TypeError('Trainer takes net.collect_params() or a list of Parameters')
-        try:
-            self.optimizer = optimizers.create(optimizer, **(optimizer_params or {}))
-        except TypeError as error:
-            raise ValueError(f'optimizer {optimizer!r} does not take {optimizer_params}: '
-                             f'{error}') from error
-        self.params = [p for p in params if p.grad_req == 'write']    # not running statistics
+        self.optimizer = create_optimizer(optimizer, optimizer_params)
+        _, self.params = trained(params)
         self.store = store_from(kvstore)
         self.kvstore = None if self.store is None else self.store.type
         self.distributed = self.kvstore in kvstores.DIST_TYPES
@@ -71,10 +65,10 @@ class Trainer:
             self._rescale_for_store(batch_size)
         for index, param in enumerate(self.params):
             self._reduce(index, param)
-        if self.update_on_kvstore:
-            self.store.pull(list(range(len(self.params))), [p.list_data() for p in self.params])
-        else:
-            apply_updates(self.optimizer, self.scale, batch_size, copies_of(self.params))
+        if not self.update_on_kvstore:
+            self.update(batch_size)
+            return
+        self.store.pull(list(range(len(self.params))), [p.list_data() for p in self.params])
         self.reduced.clear()
 
     def allreduce_grads(self):
@@ -156,45 +150,6 @@ class Trainer:
             raise ValueError(f'{name}() runs on the devices, but this Trainer updates in the '
                              f'{self.kvstore!r} store: call step(), or create the Trainer with '
                              'update_on_kvstore=False')
-
-
-def apply_updates(optimizer, scale, batch_size, updates):
-    """Apply `optimizer` to every (key, weight, gradient) of `updates`, each gradient scaled by
-    `scale / batch_size`: the user's rescale_grad (`scale`, as the optimizer was created) times
-    the mean over the batch, MXNet's Trainer.step rule. The Trainer, `Buckets` and `Zero` all
-    update through here, so that a setting one of them honours, all of them do."""
-    optimizer.rescale_grad = scale / batch_size
-    for key, weight, grad in updates:
-        optimizer.update(key, weight, grad)
-
-
-def copies_of(params):
-    """(key, weight, gradient) for every device's copy of every parameter; the key
-    (parameter index, copy index) keeps each copy's optimizer state apart."""
-    return [((index, copy), weight, weight.grad) for index, param in enumerate(params)
-            for copy, weight in enumerate(param.list_data())]
-
-
-def backward_reporting(losses, params, ready):
-    """Backpropagate every device's loss, and call `ready(i)` as soon as the last device's
-    gradient of `params[i]` has been pushed (`on_gradient`), so that a sum pushed then runs
-    while the layers below are still being differentiated; after backward, `ready(i)` for each
-    parameter the losses did not reach. The other devices' passes are pushed first, so by then
-    their gradients of that parameter are pushed too."""
-    for loss in losses[:-1]:
-        loss.backward()
-    index_of = {id(copy): i for i, p in enumerate(params) for copy in p.list_data()}
-    reached = set()
-
-    def reached_one(copy):
-        index = index_of.get(id(copy))
-        if index is not None:
-            reached.add(index)
-            ready(index)
-    losses[-1].backward(on_gradient=reached_one)
-    for index in range(len(params)):
-        if index not in reached:
-            ready(index)
 
 
 def store_from(kvstore):

@@ -1,0 +1,29 @@
+"""Summing gradients while backward runs (Horovod's overlap, PyTorch DDP's hooks).
+
+A parameter's gradient is complete on every device as soon as the last device's backward pass
+has pushed it; its sum can be pushed right then, and the engine runs it while the layers below
+are still being differentiated. The Trainer ("Parameter Servers"), `Buckets` and `Zero` ("Data
+Parallelism at Scale") all start their sums from this one loop.
+"""
+
+
+def backward_reporting(losses, params, ready):
+    """Backpropagate every device's loss, and call `ready(i)` as soon as the last device's
+    gradient of `params[i]` has been pushed (`on_gradient`), so that a sum pushed then runs
+    while the layers below are still being differentiated; after backward, `ready(i)` for each
+    parameter the losses did not reach. The other devices' passes are pushed first, so by then
+    their gradients of that parameter are pushed too."""
+    for loss in losses[:-1]:
+        loss.backward()
+    index_of = {id(copy): i for i, p in enumerate(params) for copy in p.list_data()}
+    reached = set()
+
+    def reached_one(copy):
+        index = index_of.get(id(copy))
+        if index is not None:
+            reached.add(index)
+            ready(index)
+    losses[-1].backward(on_gradient=reached_one)
+    for index in range(len(params)):
+        if index not in reached:
+            ready(index)
