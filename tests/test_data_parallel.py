@@ -87,6 +87,22 @@ def test_rescale_grad_is_honoured_as_the_trainer_honours_it(name):
     assert max(numpy.abs(unscaled.weights()[k] - trainer[k]).max() for k in trainer) > 1e-3
 
 
+def test_every_way_trains_the_same_parameters_and_refuses_what_is_not_one():
+    """One filter (`data_parallel.updates.trained`) for the Trainer, Buckets and Zero alike:
+    batch norm's running statistics are not trained, and an array is not a Parameter."""
+    net = nn.HybridSequential()
+    net.add(nn.Dense(4, in_units=3), nn.BatchNorm())
+    net.initialize(device=[d2l.cpu(0), d2l.cpu(1)])
+    net(np.ones((2, 3), device=d2l.cpu(0)))                  # batch norm's shapes, deferred
+    params = net.collect_params()
+    trained = [p for p in params.values() if p.grad_req == 'write']
+    assert 0 < len(trained) < len(params)
+    for make in (d2l.Trainer, Buckets, lambda params, name: Zero(params, 1, name)):
+        assert make(params, 'sgd').params == trained
+        with pytest.raises(TypeError, match='a list of Parameters'):
+            make([np.ones(3)], 'sgd')
+
+
 def test_buckets_are_filled_in_reverse_order_up_to_the_cap():
     params = list(mlp([d2l.cpu(1)]).collect_params().values())   # 512, 64, 640, 40 bytes
     names = lambda buckets: [[params.index(p) for p in b] for b in buckets]

@@ -12,9 +12,10 @@ from ..nn.parameter import Parameter
 def trained(params):
     """(names, parameters) of those that take gradients, from `net.collect_params()` or a list;
     batch norm's running statistics (grad_req 'null') are not trained."""
-    named = list(params.items()) if isinstance(params, dict) else [(p.name, p) for p in params]
+    named = list(params.items()) if isinstance(params, dict) else [(None, p) for p in params]
     if not all(isinstance(p, Parameter) for _, p in named):
         raise TypeError('training takes net.collect_params() or a list of Parameters')
+    named = [(name or p.name, p) for name, p in named]
     named = [(name, p) for name, p in named if p.grad_req == 'write']
     return [name for name, _ in named], [p for _, p in named]
 
