@@ -59,15 +59,16 @@ class Trainer:
         return self.optimizer.learning_rate
 
     def step(self, batch_size):
-        """Sum the gradients over devices and workers, then update with 1/batch_size of it."""
-        self._init_store()
-        if self.update_on_kvstore:
-            self._rescale_for_store(batch_size)
-        for index, param in enumerate(self.params):
-            self._reduce(index, param)
+        """Sum the gradients over devices and workers, then update with 1/batch_size of it:
+        on the devices, Gluon's allreduce_grads() then update(); in the store, a push of the
+        gradients and a pull of the weights the servers updated."""
         if not self.update_on_kvstore:
+            self.allreduce_grads()
             self.update(batch_size)
             return
+        self._init_store()
+        self._rescale_for_store(batch_size)
+        self._reduce_all()
         self.store.pull(list(range(len(self.params))), [p.list_data() for p in self.params])
         self.reduced.clear()
 
@@ -75,8 +76,7 @@ class Trainer:
         """Sum each parameter's gradients over its devices (those not summed yet this step)."""
         self._refuse_on_kvstore('allreduce_grads')
         self._init_store()
-        for index, param in enumerate(self.params):
-            self._reduce(index, param)
+        self._reduce_all()
 
     def update(self, batch_size):
         """Apply the optimizer to every copy of every parameter, from its (summed) gradient."""
@@ -134,6 +134,10 @@ class Trainer:
             if self.distributed:
                 self.store.pull(keys, [p.list_data() for p in self.params])
         self.initialized = True
+
+    def _reduce_all(self):
+        for index, param in enumerate(self.params):
+            self._reduce(index, param)
 
     def _reduce(self, index, param):
         if index in self.reduced:
