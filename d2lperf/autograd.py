@@ -14,6 +14,7 @@ inside a single engine operation, on raw arrays, over nodes already in order.
 import contextlib
 
 from . import engine
+from .device import label
 from .ndarray import NDArray, filled_like
 from .tape import TAPE, needs_grad
 
@@ -95,17 +96,19 @@ def push_vjp(out, g, grads):
     xp, vjp = out.device.xp, op.vjp
     if op.partial_vjp:                          # tell the rule which gradients to skip
         attrs = dict(attrs, needs=tuple(t is not None for t in targets))
+    leaves = [type(x) is NDArray and x.node is None for x in inputs]
 
     def run():
-        values = vjp(xp, g.data, out.data,
-                     *[x.data if type(x) is NDArray else x for x in inputs], **attrs)
-        for target, value in zip(targets, values):
+        read = [g.data, out.data] + [x.data if type(x) is NDArray else x for x in inputs]
+        values = vjp(xp, *read, **attrs)
+        found = [None if t is None else _as_gradient(xp, v, t) for t, v in zip(targets, values)]
+        for index, (target, data, leaf) in enumerate(zip(targets, found, leaves)):
             if target is None:
                 continue
-            if value is None:                   # the rule says no gradient flows there
-                target.data = xp.zeros(target.shape, target.dtype)
-            else:
-                target.data = xp.asarray(value, dtype=target.dtype).reshape(target.shape)
+            # A leaf's gradient becomes its `.grad`, which a store sums into in place: it must
+            # not share memory with what the rule read or with another input's gradient.
+            others = read + found[:index] + found[index + 1:]
+            target.data = data.copy() if leaf and not _owned(data, others) else data
     arrays = [x for x in inputs if type(x) is NDArray]
     written = [t for t in targets if t is not None]
     engine.push(run, [g.var, out.var] + [x.var for x in arrays], [t.var for t in written],
@@ -115,8 +118,26 @@ def push_vjp(out, g, grads):
             grads[id(x)] = target if id(x) not in grads else grads[id(x)] + target
 
 
+def _as_gradient(xp, value, target):
+    """A rule's gradient as an array of `target`'s shape and dtype; None flows as zeros."""
+    if value is None:
+        return xp.zeros(target.shape, target.dtype)
+    data = xp.asarray(value, dtype=target.dtype)
+    return data if data.shape == target.shape else data.reshape(target.shape)
+
+
+def _owned(data, others):
+    """Whether `data` is memory of its own: no view, and neither one of `others` nor a view
+    of it."""
+    return data.base is None and all(data is not other and getattr(other, 'base', None)
+                                     is not data for other in others)
+
+
 def backward(head, head_grad=None, retain_graph=False, on_gradient=None):
-    """Gradients of `head` (summed, if it is not a scalar) into every attached `.grad`.
+    """Gradients of `head` (summed, if it is not a scalar) as every attached `.grad`.
+
+    Each leaf's `.grad` becomes a new array holding its gradient (grad_req 'write'): one
+    array written once, where copying into the old buffer would write it twice.
 
     `on_gradient(array)` is called as soon as the write of `array.grad` has been pushed, while
     the rest of the backward pass is still being pushed: a trainer can start summing that
@@ -135,7 +156,9 @@ def backward(head, head_grad=None, retain_graph=False, on_gradient=None):
                 if not retain_graph:
                     array.node = None
             elif array.grad is not None:
-                array.grad[...] = g          # `...`, not `:`, so that a 0-d leaf works too
+                # The gradient, a fresh array, becomes `.grad` rather than being copied into
+                # it; an array held from an earlier `.grad` (a store's sum) keeps its values.
+                array.grad = label(g, 'gradients')
                 if on_gradient is not None:
                     on_gradient(array)
 

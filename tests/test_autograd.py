@@ -402,3 +402,36 @@ def test_an_op_without_gradient_says_so_at_the_wait():
     y.backward()
     with pytest.raises(engine.OperationError, match='dot_backward.*matmul'):
         a.grad.asnumpy()
+
+
+def test_backward_gives_grad_a_new_array_and_leaves_the_old_one():
+    """The gradient is written once, as `.grad`, not into the old buffer and copied: an array
+    held from an earlier `.grad` (a store's summed gradient) keeps its values."""
+    w = np.ones((3,))
+    w.attach_grad()
+    with autograd.record():
+        (w * 2.0).sum().backward()
+    first = w.grad
+    with autograd.record():
+        (w * 5.0).sum().backward()
+    assert w.grad is not first
+    numpy.testing.assert_array_equal(first.asnumpy(), [2.0, 2.0, 2.0])
+    numpy.testing.assert_array_equal(w.grad.asnumpy(), [5.0, 5.0, 5.0])
+    assert d2l.device.memory(w.device).by_kind.get('gradients', 0) >= w.grad.size * 4
+
+
+def test_leaves_that_share_a_rule_output_get_gradients_of_their_own():
+    """`a + b` gives both the same upstream gradient: each `.grad` must still be its own
+    memory, since stores and collectives sum into `.grad` in place."""
+    a, b = np.ones((2, 2)), np.ones((2, 2))
+    a.attach_grad()
+    b.attach_grad()
+    with autograd.record():
+        y = a + b
+    y.backward(np.full((2, 2), 3.0))
+    a.grad[...] = 0
+    numpy.testing.assert_array_equal(b.grad.asnumpy(), numpy.full((2, 2), 3.0))
+    with autograd.record():
+        z = a.reshape(4) * 1.0
+    z.backward()
+    numpy.testing.assert_array_equal(a.grad.asnumpy(), numpy.ones((2, 2)))

@@ -173,6 +173,77 @@ def test_unknown_store_names_the_choices():
         kvstore.create('nccl')
 
 
+def test_every_store_is_a_kvstore_base():
+    for name in ('local', 'device'):
+        assert isinstance(kvstore.create(name), kvstore.KVStoreBase)
+    assert issubclass(kvstore.DistKVStore, kvstore.KVStoreBase)   # created only under MPI
+    assert list(kvstore.KVStoreBase.registry) == list(kvstore.TYPES)
+
+
+def test_a_backend_registered_by_name_is_created_by_name():
+    @kvstore.KVStoreBase.register('test_store')
+    class TestStore(kvstore.KVStoreBase):
+        def __init__(self, type):
+            self.type = type
+    try:
+        store = kvstore.create('test_store')
+        assert isinstance(store, TestStore) and store.type == 'test_store'
+        with pytest.raises(ValueError, match="unknown kvstore 'nccl'.*'local'.*'test_store'"):
+            kvstore.create('nccl')
+    finally:
+        del kvstore.KVStoreBase.registry['test_store']
+
+
+def test_the_base_examples_run():
+    import doctest
+    from d2lperf.kvstore import base
+    assert doctest.testmod(base, extraglobs={'d2l': d2l}).failed == 0
+
+
+def test_a_pull_after_the_next_backward_returns_the_earlier_sum():
+    """The store keeps the summed gradient by reference: the next backward must not write
+    into it (it gives `.grad` a new array)."""
+    store, weights = kvstore.create('device'), [np.ones(SHAPE, device=d) for d in DEVICES[:2]]
+    for w in weights:
+        w.attach_grad()
+    store.init(0, weights[0])
+
+    def backward(factor):
+        with autograd.record():
+            losses = [(w * factor).sum() for w in weights]
+        for loss in losses:
+            loss.backward()
+        return [w.grad for w in weights]
+    grads = backward(3.0)
+    store.pushpull(0, grads)
+    assert store.values[0] is grads[0]              # the sum itself, no copy
+    backward(5.0)
+    out = np.zeros(SHAPE)
+    store.pull(0, out=out)
+    numpy.testing.assert_array_equal(out.asnumpy(), numpy.full(SHAPE, 6.0))
+
+
+def test_a_store_writes_into_no_array_it_was_given():
+    """A pushed array, kept by reference, is copied before the store writes into it."""
+    for kind in ('local', 'device'):
+        store = kvstore.create(kind)
+        arrays = [np.full(SHAPE, 2.0, device=d) for d in DEVICES[:2]]
+        store.init(0, np.zeros(SHAPE, device=DEVICES[0]))
+        store.pushpull(0, arrays)                     # both hold 4 now
+        store.set_optimizer(optimizer.SGD(learning_rate=1.0))
+        store.push(0, np.ones(SHAPE, device=DEVICES[0]))
+        for a in arrays:
+            numpy.testing.assert_array_equal(a.asnumpy(), numpy.full(SHAPE, 4.0))
+        alone = np.full(SHAPE, 7.0, device=DEVICES[0])
+        store = kvstore.create(kind)
+        store.init(0, np.zeros(SHAPE, device=DEVICES[0]))
+        store.push(0, alone)
+        alone[...] = 0
+        out = np.zeros(SHAPE)
+        store.pull(0, out=out)
+        numpy.testing.assert_array_equal(out.asnumpy(), numpy.full(SHAPE, 7.0))
+
+
 # -- MXNet's unit tests of its store (tests/python/unittest/test_kvstore.py) ------------------
 
 MX_SHAPE, MX_KEYS, MX_STR_KEYS = (4, 4), [5, 7, 11], ['b', 'c', 'd']

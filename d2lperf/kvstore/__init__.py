@@ -8,6 +8,8 @@ holds by the optimizer's rule. These are MXNet's rules, and every store follows 
 
 What differs between stores is only *where* the values live and the sums happen:
 
+    base       what every store is (`KVStoreBase`), and `create(name)`: the store registered
+               under that name; each backend registers itself
     local      the in-process stores, 'local' (every value on cpu(0)) and 'device' (each key
                on one of the devices that push it)
     keys       what every store says about keys: one key type a store, names in states files
@@ -19,22 +21,12 @@ What differs between stores is only *where* the values live and the sums happen:
 A refused call (unknown key, second init, wrong shape or dtype) raises before anything is
 pushed, so it leaves the store as it was.
 """
+from .base import KVStoreBase
 from .keys import check_key_types, key_of_state, state_name       # noqa: F401
 from .local import LOCAL_TYPES, KVStore
 
 DIST_TYPES = ('dist_sync', 'dist_device_sync', 'dist_async')
 TYPES = LOCAL_TYPES + DIST_TYPES         # every store, by MXNet's names
+from .dist import DistKVStore            # noqa: E402 - it registers DIST_TYPES, named above
 
-
-def create(name='local'):
-    """A store by MXNet's name: 'local', 'device', 'dist_sync', 'dist_device_sync', 'dist_async'."""
-    if name in LOCAL_TYPES:
-        return KVStore(name)
-    if name in DIST_TYPES:
-        try:
-            from .dist import create_dist
-        except ImportError as error:
-            raise ImportError(f'the {name!r} store runs over MPI and needs mpi4py: install the '
-                              f"package's mpi extra (pip install -e '.[mpi]')") from error
-        return create_dist(name)
-    raise ValueError(f'unknown kvstore {name!r}; use one of {TYPES}')
+create = KVStoreBase.create   # 'local', 'device', 'dist_sync', 'dist_device_sync', 'dist_async'

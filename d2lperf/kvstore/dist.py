@@ -41,6 +41,7 @@ from ..ndarray import NDArray, from_host
 from ..optimizer import SGD
 from ..utils import atomic_write
 from . import DIST_TYPES as TYPES
+from .base import KVStoreBase
 from .keys import as_list, describe, pairs, state_name
 from .protocol import (VALUE_DTYPES, IncompleteRoundError, ProtocolError, ServerError, as_text,
                        key_id, log, receive, roll_call, send, start_mpi, text_of,
@@ -49,6 +50,7 @@ _created = {}      # the one store of this process: creating a second would spli
 SERVER_HEAD_START = 1.0   # seconds a worker waits before raising a server's failure (`answer`)
 
 
+@KVStoreBase.register(*TYPES)
 def create_dist(name):
     """The distributed store `name` on a worker; on a server, serve and exit."""
     if name not in TYPES:
@@ -110,7 +112,7 @@ def num_servers(world_size):
     return int(text)
 
 
-class DistKVStore:
+class DistKVStore(KVStoreBase):
     """The worker's side: checks every call, then talks to the servers."""
 
     def __init__(self, type, world, worker_comm, servers):

@@ -18,15 +18,15 @@ from .. import comm
 from ..device import cpu
 from ..ndarray import NDArray
 from ..utils import atomic_write
+from .base import KVStoreBase
 from .keys import key_of_state, pairs, state_name
 
 LOCAL_TYPES = ('local', 'device')        # where the values live: host, or spread over devices
 
 
-class KVStore:
+@KVStoreBase.register(*LOCAL_TYPES)
+class KVStore(KVStoreBase):
     """A store in this process. `type` names the placement: 'local' or 'device'."""
-
-    rank, num_workers = 0, 1                  # one worker: this process
 
     def __init__(self, type='local'):
         if type not in LOCAL_TYPES:
@@ -34,6 +34,7 @@ class KVStore:
         self.type = type
         self.values = {}                      # key -> NDArray, on the key's home device
         self.homed = set()                    # keys whose home is settled ('device')
+        self.borrowed = set()                 # keys whose value is a caller's array (`_keep`)
         self.placed = {}                      # device -> bytes of the values homed there
         self.optimizer = None
         self.first_key = None                 # its type is the type of every key
@@ -55,13 +56,13 @@ class KVStore:
 
     def push(self, key, value):
         """Reduce `value` (an array, or a list of them, one a device) into `key`'s value."""
-        pairs = [(k, self._check(k, v)) for k, v in self._typed_pairs(key, value)]
+        pairs = [(k, self.check(k, v)) for k, v in self._typed_pairs(key, value)]
         for k, values in pairs:
-            self._apply(k, self._sum(k, values))
+            self._apply(k, self._sum(k, values), values)
 
     def pull(self, key, out):
         """Copy `key`'s value into `out` (an array, or a list of them on any devices)."""
-        pairs = [(k, self._check(k, o)) for k, o in self._typed_pairs(key, out)]
+        pairs = [(k, self.check(k, o)) for k, o in self._typed_pairs(key, out)]
         for k, outs in pairs:
             for o in outs:
                 o[...] = self.values[k] if o.device == self.values[k].device else \
@@ -73,11 +74,12 @@ class KVStore:
         A list of keys pushes every key before it pulls any (MXNet's rule): an array that
         serves several keys is summed for each before a pull overwrites it. Without an
         optimizer, summing arrays in place is an allreduce: the store runs one of `comm`'s
-        algorithms over them ('cpu' for 'local', 'ring' for 'device') and keeps the sum.
+        algorithms over them ('cpu' for 'local', 'ring' for 'device') and keeps the sum: the
+        home device's array itself, not a copy (`_keep`), when one of them lives there.
         """
-        groups = [(k, self._check(k, v)) for k, v in self._typed_pairs(key, value)]
+        groups = [(k, self.check(k, v)) for k, v in self._typed_pairs(key, value)]
         for k, o in self._typed_pairs(key, out) if out is not None else ():
-            self._check(k, o)                   # a refused output is refused before the push
+            self.check(k, o)                   # a refused output is refused before the push
         if self.optimizer is not None or out is not None or _share_memory(groups):
             self.push(key, value)
             self.pull(key, value if out is None else out)
@@ -89,8 +91,11 @@ class KVStore:
                 continue
             comm.allreduce(values, algorithm=self.algorithm)
             home = self._rehome(k, values)
-            summed = next((v for v in values if v.device == home), values[0])
-            self.values[k][...] = summed if summed.device == home else summed.copyto(home)
+            summed = next((v for v in values if v.device == home), None)
+            if summed is None:
+                self._keep(k, values[0].copyto(home))
+            else:
+                self._keep(k, summed, borrowed=True)
 
     def set_optimizer(self, optimizer):
         """From now on a push is a gradient, and the store updates its values with `optimizer`."""
@@ -152,21 +157,36 @@ class KVStore:
         self.placed[home] = self.placed.get(home, 0) + _nbytes(self.values[key])
         self.homed.add(key)
         if home != current:
-            self.values[key] = self.values[key].copyto(home)
+            self._keep(key, self.values[key].copyto(home))
         return home
 
-    def _apply(self, key, total):
+    def _apply(self, key, total, pushed):
+        """Store `total`, the sum of the `pushed` arrays, or update the value with it."""
         if self.optimizer is None:
-            self.values[key][...] = total
+            self._keep(key, total.copy() if any(total is v for v in pushed) else total)
         else:
+            self._own(key)
             self.optimizer.update(key, self.values[key], total)
+
+    def _keep(self, key, value, borrowed=False):
+        """`value` becomes `key`'s value, by reference: no copy. A `borrowed` one is a caller's
+        array (pushpull's sum, in place): the store reads it, and copies it before writing into
+        it itself; the caller leaves it alone until its next push, as the Trainer does
+        (backward gives every `.grad` a new array)."""
+        self.values[key] = value
+        (self.borrowed.add if borrowed else self.borrowed.discard)(key)
+
+    def _own(self, key):
+        """A value of the store's own to write into: a borrowed one is copied first."""
+        if key in self.borrowed:
+            self._keep(key, self.values[key].copy())
 
     # -- checks -----------------------------------------------------------------------------
 
     def _typed_pairs(self, key, value):
         return pairs(key, value, self.first_key)
 
-    def _check(self, key, value):
+    def check(self, key, value):
         """The arrays of one push or pull for `key`, after checking them against its value."""
         if key not in self.values:
             raise KeyError(f'key {key!r} was never initialized; call init({key!r}, value) '
