@@ -36,6 +36,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import sysconfig
 import threading
 import time
 
@@ -123,12 +124,21 @@ def checked_host(line, where):
     return host
 
 
+def find_mpiexec():
+    """The `mpiexec` the `mpich` wheel installed for this Python: next to it in a virtual
+    environment, in its scripts folder where pip installs elsewhere (Colab's /usr/local/bin
+    beside /usr/bin/python3)."""
+    folders = dict.fromkeys([pathlib.Path(sys.executable).parent,
+                             pathlib.Path(sysconfig.get_path('scripts'))])
+    for folder in folders:
+        if (folder / 'mpiexec').exists():
+            return folder / 'mpiexec'
+    raise SystemExit(f'd2lperf.launch: no mpiexec in {" or ".join(map(str, folders))}; install '
+                     "MPICH with pip install -e '.[mpi]' (mpi4py and the mpich wheel)")
+
+
 def mpiexec_command(args, environment):
-    mpiexec = pathlib.Path(sys.executable).parent / 'mpiexec'
-    if not mpiexec.exists():
-        raise SystemExit(f'd2lperf.launch: no mpiexec next to {sys.executable}; install '
-                         "MPICH with pip install -e '.[mpi]' (mpi4py and the mpich wheel)")
-    words = [str(mpiexec), '-n', str(args.num_workers + args.num_servers)]
+    words = [str(find_mpiexec()), '-n', str(args.num_workers + args.num_servers)]
     if os.environ.get('D2LPERF_INTERFACE'):
         words += ['-iface', os.environ['D2LPERF_INTERFACE']]
     if args.launcher != 'local':

@@ -196,3 +196,17 @@ def test_every_rank_gets_the_server_count_and_the_users_variables():
     words = launch.mpiexec_command(args, environment)
     assert words[1:3] == ['-n', '5'] and words[-2:] == ['python', 'train.py']
     assert ['-genv', 'D2LPERF_NUM_SERVERS', '2'] == words[words.index('-genv'):][:3]
+
+
+def test_mpiexec_is_found_in_the_scripts_folder_where_pip_put_it(tmp_path, monkeypatch):
+    """On Colab pip installs scripts in /usr/local/bin while Python is /usr/bin/python3."""
+    python_folder, scripts = tmp_path / 'bin', tmp_path / 'local-bin'
+    python_folder.mkdir(), scripts.mkdir()
+    monkeypatch.setattr(sys, 'executable', str(python_folder / 'python3'))
+    monkeypatch.setattr(launch.sysconfig, 'get_path', lambda name: str(scripts))
+    with pytest.raises(SystemExit, match='no mpiexec in .*bin or .*local-bin'):
+        launch.find_mpiexec()
+    (scripts / 'mpiexec').touch()
+    assert launch.find_mpiexec() == scripts / 'mpiexec'
+    (python_folder / 'mpiexec').touch()                # the venv's own comes first
+    assert launch.find_mpiexec() == python_folder / 'mpiexec'
