@@ -262,6 +262,14 @@ def test_unknown_kvstore():
         d2l.Trainer(mlp().collect_params(), 'sgd', kvstore=42)
 
 
+def test_a_store_is_known_by_its_base_not_by_its_methods():
+    class LooksLikeAStore:              # the methods a store has, but not its base
+        type = 'local'
+        init = push = pull = staticmethod(lambda *args: None)
+    with pytest.raises(TypeError, match="a store's name, a store or None"):
+        d2l.Trainer(mlp().collect_params(), 'sgd', kvstore=LooksLikeAStore())
+
+
 def test_trainer_takes_parameters_only():
     with pytest.raises(TypeError, match='collect_params'):
         d2l.Trainer([np.ones((2,))], 'sgd')

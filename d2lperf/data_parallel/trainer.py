@@ -160,6 +160,6 @@ def store_from(kvstore):
     """The store a Trainer was given: None, a name for `kvstore.create`, or a store itself."""
     if isinstance(kvstore, str):
         return kvstores.create(kvstore)
-    if kvstore is None or all(hasattr(kvstore, name) for name in ('init', 'push', 'pull', 'type')):
+    if kvstore is None or isinstance(kvstore, kvstores.KVStoreBase):
         return kvstore
     raise TypeError(f"kvstore is a store's name, a store or None, not {kvstore!r}")
