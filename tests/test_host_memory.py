@@ -57,7 +57,9 @@ def test_while_measuring_freed_blocks_go_back_and_after_it_they_are_kept_again()
         returned = faults_while(one_step)         # unmapped when freed: every page is new
     one_step()
     kept = faults_while(one_step)
-    assert returned > 100 and kept < returned / 10, (returned, kept, pages)
+    # A fault a page, or one a 2 MiB huge page where the kernel backs malloc's large blocks
+    # with them (transparent huge pages: 33 faults for 64 MiB on a GPU machine).
+    assert returned > 64 * MIB // (2 * MIB) // 2 and kept < returned / 10, (returned, kept, pages)
 
 
 MALLOPT_CALLS = '''

@@ -123,7 +123,7 @@ class FakeHandle:
 @pytest.fixture
 def notebook(monkeypatch):
     """Pretend to run in IPython; collect what the Animator displays."""
-    import IPython
+    IPython = pytest.importorskip('IPython', reason='the Animator displays through IPython')
     import IPython.display
     shown = []
     monkeypatch.setattr(IPython, 'get_ipython', lambda: object())
