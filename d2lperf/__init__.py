@@ -12,11 +12,11 @@ Every chapter
     device        where an array lives (cpu(i), gpu(i)), which array module computes there,
                   how data moves between two devices, the one way CuPy is imported, and the
                   bytes each device holds by kind, with the peak (`memory`).
-    ndarray       NDArray, a NumPy-like array whose every operation is one engine push.
-    np/           NumPy's names for NDArray's operations, and np.random.
-    npx           the operators NumPy lacks: activations, convolution, pooling, batch norm.
-    tape          what autograd records on each array, the recording and training flags,
-                  and the door through which an array reaches the reverse walk.
+    np/           the array: NDArray, a NumPy-like array whose every operation is one engine
+                  push (multiarray.py, MXNet's name); what autograd records on each array
+                  (tape.py); NumPy's names for its operations (np, np.random); and the
+                  operators NumPy lacks: activations, convolution, pooling, batch norm
+                  (extension.py, which is `npx`).
     autograd      reverse mode over the tape, with Gluon's record, pause, train and predict
                   modes.
     nn/           Gluon-style blocks, layers, losses, initializers and parameters, compiled by
@@ -31,11 +31,10 @@ Asynchronous Computation, Automatic Parallelism
                   naive engines; workers: a thread per device and lane, CUDA streams, waiters
                   that help; blas: BLAS threads that fit the cores others leave free; pieces:
                   a large operation cut over the cores; host_memory: freed memory kept for
-                  the next step).
+                  the next step); and profiler/, the engine's records of what ran where and
+                  when: a Chrome trace, a timeline, a summary, the dependency graph.
     ops/          every operation, by family, with its compute, shape, dtype and gradient
                   rules and what the compiler may do with it.
-    profiler/     the engine's records of what ran where and when: a Chrome trace, a
-                  timeline, a summary, and the dependency graph they imply.
 Hardware
     hardware/     microbenchmarks of the reader's machine: what is in the box, memory,
                   arithmetic, storage and network, the GPU; imported on demand.
@@ -44,10 +43,10 @@ Training on Multiple GPUs, Concise Implementation for Multiple GPUs
                   (schedules run as engine operations), its two halves (reduce-scatter,
                   all-gather), and what each costs on a topology.
     data_parallel/  every way the book sums gradients: by hand (from_scratch), the Trainer
-                  through a key-value store of any type, overlap with backward, and, "Data
-                  Parallelism at Scale", buckets, ZeRO's stages 1-3 and the calculator that
-                  predicts what a step holds and moves.
-    evaluation    test accuracy on one device, or split among every device of a net.
+                  through a key-value store of any type, overlap with backward, test accuracy
+                  on one device or split among several (evaluation), and, "Data Parallelism
+                  at Scale", buckets, ZeRO's stages 1-3 and the calculator that predicts what
+                  a step holds and moves.
 Parameter Servers
     optimizer     the update rules (SGD with momentum and weight decay, Adam) that a trainer
                   or a key-value store applies, with their states as plain arrays.
@@ -62,23 +61,24 @@ Distributed Training
                   an epoch.
 
 Layers, bottom first:
-    utils < device < engine < ops < tape < ndarray < np < npx < autograd < hybrid < nn < comm
-    < optimizer < kvstore < data_parallel < evaluation < profiler < data < hardware < launch
-    < train_mnist
+    utils < device < engine < ops < np < autograd < hybrid < nn < comm < optimizer < kvstore
+    < data_parallel < data < hardware < launch < train_mnist
 """
 from . import engine      # first: it sets OpenBLAS's spin before NumPy loads (engine/blas.py)
 from .device import Device, cpu, gpu, num_gpus, try_all_gpus, try_devices, try_gpu
-from . import np, npx, autograd, nn
+from . import np, autograd, nn
+from .np import extension as npx
 from .nn import L2Loss, SoftmaxCrossEntropyLoss
 from .data_parallel import Trainer, get_params, sgd
 from .utils import (Accumulator, Animator, Benchmark, Timer, median_seconds, memory_in_use,
                     quick_mode, workload)
-from . import comm, data, data_parallel, hybrid, kvstore, optimizer, profiler
+from . import comm, data, data_parallel, hybrid, kvstore, optimizer
+from .engine import profiler
 from .comm import split_and_load, split_batch
 # d2l.allreduce is the from-scratch chapter's "everything to the first device" (the name the
 # MXNet edition gives it); d2l.comm.allreduce runs the six algorithms of "Parameter Servers".
 from .comm import allreduce_on_first as allreduce
-from .evaluation import accuracy, evaluate_accuracy_gpu, evaluate_accuracy_gpus
+from .data_parallel import accuracy, evaluate_accuracy_gpu, evaluate_accuracy_gpus
 from .data import load_data_fashion_mnist
 from .nn import Residual, lenet, resnet18
 

@@ -15,8 +15,8 @@ import contextlib
 
 from . import engine
 from .device import label
-from .ndarray import NDArray, filled_like
-from .tape import TAPE, needs_grad
+from .np.multiarray import NDArray, filled_like
+from .np.tape import TAPE, needs_grad
 
 
 @contextlib.contextmanager

@@ -13,11 +13,12 @@ ran. Taught in "Parameter Servers".
 import argparse
 import sys
 
-from . import autograd, comm, data, engine, kvstore, nn, np, npx
+from . import autograd, comm, data, engine, kvstore, nn, np
+from .np import extension as npx
 from .device import cpu, gpu, slow_down
 from .nn import lenet
 from .data_parallel import Trainer
-from .evaluation import evaluate_accuracy_gpus
+from .data_parallel.evaluation import evaluate_accuracy_gpus
 from .utils import Timer
 
 

@@ -9,7 +9,7 @@ import pytest
 
 import d2lperf as d2l
 from d2lperf import autograd, engine, np, npx, ops
-from d2lperf.ndarray import apply
+from d2lperf.np.multiarray import apply
 
 pytestmark = pytest.mark.usefixtures('fresh_engine')
 

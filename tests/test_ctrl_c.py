@@ -135,7 +135,7 @@ def about_to_run(eng, worker, hook, monkeypatch):
 
 def inside_the_operation(eng, worker, hook, monkeypatch):
     """Its value computed, not yet stored."""
-    monkeypatch.setattr(d2l.ndarray, 'as_array', after(hook, d2l.ndarray.as_array))
+    monkeypatch.setattr(d2l.np.multiarray, 'as_array', after(hook, d2l.np.multiarray.as_array))
 
 
 def completing(eng, worker, hook, monkeypatch):

@@ -1,4 +1,4 @@
-"""Tests of d2lperf.from_scratch and d2lperf.evaluation, and of data parallelism: two devices,
+"""Tests of d2lperf.from_scratch and d2lperf.data_parallel.evaluation, and of data parallelism: two devices,
 each with half of every batch, must train to the same parameters as one device with the whole
 batch."""
 import numpy

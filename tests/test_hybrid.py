@@ -66,7 +66,7 @@ def test_every_method_of_an_array_is_a_method_of_a_symbol():
     """A method added to NDArray alone would pass tracing silently as an AttributeError deep in
     a user's forward: Symbol must share it (ArrayMethods) or say why it cannot while tracing."""
     from d2lperf.hybrid.trace import Symbol
-    from d2lperf.ndarray import ArrayMethods, NDArray
+    from d2lperf.np.multiarray import ArrayMethods, NDArray
     slots = set(NDArray.__slots__)
     own = {name for name in vars(NDArray) if name not in slots
            and name not in ('__module__', '__doc__', '__slots__', '__init__', '__dict__')}
@@ -169,8 +169,8 @@ def test_dead_code_elimination_drops_unused_nodes_only():
 
 def test_common_subexpressions_are_merged_but_never_random_ops():
     def forward(x):
-        mask1 = d2l.ndarray.apply('dropout_mask', x, rate=0.5)
-        mask2 = d2l.ndarray.apply('dropout_mask', x, rate=0.5)
+        mask1 = d2l.np.multiarray.apply('dropout_mask', x, rate=0.5)
+        mask2 = d2l.np.multiarray.apply('dropout_mask', x, rate=0.5)
         return (x.exp() + x.exp()) * mask1 * mask2 * 1 * 1.0 * True
     graph = hybrid.eliminate_common_subexpressions(traced(forward, (3,)))
     assert ops(graph).count('exp') == 1
@@ -188,7 +188,7 @@ def test_constant_folding_computes_known_values_once():
 
 def test_folding_never_folds_random_ops():
     def forward(x, c):
-        return x + d2l.ndarray.apply('dropout_mask', c * 2, rate=0.5)
+        return x + d2l.np.multiarray.apply('dropout_mask', c * 2, rate=0.5)
     graph = hybrid.bind(traced(forward, (3,), (3,)), c=[1.0, 2.0, 3.0])
     assert ops(hybrid.fold_constants(graph)) == ['dropout_mask', 'add']   # c * 2 is folded
 

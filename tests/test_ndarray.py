@@ -17,7 +17,7 @@ from hypothesis import given, strategies as st
 import d2lperf as d2l
 from d2lperf import engine, np, npx, ops
 from d2lperf.engine import workers
-from d2lperf.ndarray import NDArray, apply
+from d2lperf.np.multiarray import NDArray, apply
 from conftest import run_in_subprocess, run_with_timeout
 from strategies import checks
 from strategies.ops import OP_CASES

@@ -8,7 +8,7 @@ import pytest
 
 import d2lperf as d2l
 from d2lperf import hybrid, np, npx, ops
-from d2lperf.ndarray import apply
+from d2lperf.np.multiarray import apply
 from d2lperf.ops.rules import same
 
 

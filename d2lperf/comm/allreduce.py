@@ -18,7 +18,7 @@ import numpy
 
 from .. import engine
 from ..device import cpu, part_of_larger, transfer
-from ..ndarray import NDArray
+from ..np.multiarray import NDArray
 from .schedules import chunk_bounds, half, schedule
 
 REDUCTIONS = {'sum': 'add', 'max': 'maximum', 'min': 'minimum', 'prod': 'multiply'}

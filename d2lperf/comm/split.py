@@ -8,7 +8,7 @@ import numpy
 
 from .. import np
 from ..device import Device
-from ..ndarray import NDArray
+from ..np.multiarray import NDArray
 
 
 def split_and_load(data, devices, even_split=True, work_load_list=None):

@@ -7,6 +7,8 @@
     trainer   the Trainer ("Concise Implementation for Multiple GPUs", "Parameter Servers",
               "Distributed Training"): gradients summed through a key-value store of any type,
               and the update on the devices or in the store.
+    evaluation  test accuracy on one device, or split among every device of a net (the
+              chapters' `evaluate_accuracy_gpu(s)`).
     overlap   each parameter's sum pushed as soon as backward has pushed its last gradient
               (Horovod's overlap), the one loop the Trainer, buckets and zero start from.
     buckets   gradients summed in buckets of a chosen size while backward runs, in the order
@@ -22,8 +24,10 @@ loss on its part of the batch, so that the chapter and the benchmarks time them 
 """
 from .from_scratch import get_params, sgd
 from .trainer import Trainer
+from .evaluation import accuracy, evaluate_accuracy_gpu, evaluate_accuracy_gpus
 from .buckets import Buckets, plan_buckets
 from .zero import Zero
 from . import predict
 
-__all__ = ['get_params', 'sgd', 'Trainer', 'Buckets', 'plan_buckets', 'Zero', 'predict']
+__all__ = ['get_params', 'sgd', 'Trainer', 'accuracy', 'evaluate_accuracy_gpu',
+           'evaluate_accuracy_gpus', 'Buckets', 'plan_buckets', 'Zero', 'predict']

@@ -24,7 +24,7 @@ import numpy
 from .. import autograd, comm, engine, np
 from ..comm import chunk_bounds, fill
 from ..device import label, release, restore
-from ..ndarray import NDArray
+from ..np.multiarray import NDArray
 from .overlap import backward_reporting
 from .updates import apply_updates, check_devices, create_optimizer, trained
 

@@ -135,7 +135,8 @@ def products_under_load(n=300, products=None, repeats=5):
     kept busy by another process: plain NumPy on one BLAS thread and on every thread, and
     d2lperf's `np.dot`, whose threads fit the cores other programs leave
     (`engine.blas.threads_that_fit`). `others_cores`: the cores other programs kept busy."""
-    from .. import np, npx
+    from .. import np
+    from ..np import extension as npx
     from .machine import cpu_times, load_by_others
     products = products or workload(300, 100)
     threads, a = blas_threads(), numpy.random.default_rng(0).random((n, n), dtype=numpy.float32)

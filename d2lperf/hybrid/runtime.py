@@ -10,9 +10,9 @@ are part of the signature: dropout traces to a different graph in training. Taug
 "Compilers and Interpreters".
 """
 from .. import engine
-from ..ndarray import NDArray
+from ..np.multiarray import NDArray
 from ..ops import REGISTRY, Op
-from ..tape import TAPE, TapeNode
+from ..np.tape import TAPE, TapeNode
 from .codegen import generate
 from .graph import Node, evaluate, gradients
 from .memory import aliased_outputs, plan_memory

@@ -12,7 +12,7 @@ import inspect
 import numpy
 
 from ..device import cpu
-from ..ndarray import ArrayMethods, NDArray, check_basic_key
+from ..np.multiarray import ArrayMethods, NDArray, check_basic_key
 from .graph import Graph, Node
 
 

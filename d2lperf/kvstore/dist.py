@@ -37,7 +37,7 @@ import zipfile
 import numpy
 
 from .. import engine
-from ..ndarray import NDArray, from_host
+from ..np.multiarray import NDArray, from_host
 from ..optimizer import SGD
 from ..utils import atomic_write
 from . import DIST_TYPES as TYPES

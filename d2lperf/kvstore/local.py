@@ -16,7 +16,7 @@ import numpy
 
 from .. import comm
 from ..device import cpu
-from ..ndarray import NDArray
+from ..np.multiarray import NDArray
 from ..utils import atomic_write
 from .base import KVStoreBase
 from .keys import key_of_state, pairs, state_name

@@ -49,7 +49,7 @@ import traceback
 import numpy
 
 from ..device import cpu
-from ..ndarray import from_host
+from ..np.multiarray import from_host
 from ..optimizer import SGD
 from .keys import describe, key_of_state
 from .protocol import (HEADER_TAG, TEXT, DeadlineError, ProtocolError, as_text, key_id, log,

@@ -9,9 +9,10 @@ generated program as one engine operation ("Compilers and Interpreters").
 import collections
 import operator
 
-from .. import autograd, hybrid, np, npx
+from .. import autograd, hybrid, np
+from ..np import extension as npx
 from ..device import cpu
-from ..ndarray import NDArray, apply
+from ..np.multiarray import NDArray, apply
 from .init import Initializer, Zero
 from .parameter import Parameter
 

@@ -4,7 +4,7 @@ Each is a HybridBlock around one npx operation, so a network of them can be hybr
 exported like a stack of Dense layers. Input channels are learnt from the first batch, as
 Dense learns its input width. Taught in "Training on Multiple GPUs".
 """
-from .. import npx
+from ..np import extension as npx
 from ..ops.rules import pair
 from .block import HybridBlock, activation_function
 from .init import Constant, Zero

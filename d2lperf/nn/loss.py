@@ -1,5 +1,5 @@
 """Losses: one value per example, averaged over everything but the batch axis."""
-from .. import npx
+from ..np import extension as npx
 from .block import HybridBlock
 
 

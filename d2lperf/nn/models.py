@@ -1,7 +1,7 @@
 """Networks the training chapters use: the LeNet of "Training on Multiple GPUs" as layers, and
 the residual block and the ResNet-18 variant for small images of the MXNet edition of Dive into
 Deep Learning. Taught in "Concise Implementation for Multiple GPUs"."""
-from .. import npx
+from ..np import extension as npx
 from .block import Activation, Dense, HybridBlock, HybridSequential
 from .conv_layers import AvgPool2D, BatchNorm, Conv2D, Flatten, GlobalAvgPool2D
 

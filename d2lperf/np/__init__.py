@@ -9,7 +9,7 @@ import math
 import numpy
 
 from ..device import cpu
-from ..ndarray import NDArray, apply, create, from_host
+from .multiarray import NDArray, apply, create, from_host
 from . import random  # noqa: F401  (np.random.normal, np.random.uniform, np.random.seed)
 
 float32, float64, int32, int64, bool_ = (numpy.float32, numpy.float64, numpy.int32,

@@ -4,7 +4,7 @@ import numpy
 
 from .. import engine
 from ..device import cpu
-from ..ndarray import create
+from .multiarray import create
 from ..ops.random import generator, seed as reseed
 
 

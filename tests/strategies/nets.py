@@ -3,7 +3,7 @@ import numpy
 from hypothesis import strategies as st
 
 from d2lperf import np, nn
-from d2lperf.ndarray import apply
+from d2lperf.np.multiarray import apply
 
 ACTIVATIONS = [None, 'relu', 'sigmoid', 'tanh']
 

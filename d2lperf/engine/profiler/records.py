@@ -7,8 +7,8 @@ events around the kernels, not from the host clock. Taught in "Automatic Paralle
 """
 import contextlib
 
-from .. import engine
-from ..device import cupy_module
+from ... import engine
+from ...device import cupy_module
 
 _last = []          # the records of the last profile, for dump() and plot() without arguments
 

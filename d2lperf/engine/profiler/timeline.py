@@ -1,5 +1,5 @@
 """A profile drawn as a timeline: one lane per worker, so that overlap can be seen."""
-from .. import engine
+from ... import engine
 from .records import lanes
 
 COLORS = {engine.COMPUTE: '#3367d6', engine.COPY_IN: '#e8710a', engine.COPY_OUT: '#0f9d58'}

@@ -1,7 +1,7 @@
 """A profile as a Chrome trace: open it in https://ui.perfetto.dev or chrome://tracing."""
 import json
 
-from ..utils import atomic_write
+from ...utils import atomic_write
 from .records import records_or_last
 
 

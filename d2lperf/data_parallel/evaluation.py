@@ -1,9 +1,9 @@
 """Test accuracy: counted on one device, or on every device the net lives on, each with its
 share of the batch ("Training on Multiple GPUs" and the chapters after it).
 """
-from .comm import split_batch
-from .device import Device
-from .utils import Accumulator
+from ..comm import split_batch
+from ..device import Device
+from ..utils import Accumulator
 
 
 def accuracy(y_hat, y):

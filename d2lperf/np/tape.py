@@ -13,7 +13,7 @@ reverse mode.
 A node keeps its inputs alive until the graph is freed, for backward to read: the memory they
 hold counts as activations from then on (`device.memory`).
 """
-from .device import label
+from ..device import label
 
 
 class TapeNode:

@@ -10,9 +10,9 @@ import numbers
 
 import numpy
 
-from . import engine
-from .device import FOLD_AFTER, Device, cpu, fold_changes, label, memory_changes, transfer
-from .ops import REGISTRY, as_array, index_shape
+from .. import engine
+from ..device import FOLD_AFTER, Device, cpu, fold_changes, label, memory_changes, transfer
+from ..ops import REGISTRY, as_array, index_shape
 from .tape import TAPE, TapeNode, needs_grad
 
 

@@ -1,8 +1,8 @@
 """`d2lperf.npx`: operators NumPy lacks (activations, softmax, picking, convolution, pooling,
 batch normalization) and engine controls. Images are NCHW: (batch, channels, height, width)."""
-from . import engine
-from .ndarray import apply
-from .ops.rules import pair
+from .. import engine
+from .multiarray import apply
+from ..ops.rules import pair
 from .tape import TAPE
 
 
