@@ -16,9 +16,18 @@ of one process on the combined batch each worker calls `step(batch_size · num_w
 examples that went into the sum (train_mnist does); `step(batch_size)` takes a step
 num_workers times larger, MXNet's behaviour. dist_async applies each push as it arrives.
 """
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterable, Mapping
+
 from .. import kvstore as kvstores
 from .overlap import backward_reporting
 from .updates import apply_updates, copies_of, create_optimizer, trained
+
+if TYPE_CHECKING:
+    from ..nn.parameter import Parameter
+    from ..np.multiarray import NDArray
+    from ..optimizer import SGD, Adam
 
 
 class Trainer:
@@ -26,18 +35,22 @@ class Trainer:
 
     `kvstore`: a store's name (`kvstore.create`'s), a store, or None for none (parameters on
     one device, in one process: nothing to sum). `update_on_kvstore`: None for Gluon's choice
-    (True for a distributed store), or True or False.
+    (True for a distributed store), or True or False. Afterwards `store` is the store the
+    gradients go through (None where nothing needs summing) and `kvstore` its type.
     """
 
-    def __init__(self, params, optimizer='sgd', optimizer_params=None, kvstore='device',
-                 update_on_kvstore=None):
+    def __init__(self, params: Mapping[str, Parameter] | Iterable[Parameter],
+                 optimizer: str | SGD | Adam = 'sgd', optimizer_params: dict | None = None,
+                 kvstore: str | kvstores.KVStoreBase | None = 'device',
+                 update_on_kvstore: bool | None = None):
         self.optimizer = create_optimizer(optimizer, optimizer_params)
         _, self.params = trained(params)
         self.store = store_from(kvstore)
-        self.kvstore = None if self.store is None else self.store.type
         self.distributed = self.kvstore in kvstores.DIST_TYPES
         self.update_on_kvstore = self._where_to_update(update_on_kvstore)
-        self.scale = self.optimizer.rescale_grad       # step(b) scales by scale / b
+        # The user's rescale_grad, kept apart: each step sets the optimizer's to scale /
+        # batch_size, and a distributed store's servers keep the first value they were sent.
+        self.scale = self.optimizer.rescale_grad
         self.initialized = False         # whether the store holds the parameters
         self.store_updates = False       # whether the store holds the optimizer
         self.reduced = set()             # parameters whose gradients are summed for this step
@@ -55,10 +68,15 @@ class Trainer:
         return self.distributed if choice is None else bool(choice)
 
     @property
-    def learning_rate(self):
+    def kvstore(self) -> str | None:
+        """The type of the store the gradients go through; None once none is needed."""
+        return None if self.store is None else self.store.type
+
+    @property
+    def learning_rate(self) -> float:
         return self.optimizer.learning_rate
 
-    def step(self, batch_size):
+    def step(self, batch_size: int) -> None:
         """Sum the gradients over devices and workers, then update with 1/batch_size of it:
         on the devices, Gluon's allreduce_grads() then update(); in the store, a push of the
         gradients and a pull of the weights the servers updated."""
@@ -72,19 +90,19 @@ class Trainer:
         self.store.pull(list(range(len(self.params))), [p.list_data() for p in self.params])
         self.reduced.clear()
 
-    def allreduce_grads(self):
+    def allreduce_grads(self) -> None:
         """Sum each parameter's gradients over its devices (those not summed yet this step)."""
         self._refuse_on_kvstore('allreduce_grads')
         self._init_store()
         self._reduce_all()
 
-    def update(self, batch_size):
+    def update(self, batch_size: int) -> None:
         """Apply the optimizer to every copy of every parameter, from its (summed) gradient."""
         self._refuse_on_kvstore('update')
         apply_updates(self.optimizer, self.scale, batch_size, copies_of(self.params))
         self.reduced.clear()
 
-    def backward(self, losses):
+    def backward(self, losses: Iterable[NDArray]) -> None:
         """Backpropagate every device's loss, summing each gradient as soon as it is complete.
 
         The last device's backward pass reports each parameter's gradient as it pushes it
