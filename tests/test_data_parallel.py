@@ -211,8 +211,32 @@ def test_sharding_leaves_a_device_its_chunk_of_the_states():
     assert held[2]['weights'] == 2 * held[3]['weights']
 
 
+def test_the_calculator_reproduces_zeros_figure_1():
+    # 7.5B parameters on 64 devices, mixed-precision Adam: 2 + 2 + K = 12 bytes a parameter
+    totals = [predict.model_states(7.5e9, 64, stage)['total'] / 1e9 for stage in predict.STAGES]
+    assert [round(gb, 1) for gb in totals] == [120.0, 31.4, 16.6, 1.9]
+    mixed = predict.bytes_per_kind('adam', 2, multi_precision=True)
+    assert mixed == {'weights': 2, 'gradients': 2, 'optimizer state': 8, 'master weights': 4}
+    assert [predict.model_states(7.5e9, 64, stage, mixed)['total'] for stage in
+            predict.STAGES] == pytest.approx([gb * 1e9 for gb in totals])
+
+
+@pytest.mark.parametrize('devices', [1, 2, 8, 64])
+def test_the_calculator_reproduces_megatrons_distributed_optimizer(devices):
+    # bf16 weights, float32 gradients (accumulated in float32), float32 master and Adam's two
+    # values: 18 bytes a parameter, 6 + 12/d a device with the optimizer sharded (stage 1)
+    megatron = {'weights': 2, 'gradients': 4, 'master weights': 4, 'optimizer state': 8}
+    assert predict.model_states(1000, 1, 0, megatron)['total'] == 18 * 1000
+    assert predict.model_states(1000, devices, 1, megatron)['total'] == pytest.approx(
+        (6 + 12 / devices) * 1000)
+
+
+def test_the_calculator_refuses_a_kind_it_cannot_predict():
+    with pytest.raises(ValueError, match='activations depend on the batch'):
+        predict.model_states(10, 2, 1, {'weights': 4, 'activations': 4})
+
+
 def test_the_calculator_follows_zeros_table():
-    # ZeRO's Figure 1: 7.5B parameters, 64 devices, K = 12 in mixed precision (2 + 2 + 12 bytes)
     plain = predict.memory_per_device(100, 4, 0, 'adam', bytes_per_value=1)
     assert plain == {'weights': 100, 'gradients': 100, 'optimizer state': 200}
     assert sum(predict.memory_per_device(100, 4, 1, 'adam', 1).values()) == 250

@@ -1,10 +1,13 @@
 """Predict, then run: what a data-parallel step holds a device, what it moves, how long it takes.
 
-Memory is ZeRO's table for the model's states (Rajbhandari et al., 2020): with Ψ parameters of
-b bytes and an optimizer that keeps K values a weight (SGD 0, SGD with momentum 1, Adam 2),
-plain data parallelism holds Ψb of weights, Ψb of gradients and KΨb of state on every device;
-stage 1 divides the state by the n devices, stage 2 the gradients too, stage 3 the weights too.
-Activations are not in the table: they grow with the batch and the layers, not with Ψ.
+Memory is ZeRO's table for the model's states (Rajbhandari et al., 2020). Each parameter holds
+some bytes of each kind: its weight, its gradient and, inside the optimizer, its state (SGD 0
+values a weight, SGD with momentum 1, Adam 2) and, under mixed precision, a float32 master copy
+of the weight. The paper's mixed-precision Adam holds 2 + 2 + 12 = 16 bytes a parameter (its
+K = 12 counts the master copy with Adam's two values). Plain data parallelism (stage 0) keeps
+every kind whole on every device; stage 1 divides the optimizer's kinds by the n devices, stage
+2 the gradients too, stage 3 the weights too. Activations are not in the table: they grow with
+the batch and the layers, not with the parameters.
 
 Traffic and time come from the two halves of an allreduce priced in the α-β model of
 `comm.cost`: every stage reduce-scatters the gradients and all-gathers the weights (an
@@ -14,18 +17,42 @@ plus whatever of its communication does not hide behind backward.
 """
 from ..comm import cost
 
-OPTIMIZER_STATES = {'sgd': 0, 'momentum': 1, 'adam': 2}
+STATE_VALUES = {'sgd': 0, 'momentum': 1, 'adam': 2}      # values the optimizer keeps a weight
 STAGES = (0, 1, 2, 3)            # 0: plain data parallelism
+SHARDED_FROM = {'optimizer state': 1, 'master weights': 1, 'gradients': 2, 'weights': 3}
+ZERO_PAPER = {'weights': 2, 'gradients': 2, 'optimizer state': 12}     # ZeRO's Figure 1
+
+
+def model_states(num_params, devices, stage, bytes_per_kind=ZERO_PAPER):
+    """{kind: bytes one device holds, ..., 'total': their sum} at this ZeRO stage.
+
+    Each kind is whole on every device below the stage that shards it (`SHARDED_FROM`) and
+    divided by the devices from there on, ZeRO's and FSDP's rule alike."""
+    check(devices, stage)
+    unknown = set(bytes_per_kind) - set(SHARDED_FROM)
+    if unknown:
+        raise ValueError(f'the calculator knows the model-state kinds {sorted(SHARDED_FROM)}, '
+                         f'not {sorted(unknown)} (activations depend on the batch: measure them)')
+    held = {kind: num_params * size / (devices if stage >= SHARDED_FROM[kind] else 1)
+            for kind, size in bytes_per_kind.items()}
+    return {**held, 'total': sum(held.values())}
+
+
+def bytes_per_kind(optimizer='adam', weight_bytes=4, multi_precision=False):
+    """Bytes a parameter holds of each kind: weight and gradient in the weight's dtype; the
+    optimizer's values (and, with `multi_precision`, the master copy) in float32."""
+    check(1, 0, optimizer)
+    state_bytes = 4 if multi_precision else weight_bytes
+    kinds = {'weights': weight_bytes, 'gradients': weight_bytes,
+             'optimizer state': STATE_VALUES[optimizer] * state_bytes}
+    return {**kinds, 'master weights': 4} if multi_precision else kinds
 
 
 def memory_per_device(num_params, devices, stage, optimizer='adam', bytes_per_value=4):
-    """{kind: bytes} of the model's states one device holds (the counter's kinds)."""
-    check(devices, stage, optimizer)
-    states = OPTIMIZER_STATES[optimizer]
-    size = num_params * bytes_per_value
-    return {'weights': size / devices if stage >= 3 else size,
-            'gradients': size / devices if stage >= 2 else size,
-            'optimizer state': states * size / (devices if stage >= 1 else 1)}
+    """{kind: bytes} of the model's states one device holds, every value `bytes_per_value`."""
+    held = model_states(num_params, devices, stage, bytes_per_kind(optimizer, bytes_per_value))
+    del held['total']
+    return held
 
 
 def halves(stage, gathers=1):
@@ -61,8 +88,8 @@ def overlapped_end(ready, seconds):
 def check(devices, stage, optimizer='sgd'):
     if stage not in STAGES:
         raise ValueError(f'a ZeRO stage is 0 (plain data parallelism), 1, 2 or 3, not {stage!r}')
-    if optimizer not in OPTIMIZER_STATES:
+    if optimizer not in STATE_VALUES:
         raise ValueError(f'unknown optimizer {optimizer!r}: the calculator knows '
-                         f'{sorted(OPTIMIZER_STATES)}')
+                         f'{sorted(STATE_VALUES)}')
     if not (isinstance(devices, int) and devices >= 1):
         raise ValueError(f'devices is a whole number of at least 1, not {devices!r}')
