@@ -10,13 +10,17 @@ batch's statistics); `predict_mode()` and `train_mode()` change only that, `paus
 the recording, as in Gluon. A hybridized block records ONE node whose rule walks its own
 graph (`hybrid.graph.gradients`); that walk differs from the one here because it runs
 inside a single engine operation, on raw arrays, over nodes already in order.
+
+`checkpoint(block, *inputs)` trades time for memory (recomputation, Chen et al. 2016): its
+forward keeps no node inside the block, so only the inputs stay for backward, which runs the
+block again, recorded, and walks that graph before going on.
 """
 import contextlib
 
 from . import engine
 from .device import label
-from .np.multiarray import NDArray, filled_like
-from .np.tape import TAPE, needs_grad
+from .np.multiarray import NDArray, alias, filled_like
+from .np.tape import TAPE, TapeNode, needs_grad
 
 
 @contextlib.contextmanager
@@ -60,6 +64,64 @@ def is_recording():
 def is_training():
     """True inside `record()` (unless train_mode=False) or `train_mode()`; False outside."""
     return TAPE.training
+
+
+class Recompute:
+    """The tape's operation for a checkpointed call: the block to run again in backward, and
+    whether it ran in training mode (so that batch norm recomputes with the same statistics)."""
+
+    __slots__ = ('name', 'block', 'training')
+
+    def __init__(self, block, training):
+        self.name, self.block, self.training = 'checkpoint', block, training
+
+
+def checkpoint(block, *inputs):
+    """`block(*inputs)`, keeping only `inputs` for backward, which computes the rest again.
+
+    Gradients equal those without it, bit for bit, for any block whose forward draws no random
+    numbers (dropout would draw new masks when it runs again). Outside `record()` it is just
+    the call."""
+    if not TAPE.recording:
+        return block(*inputs)
+    with pause(train_mode=TAPE.training):
+        out = block(*inputs)
+    if not isinstance(out, NDArray):
+        raise TypeError(f'checkpoint takes a block that returns one array, not {type(out)}')
+    if any(out is x for x in inputs):          # the tape must not mark an input as computed
+        out = alias(out, out.shape, out.dtype, lambda data: data, 'checkpoint')
+    out.node = TapeNode(Recompute(block, TAPE.training), inputs, {})
+    return out
+
+
+def push_recomputed_vjp(out, g, grads, on_gradient):
+    """Run a checkpointed block again, recorded, from detached copies of its inputs, and walk
+    that graph: the block's parameters get their `.grad` there, its inputs through the copies."""
+    step, inputs = out.node.op, out.node.inputs
+    # The engine frees an array only once the operations reading it are done: without this
+    # wait for the segments above, the walk would run ahead and every segment's recomputed
+    # activations would be held at once, as without checkpoints.
+    g.wait_to_read()
+    copies = [detached(x) if type(x) is NDArray else x for x in inputs]
+    with _flags(True, step.training):
+        again = step.block(*copies)
+    if again.node is not None:
+        backward(again, g, on_gradient=on_gradient)
+    elif again.grad is not None:          # the block handed one of its inputs back
+        again.grad = g
+    for x, copy in zip(inputs, copies):
+        if type(x) is NDArray and copy.grad is not None:
+            g_x = label(copy.grad, 'temporaries')       # a gradient on its way, not a leaf's
+            grads[id(x)] = g_x if id(x) not in grads else grads[id(x)] + g_x
+
+
+def detached(x):
+    """An array sharing x's memory but not its history; a buffer, so that backward reaches it,
+    where x needs a gradient."""
+    copy = alias(x, x.shape, x.dtype, lambda data: data, 'detach')
+    if needs_grad(x) and x.dtype.kind == 'f':
+        copy.grad = filled_like(x, 0)
+    return copy
 
 
 def topological_order(head):
@@ -108,7 +170,7 @@ def push_vjp(out, g, grads):
             # A leaf's gradient becomes its `.grad`, which a store sums into in place: it must
             # not share memory with what the rule read or with another input's gradient.
             others = read + found[:index] + found[index + 1:]
-            target.data = data.copy() if leaf and not _owned(data, others) else data
+            target.data = data.copy(order='K') if leaf and not _owned(data, others) else data
     arrays = [x for x in inputs if type(x) is NDArray]
     written = [t for t in targets if t is not None]
     engine.push(run, [g.var, out.var] + [x.var for x in arrays], [t.var for t in written],
@@ -152,7 +214,10 @@ def backward(head, head_grad=None, retain_graph=False, on_gradient=None):
             if g is None:
                 continue
             if array.node is not None:
-                push_vjp(array, g, grads)
+                if type(array.node.op) is Recompute:
+                    push_recomputed_vjp(array, g, grads, on_gradient)
+                else:
+                    push_vjp(array, g, grads)
                 if not retain_graph:
                     array.node = None
             elif array.grad is not None:

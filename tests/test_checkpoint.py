@@ -1,0 +1,113 @@
+"""Recomputation (`autograd.checkpoint`): the same gradients, bit for bit, for less memory."""
+import numpy
+import pytest
+
+import d2lperf as d2l
+from d2lperf import autograd, nn, np
+
+LAYERS, WIDTH, BATCH = 8, 64, 32
+
+
+def deep_net(batch_norm=False):
+    net = nn.Sequential()
+    for _ in range(LAYERS):
+        net.add(nn.Dense(WIDTH, activation='relu'))
+        if batch_norm:
+            net.add(nn.BatchNorm())
+    net.add(nn.Dense(3))
+    net.initialize()
+    return net
+
+
+def segments_of(net, count):
+    """The net's layers in `count` consecutive runs, each called as one block."""
+    layers = list(net)
+    bounds = numpy.linspace(0, len(layers), count + 1).astype(int)
+    return [layers[a:b] for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+
+
+def run_layers(layers):
+    def block(x):
+        for layer in layers:
+            x = layer(x)
+        return x
+    return block
+
+
+def forward(net, x, segments):
+    if not segments:
+        return net(x)
+    for part in segments_of(net, segments):
+        x = autograd.checkpoint(run_layers(part), x)
+    return x
+
+
+def gradients(net, x, segments, input_grad=False):
+    if input_grad:
+        x.attach_grad()
+    with autograd.record():
+        loss = (forward(net, x, segments) ** 2).sum()
+    loss.backward()
+    found = {name: p.grad().asnumpy() for name, p in net.collect_params().items()
+             if p.grad_req != 'null'}
+    return (found, x.grad.asnumpy()) if input_grad else found
+
+
+@pytest.mark.parametrize('segments', [1, 3, LAYERS + 1])
+@pytest.mark.parametrize('batch_norm', [False, True])
+def test_checkpointed_gradients_equal_plain_ones_bit_for_bit(segments, batch_norm):
+    net = deep_net(batch_norm)
+    x = np.random.normal(0, 1, size=(BATCH, 20))
+    plain, plain_x = gradients(net, x, 0, input_grad=True)
+    again, again_x = gradients(net, x, segments, input_grad=True)
+    assert plain.keys() == again.keys()
+    for name in plain:
+        numpy.testing.assert_array_equal(again[name], plain[name], err_msg=name)
+    numpy.testing.assert_array_equal(again_x, plain_x)
+
+
+def test_a_checkpoint_outside_record_is_the_plain_call():
+    net = deep_net()
+    x = np.random.normal(0, 1, size=(4, 20))
+    numpy.testing.assert_array_equal(forward(net, x, 2).asnumpy(), net(x).asnumpy())
+
+
+def test_a_checkpoint_of_the_identity_leaves_its_input_a_leaf():
+    x = np.ones((3,))
+    x.attach_grad()
+    with autograd.record():
+        y = autograd.checkpoint(lambda a: a, x)
+        loss = (y * y).sum()
+    loss.backward()
+    assert x.node is None
+    numpy.testing.assert_array_equal(x.grad.asnumpy(), [2, 2, 2])
+
+
+def test_a_block_that_returns_a_tuple_is_refused():
+    with autograd.record(), pytest.raises(TypeError, match='returns one array'):
+        autograd.checkpoint(lambda a: (a, a), np.ones((2,)))
+
+
+def activation_peak(net, x, segments):
+    """The most bytes of activations held at once while one step runs, counted by the device."""
+    device = d2l.cpu()
+    d2l.npx.waitall()
+    d2l.device.reset_peak(device)
+    base = d2l.device.memory(device).by_kind['activations']
+    gradients(net, x, segments)
+    d2l.npx.waitall()
+    return d2l.device.memory(device).at_peak['activations'] - base
+
+
+def test_checkpoints_lower_the_activation_peak():
+    net = deep_net()
+    x = np.random.normal(0, 1, size=(BATCH, 20))
+    activation_peak(net, x, 0)        # the first step makes the parameters' gradients
+    plain = activation_peak(net, x, 0)
+    three = activation_peak(net, x, 3)
+    layer = BATCH * WIDTH * 4
+    # Without checkpoints each Dense keeps its input and its pre-activation for backward; with
+    # three segments of three layers, the segments' inputs stay, plus one segment's graph while
+    # it is computed again: about 3 + 2·3 layers' worth, where the walk waits for each segment.
+    assert plain >= 2 * LAYERS * layer
+    assert three <= 0.6 * plain, (three, plain)
