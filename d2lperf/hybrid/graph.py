@@ -32,7 +32,7 @@ class Node:
 
     @property
     def op_kind(self):
-        """What the compiler may do with this node's op (`ops.KINDS`); None if not a call."""
+        """What the compiler may do with this node's op (`ops.OP_KINDS`); None if not a call."""
         return REGISTRY[self.op].kind if self.kind == 'call' else None
 
     @property

@@ -44,4 +44,17 @@ class Constant(Initializer):
         return np.full(shape, self.value, device=device)
 
 
-Zero = lambda: Constant(0.0)  # noqa: E731
+class Zeros(Constant):
+    """All zeros: biases, and whatever must start with no effect (a residual branch's last
+    scale).
+
+    Named `Zeros` so that `Zero` alone means ZeRO, `d2l.data_parallel.Zero(net, stage, ...)`,
+    the design's name for sharded training. MXNet calls this initializer `mx.init.Zero`, so
+    `init.Zero` stays, an alias, for readers who know Gluon.
+    """
+
+    def __init__(self):
+        super().__init__(0.0)
+
+
+Zero = Zeros      # MXNet's name (mx.init.Zero); not ZeRO, which is d2l.data_parallel.Zero

@@ -17,13 +17,13 @@ means. Ops are registered with `defop` by family, one module each:
 Adding an op is one `defop` call in its family's module: every frontend (`np`, `npx`),
 autograd and the compiler find it in REGISTRY.
 """
-from .registry import KINDS, REGISTRY, Op, as_array, defop
+from .registry import OP_KINDS, REGISTRY, Op, as_array, defop
 from .rules import (compare, dot_shape, dtype_of, expand_reduced, floating, index_shape,
                     input_grads, matmul_shape, normalize_axes, promote, reduced_shape,
                     reshape_shape, same, shape_of, sum_dtype, unbroadcast)
 from . import elementwise, linalg, reduction, shape, nn, random, convolution  # noqa: F401
 
-__all__ = ['KINDS', 'REGISTRY', 'Op', 'as_array', 'defop', 'compare', 'dot_shape', 'dtype_of',
+__all__ = ['OP_KINDS', 'REGISTRY', 'Op', 'as_array', 'defop', 'compare', 'dot_shape', 'dtype_of',
            'expand_reduced', 'floating', 'index_shape', 'input_grads', 'matmul_shape',
            'normalize_axes', 'promote', 'reduced_shape', 'reshape_shape', 'same', 'shape_of',
            'sum_dtype', 'unbroadcast']

@@ -35,7 +35,9 @@ for it. Autograd and the compiler's gradient walk both pass it.
 """
 import numpy
 
-KINDS = ('elementwise', 'compare', 'contraction', 'view', 'reduction', 'random', 'opaque')
+# What the compiler may do with an op (fuse it, drop it, reorder it): not device.py's
+# memory kinds.
+OP_KINDS = ('elementwise', 'compare', 'contraction', 'view', 'reduction', 'random', 'opaque')
 
 
 class Op:
@@ -47,8 +49,8 @@ class Op:
 
     def __init__(self, name, compute, infer, vjp=None, kind='opaque', c_expr=None, writes=(),
                  partial_vjp=False):
-        if kind not in KINDS:
-            raise ValueError(f'op {name!r}: kind must be one of {KINDS}, not {kind!r}')
+        if kind not in OP_KINDS:
+            raise ValueError(f'op {name!r}: kind must be one of {OP_KINDS}, not {kind!r}')
         if c_expr is not None and kind != 'elementwise':
             raise ValueError(f'op {name!r}: only elementwise ops have a C expression')
         self.name, self.compute, self.infer, self.vjp = name, compute, infer, vjp
