@@ -13,7 +13,8 @@ inside a single engine operation, on raw arrays, over nodes already in order.
 
 `checkpoint(block, *inputs)` trades time for memory (recomputation, Chen et al. 2016): its
 forward keeps no node inside the block, so only the inputs stay for backward, which runs the
-block again, recorded, and walks that graph before going on.
+block again, recorded, and walks that graph before going on. `on_backward(array, callback)`
+is the walk's hook: a call made just before the backward pass of whatever computed `array`.
 """
 import contextlib
 
@@ -67,13 +68,48 @@ def is_training():
 
 
 class Recompute:
-    """The tape's operation for a checkpointed call: the block to run again in backward, and
+    """The tape's step for a checkpointed call: the block to run again in backward, and
     whether it ran in training mode (so that batch norm recomputes with the same statistics)."""
 
     __slots__ = ('name', 'block', 'training')
 
     def __init__(self, block, training):
         self.name, self.block, self.training = 'checkpoint', block, training
+
+    def walk(self, out, g, grads, on_gradient):
+        """Run the block again, recorded, from detached copies of its inputs, and walk that
+        graph: the block's parameters get their `.grad` there, its inputs through the copies."""
+        # The engine frees an array only once the operations reading it are done: without this
+        # wait for the segments above, the walk would run ahead and every segment's recomputed
+        # activations would be held at once, as without checkpoints.
+        g.wait_to_read()
+        inputs = out.node.inputs
+        copies = [detached(x) if type(x) is NDArray else x for x in inputs]
+        with _flags(True, self.training):
+            again = self.block(*copies)
+        if again.node is not None:
+            backward(again, g, on_gradient=on_gradient)
+        elif again.grad is not None:          # the block handed one of its inputs back
+            again.grad = g
+        for x, copy in zip(inputs, copies):
+            if type(x) is NDArray and copy.grad is not None:
+                add_gradient(grads, x, label(copy.grad, 'temporaries'))   # not a leaf's
+
+
+class BackwardHook:
+    """The tape's step for `on_backward`: a call, then the gradient passed on unchanged."""
+
+    __slots__ = ('name', 'callback')
+
+    def __init__(self, callback):
+        self.name, self.callback = 'on_backward', callback
+
+    def walk(self, out, g, grads, on_gradient):
+        self.callback()
+        add_gradient(grads, out.node.inputs[0], g)
+
+
+WALKED_HERE = (Recompute, BackwardHook)       # tape steps that push no vjp of their own
 
 
 def checkpoint(block, *inputs):
@@ -94,25 +130,19 @@ def checkpoint(block, *inputs):
     return out
 
 
-def push_recomputed_vjp(out, g, grads, on_gradient):
-    """Run a checkpointed block again, recorded, from detached copies of its inputs, and walk
-    that graph: the block's parameters get their `.grad` there, its inputs through the copies."""
-    step, inputs = out.node.op, out.node.inputs
-    # The engine frees an array only once the operations reading it are done: without this
-    # wait for the segments above, the walk would run ahead and every segment's recomputed
-    # activations would be held at once, as without checkpoints.
-    g.wait_to_read()
-    copies = [detached(x) if type(x) is NDArray else x for x in inputs]
-    with _flags(True, step.training):
-        again = step.block(*copies)
-    if again.node is not None:
-        backward(again, g, on_gradient=on_gradient)
-    elif again.grad is not None:          # the block handed one of its inputs back
-        again.grad = g
-    for x, copy in zip(inputs, copies):
-        if type(x) is NDArray and copy.grad is not None:
-            g_x = label(copy.grad, 'temporaries')       # a gradient on its way, not a leaf's
-            grads[id(x)] = g_x if id(x) not in grads else grads[id(x)] + g_x
+def on_backward(array, callback):
+    """`array` again (sharing its memory), where the backward walk calls `callback()` as soon
+    as it reaches it: before it pushes any vjp of the operations that computed `array`. ZeRO-3
+    gathers a unit's weights there, just before that unit's backward reads them."""
+    if not (TAPE.recording and needs_grad(array)):
+        return array
+    out = alias(array, array.shape, array.dtype, lambda data: data, 'on_backward')
+    out.node = TapeNode(BackwardHook(callback), (array,), {})
+    return out
+
+
+def add_gradient(grads, x, g):
+    grads[id(x)] = g if id(x) not in grads else grads[id(x)] + g
 
 
 def detached(x):
@@ -177,7 +207,7 @@ def push_vjp(out, g, grads):
                 out.device, f'{op.name}_backward')
     for x, target in zip(inputs, targets):
         if target is not None:
-            grads[id(x)] = target if id(x) not in grads else grads[id(x)] + target
+            add_gradient(grads, x, target)
 
 
 def _as_gradient(xp, value, target):
@@ -214,8 +244,8 @@ def backward(head, head_grad=None, retain_graph=False, on_gradient=None):
             if g is None:
                 continue
             if array.node is not None:
-                if type(array.node.op) is Recompute:
-                    push_recomputed_vjp(array, g, grads, on_gradient)
+                if type(array.node.op) in WALKED_HERE:
+                    array.node.op.walk(array, g, grads, on_gradient)
                 else:
                     push_vjp(array, g, grads)
                 if not retain_graph:

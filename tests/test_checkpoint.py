@@ -111,3 +111,24 @@ def test_checkpoints_lower_the_activation_peak():
     # it is computed again: about 3 + 2·3 layers' worth, where the walk waits for each segment.
     assert plain >= 2 * LAYERS * layer
     assert three <= 0.6 * plain, (three, plain)
+
+
+def test_on_backward_calls_before_the_backward_of_what_computed_the_array():
+    x, w, calls = np.ones((3,)), np.ones((3,)), []
+    x.attach_grad()
+
+    def gather():                  # ZeRO-3's case: the weights are written again right here
+        calls.append('hook')
+        w[:] = 5.0
+    with autograd.record():
+        y = autograd.on_backward(x * w, gather)
+        loss = (y * 2).sum()
+    assert calls == []
+    loss.backward()
+    assert calls == ['hook']
+    numpy.testing.assert_array_equal(x.grad.asnumpy(), [10, 10, 10])
+
+
+def test_on_backward_outside_record_returns_the_array_itself():
+    x = np.ones((2,))
+    assert autograd.on_backward(x, lambda: None) is x
