@@ -18,6 +18,8 @@ from .parameter import Parameter
 
 
 class Block:
+    _hooks = None                  # (pre-forward hooks, post-forward hooks) once one is added
+
     def __init__(self):
         object.__setattr__(self, '_children', collections.OrderedDict())
         object.__setattr__(self, '_params', collections.OrderedDict())
@@ -42,8 +44,43 @@ class Block:
             param.initialize(init=init, device=device, force_reinit=force_reinit)
         return self
 
+    def cast(self, dtype):
+        """Every parameter of this block and its children in `dtype` (Gluon's Block.cast):
+        `net.cast('float16')` halves the bytes of weights and gradients ("Memory")."""
+        for param in self.collect_params().values():
+            param.cast(dtype)
+        return self
+
     def __call__(self, *args):
+        if self._hooks is not None:
+            return self._call_hooked(self.forward, args)
         return self.forward(*args)
+
+    # -- hooks (Gluon's names): what ZeRO-3 and FSDP need around each unit's forward --------
+    def register_forward_pre_hook(self, hook):
+        """Call `hook(block, args)` before every forward of this block; returns a handle
+        whose `detach()` removes it."""
+        return self._add_hook(0, hook)
+
+    def register_forward_hook(self, hook):
+        """Call `hook(block, args, output)` after every forward; a hook that returns something
+        other than None replaces the output (PyTorch's rule; Gluon ignores it)."""
+        return self._add_hook(1, hook)
+
+    def _add_hook(self, when, hook):
+        if self._hooks is None:
+            object.__setattr__(self, '_hooks', ([], []))
+        self._hooks[when].append(hook)
+        return HookHandle(self._hooks[when], hook)
+
+    def _call_hooked(self, run, args):
+        for hook in list(self._hooks[0]):
+            hook(self, args)
+        out = run(*args)
+        for hook in list(self._hooks[1]):
+            replaced = hook(self, args, out)
+            out = out if replaced is None else replaced
+        return out
 
     def hybridize(self, active=True):
         """Compile every HybridBlock inside this block (a plain Block itself stays imperative)."""
@@ -59,6 +96,17 @@ class Block:
                  for name, child in self._children.items()]
         return f'{type(self).__name__}(\n' + '\n'.join(lines) + '\n)' if lines else \
             f'{type(self).__name__}()'
+
+
+class HookHandle:
+    """What registering a hook returns: `detach()` takes the hook off again."""
+
+    def __init__(self, hooks, hook):
+        self.hooks, self.hook = hooks, hook
+
+    def detach(self):
+        if self.hook in self.hooks:
+            self.hooks.remove(self.hook)
 
 
 class CurrentArrays:
@@ -99,6 +147,11 @@ class HybridBlock(Block):
         return self
 
     def __call__(self, *args):
+        if self._hooks is not None:
+            return self._call_hooked(self._run, args)
+        return self._run(*args)
+
+    def _run(self, *args):
         compiled = self._compiled
         if compiled is not None and args and (type(args[0]) is NDArray if len(args) == 1 else
                                               all(type(x) is NDArray for x in args)):

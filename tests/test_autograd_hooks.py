@@ -1,4 +1,5 @@
-"""Recomputation (`autograd.checkpoint`): the same gradients, bit for bit, for less memory."""
+"""The tape's hooks: recomputation (`autograd.checkpoint`: the same gradients, bit for bit,
+for less memory), `autograd.on_backward`, and blocks' forward hooks."""
 import numpy
 import pytest
 
@@ -132,3 +133,20 @@ def test_on_backward_calls_before_the_backward_of_what_computed_the_array():
 def test_on_backward_outside_record_returns_the_array_itself():
     x = np.ones((2,))
     assert autograd.on_backward(x, lambda: None) is x
+
+
+@pytest.mark.parametrize('hybridize', [False, True])
+def test_forward_hooks_run_around_a_block_and_may_replace_its_output(hybridize):
+    net = nn.Dense(2, in_units=3)
+    net.initialize()
+    if hybridize:
+        net.hybridize()
+    seen = []
+    pre = net.register_forward_pre_hook(lambda block, args: seen.append(('pre', block)))
+    post = net.register_forward_hook(lambda block, args, out: out * 0)
+    x = np.ones((1, 3))
+    numpy.testing.assert_array_equal(net(x).asnumpy(), [[0, 0]])
+    assert seen == [('pre', net)]
+    pre.detach()
+    post.detach()
+    assert net(x).asnumpy().any() and len(seen) == 1
