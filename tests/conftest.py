@@ -3,7 +3,12 @@
 Tests of the engine leave it as they found it: the threaded engine, no bound on operations
 in flight, no error waiting to surface at the next `wait_all`. `engine_kind` runs a test once
 under each engine; `fake_gpus` gives a test two GPUs backed by NumPy (tests/fakes/cupy.py).
+
+`--chapter=NAME` runs one chapter's tests: the modules marked `pytest.mark.chapter('NAME')`
+(a module's `pytestmark`), the checks of its Markdown and notebook pair, and, under
+`--nbval-lax`, its notebook; so an author who edits a chapter reruns what it rests on.
 """
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -15,6 +20,45 @@ import d2lperf as d2l
 from d2lperf import device as device_module, engine
 from d2lperf.ops import random as random_module
 from fakes import cupy as fake_cupy
+
+CHAPTERS = pathlib.Path(__file__).resolve().parents[1] / 'chapters'
+
+
+def pytest_addoption(parser):
+    parser.addoption('--chapter', metavar='NAME',
+                     help="only one chapter's tests (chapters/NAME.md): the unit tests marked "
+                          'chapter(NAME), and its notebook under --nbval-lax')
+
+
+def pytest_configure(config):
+    """Check the chapter's name, and add its notebook to a notebook run."""
+    chapter = config.getoption('chapter')
+    if chapter is None:
+        return
+    if not (CHAPTERS / f'{chapter}.md').exists():
+        names = sorted(path.stem for path in CHAPTERS.glob('*.md'))
+        raise pytest.UsageError(f'--chapter {chapter}: no chapters/{chapter}.md; the chapters '
+                                f'are {names}')
+    if config.getoption('nbval', False) or config.getoption('nbval_lax', False):
+        config.args.append(str(CHAPTERS / f'{chapter}.ipynb'))
+
+
+def pytest_collection_modifyitems(config, items):
+    chapter = config.getoption('chapter')
+    if chapter is None:
+        return
+    kept = [item for item in items if belongs_to(item, chapter)]
+    config.hook.pytest_deselected(items=[item for item in items if item not in kept])
+    items[:] = kept
+
+
+def belongs_to(item, chapter):
+    """Marked for the chapter, a cell of its notebook, or a check run once a chapter (a
+    parameter named after it, as tests/test_chapters.py names them)."""
+    marked = {name for mark in item.iter_markers('chapter') for name in mark.args}
+    callspec = getattr(item, 'callspec', None)
+    return (chapter in marked or item.path.name == f'{chapter}.ipynb'
+            or (callspec is not None and callspec.id == chapter))
 
 
 def drain_engine():

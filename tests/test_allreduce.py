@@ -14,7 +14,8 @@ from conftest import run_with_timeout
 from strategies import checks
 from strategies.comm import ALGORITHMS, MAX_DEVICES, REDUCTION_OPS, allreduce_cases
 
-pytestmark = pytest.mark.usefixtures('fresh_engine')
+pytestmark = [pytest.mark.usefixtures('fresh_engine'),
+              pytest.mark.chapter('multiple_gpus', 'parameter_servers', 'data_parallel_at_scale')]
 
 NUMPY_REDUCTIONS = {'sum': numpy.sum, 'max': numpy.max, 'min': numpy.min, 'prod': numpy.prod}
 

@@ -10,6 +10,8 @@ from d2lperf.comm import cost
 from strategies import checks
 from strategies.comm import ALGORITHMS
 
+pytestmark = pytest.mark.chapter('parameter_servers')
+
 GRADIENTS = 160e6             # the MXNet edition's 160 MB
 
 

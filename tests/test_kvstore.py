@@ -9,6 +9,8 @@ from hypothesis import given, settings, strategies as st
 import d2lperf as d2l
 from d2lperf import autograd, kvstore, nn, np, optimizer
 
+pytestmark = pytest.mark.chapter('parameter_servers')
+
 DEVICES = [d2l.cpu(1), d2l.cpu(2), d2l.cpu(3)]
 SHAPE = (2, 3)
 
@@ -192,12 +194,6 @@ def test_a_backend_registered_by_name_is_created_by_name():
             kvstore.create('nccl')
     finally:
         del kvstore.KVStoreBase.registry['test_store']
-
-
-def test_the_base_examples_run():
-    import doctest
-    from d2lperf.kvstore import base
-    assert doctest.testmod(base, extraglobs={'d2l': d2l}).failed == 0
 
 
 def test_a_pull_after_the_next_backward_returns_the_earlier_sum():

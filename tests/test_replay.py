@@ -8,7 +8,7 @@ import d2lperf as d2l
 from d2lperf import comm, np, npx, profiler
 
 matplotlib.use('Agg')
-pytestmark = pytest.mark.usefixtures('fresh_engine')
+pytestmark = [pytest.mark.usefixtures('fresh_engine'), pytest.mark.chapter('parameter_servers')]
 
 
 def run_and_replay(algorithm, n, size=64):

@@ -9,7 +9,8 @@ from strategies import checks
 from strategies.comm import (DEVICES, arrays_to_reduce, batches_to_split, exact_work_loads,
                              work_loads)
 
-pytestmark = pytest.mark.usefixtures('fresh_engine')
+pytestmark = [pytest.mark.usefixtures('fresh_engine'),
+              pytest.mark.chapter('multiple_gpus', 'multiple_gpus_concise')]
 
 CPU0, CPU1 = d2l.cpu(0), d2l.cpu(1)
 

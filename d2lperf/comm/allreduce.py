@@ -13,45 +13,69 @@ GPUs". `reduce_scatter` and `all_gather` are an allreduce's two halves apart, as
 training uses them: device i owns chunk i, its shard. `all_gather` takes the shards and
 returns whole arrays; `all_gather_into` fills whole arrays in place from their own chunks.
 Taught in "Parameter Servers".
+
+The examples run as tests (tests/test_doctests.py), with `d2l` imported.
 """
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
 import numpy
 
 from .. import engine
-from ..device import cpu, part_of_larger, transfer
+from ..device import Device, cpu, part_of_larger, transfer
 from ..np.multiarray import NDArray
 from .schedules import chunk_bounds, half, schedule
 
 REDUCTIONS = {'sum': 'add', 'max': 'maximum', 'min': 'minimum', 'prod': 'multiply'}
 
 
-def allreduce(arrays, algorithm='ring', op='sum'):
+def allreduce(arrays: Sequence[NDArray], algorithm: str = 'ring',
+              op: str = 'sum') -> list[NDArray]:
     """Reduce the arrays (one a device, one shape and dtype) with `op`, in place; returns them.
 
     `algorithm`: 'naive' (on the first device), 'cpu' (on the host), 'split' (device i
     reduces 1/n of the data), 'tree', 'ring' or 'ring2' (two rings, opposite ways).
+
+    >>> x = [d2l.np.array([1.0, 2.0]), d2l.np.array([3.0, 5.0], device=d2l.cpu(1))]
+    >>> [a.asnumpy() for a in d2l.comm.allreduce(x)]
+    [array([4., 7.], dtype=float32), array([4., 7.], dtype=float32)]
+    >>> d2l.comm.allreduce(x, 'tree', op='max')[1]
+    array([4., 7.], dtype=float32, device=cpu(1))
     """
     arrays = list(arrays)
     _check(arrays, op)
     return _run(arrays, schedule(algorithm, len(arrays)), algorithm, op)
 
 
-def reduce_scatter(arrays, algorithm='ring', op='sum'):
+def reduce_scatter(arrays: Sequence[NDArray], algorithm: str = 'ring',
+                   op: str = 'sum') -> list[NDArray]:
     """The first half of an allreduce: split every array (one a device, one shape and dtype)
     into n chunks, and leave on device i the reduction of everyone's chunk i. In place;
     returns device i's chunk i, a flat view of its array (its shard). The rest of each array
-    holds partial reductions. `algorithm`: 'ring' or 'split'."""
+    holds partial reductions. `algorithm`: 'ring' or 'split'.
+
+    >>> x = [d2l.np.array([1.0, 2.0, 3.0, 4.0]), d2l.np.ones((4,), device=d2l.cpu(1))]
+    >>> [shard.asnumpy() for shard in d2l.comm.reduce_scatter(x)]
+    [array([2., 3.], dtype=float32), array([4., 5.], dtype=float32)]
+    """
     arrays = list(arrays)
     _check(arrays, op, 'reduce_scatter')
     _run(arrays, half('reduce-scatter', algorithm, len(arrays)), algorithm, op)
     return _shards(arrays)
 
 
-def all_gather(shards, algorithm='ring'):
+def all_gather(shards: Sequence[NDArray], algorithm: str = 'ring') -> list[NDArray]:
     """The second half of an allreduce: from the shards (one a device, device i's holding chunk
     i of `chunk_bounds(total, n)`, as `reduce_scatter` returns them), a new whole array on every
     device: the shards one after the other, flat (reshape it to the shape that was split).
     So `all_gather(reduce_scatter(arrays))` holds the allreduce of the arrays. The shards are
-    left as they are. `algorithm`: 'ring' or 'split'."""
+    left as they are. `algorithm`: 'ring' or 'split'.
+
+    >>> shards = [d2l.np.array([1.0, 2.0]), d2l.np.array([3.0], device=d2l.cpu(1))]
+    >>> [whole.asnumpy() for whole in d2l.comm.all_gather(shards)]
+    [array([1., 2., 3.], dtype=float32), array([1., 2., 3.], dtype=float32)]
+    """
     shards = list(shards)
     _check_shards(shards)
     total = sum(shard.size for shard in shards)
@@ -61,11 +85,16 @@ def all_gather(shards, algorithm='ring'):
     return all_gather_into(wholes, algorithm)
 
 
-def all_gather_into(arrays, algorithm='ring'):
+def all_gather_into(arrays: Sequence[NDArray], algorithm: str = 'ring') -> list[NDArray]:
     """`all_gather` in place, for arrays that are already whole: device i's chunk i of its
     array is copied into every other array, so that all become the concatenation of the
     chunks. Returns the arrays. ZeRO gathers its weights this way, into arrays it reuses.
-    A shard (a view of part of a larger array) is refused: it has no room for the others."""
+    A shard (a view of part of a larger array) is refused: it has no room for the others.
+
+    >>> x = [d2l.np.array([1.0, 0.0]), d2l.np.array([0.0, 9.0], device=d2l.cpu(1))]
+    >>> [a.asnumpy() for a in d2l.comm.all_gather_into(x)]    # chunk i from device i
+    [array([1., 9.], dtype=float32), array([1., 9.], dtype=float32)]
+    """
     arrays = list(arrays)
     _check(arrays, 'sum', 'all_gather_into')
     for array in arrays:
@@ -78,7 +107,7 @@ def all_gather_into(arrays, algorithm='ring'):
     return _run(arrays, half('all-gather', algorithm, len(arrays)), algorithm, 'sum')
 
 
-def fill(array, shard, start, stop):
+def fill(array: NDArray, shard: NDArray, start: int, stop: int) -> None:
     """One engine operation: new memory for `array`, its chunk [start, stop) from `shard`.
 
     The rest of the memory is left unset, for an all-gather to write."""
@@ -109,7 +138,7 @@ def _run(arrays, plan, algorithm, op):
     return arrays
 
 
-def allreduce_on_first(data):
+def allreduce_on_first(data: Sequence[NDArray]) -> Sequence[NDArray]:
     """Sum the arrays in `data` (one a device) and give every one of them the sum, in place.
 
     The simplest algorithm, the one the MXNet edition of Dive into Deep Learning uses: copy
@@ -178,7 +207,8 @@ class TransferName(str):
     `transfers_in` reads the fields, never the text, so renaming a device or a phase can change
     what a trace shows but never the counts."""
 
-    def __new__(cls, algorithm, phase, step, chunk, source, target, action, bytes=0):
+    def __new__(cls, algorithm: str, phase: str, step: int, chunk: int, source: Device,
+                target: Device, action: str, bytes: int = 0) -> TransferName:
         text = f'{algorithm} {phase} {step} chunk {chunk} {source}->{target} {action}'
         name = super().__new__(cls, f'{text} {bytes} B' if bytes else text)
         name.fields = dict(algorithm=algorithm, phase=phase, step=step, chunk=chunk,
@@ -186,7 +216,7 @@ class TransferName(str):
         return name
 
 
-def transfers_in(records):
+def transfers_in(records: Iterable) -> list[dict]:
     """The allreduce operations among profiler records, as dicts: the fields of their
     `TransferName` (algorithm, phase, step, chunk, source, target, action, bytes), and the
     record's worker, start and end. Records of other operations are left out, whatever their
@@ -195,7 +225,7 @@ def transfers_in(records):
             for record in records if isinstance(record.name, TransferName)]
 
 
-def bytes_sent(records, phase=None):
+def bytes_sent(records: Iterable, phase: str | None = None) -> int:
     """Bytes the sends among `records` moved from one device to another (those of one `phase`,
     such as 'reduce-scatter', if given), read off the engine's records of what ran."""
     return sum(t['bytes'] for t in transfers_in(records)
@@ -251,10 +281,7 @@ def _check(arrays, op, what='allreduce'):
         raise ValueError(f'unknown reduction op={op!r}; use one of {sorted(REDUCTIONS)}')
     if not arrays:
         raise ValueError(f'{what} needs at least one array, one a device')
-    if not all(isinstance(a, NDArray) for a in arrays):
-        kinds = sorted({type(a).__name__ for a in arrays})
-        raise TypeError(f'allreduce takes d2lperf NDArrays, got {kinds}; wrap NumPy arrays '
-                        'with d2l.np.array(x, device=...)')
+    _check_ndarrays(arrays, 'allreduce')
     first = arrays[0]
     for other in arrays[1:]:
         if other.shape != first.shape or other.dtype != first.dtype:
@@ -267,14 +294,18 @@ def _check(arrays, op, what='allreduce'):
                          'it one distinct array per device')
 
 
+def _check_ndarrays(arrays, what):
+    if not all(isinstance(a, NDArray) for a in arrays):
+        kinds = sorted({type(a).__name__ for a in arrays})
+        raise TypeError(f'{what} takes d2lperf NDArrays, got {kinds}; wrap NumPy arrays '
+                        'with d2l.np.array(x, device=...)')
+
+
 def _check_shards(shards):
     """Shards as reduce_scatter gives them: flat, one dtype, shard i chunk i of the whole."""
     if not shards:
         raise ValueError('all_gather needs at least one shard, one a device')
-    if not all(isinstance(s, NDArray) for s in shards):
-        kinds = sorted({type(s).__name__ for s in shards})
-        raise TypeError(f'all_gather takes d2lperf NDArrays, got {kinds}; wrap NumPy arrays '
-                        'with d2l.np.array(x, device=...)')
+    _check_ndarrays(shards, 'all_gather')
     for shard in shards:
         if shard.ndim != 1 or shard.dtype != shards[0].dtype:
             raise ValueError(

@@ -15,11 +15,14 @@ two rings of 8 V100s at about 3.7 ms; the MXNet edition's "about 6 ms" comes fro
 of the right order; the MXNet edition leaves them out (alpha=0). `half_time` prices the two
 halves of an allreduce apart (reduce-scatter, all-gather). Taught in "Parameter Servers".
 """
+from __future__ import annotations
+
 import collections
+from typing import Sequence
 
 import numpy
 
-from .schedules import chunk_bounds, half, schedule
+from .schedules import Schedule, Step, chunk_bounds, half, schedule
 
 GB = 1e9            # the MXNet edition's units: 160 MB / 16 GB/s = 10 ms
 PCIE3_X16 = 16 * GB
@@ -38,18 +41,20 @@ together (None: no ring, devices talk through the switch). `alpha`: seconds a me
 """
 
 
-def pcie_server(devices=4, bandwidth=PCIE3_X16, alpha=5e-6):
+def pcie_server(devices: int = 4, bandwidth: float = PCIE3_X16,
+                alpha: float = 5e-6) -> Topology:
     """The MXNet edition's 4-GPU server: each GPU on a PCIe switch, one 16x link to the CPU."""
     return Topology('PCIe switch', devices, bandwidth, bandwidth, None, alpha)
 
 
-def nvlink_ring(devices=8, links=1, bandwidth=NVLINK, alpha=3e-6):
+def nvlink_ring(devices: int = 8, links: int = 1, bandwidth: float = NVLINK,
+                alpha: float = 3e-6) -> Topology:
     """GPUs in a ring, `links` NVLinks between neighbours; PCIe 3.0 x16 to the host."""
     return Topology(f'NVLink ring ({links} link{"s" * (links > 1)})', devices,
                     PCIE3_X16, PCIE3_X16, links * bandwidth, alpha)
 
 
-def p3_two_rings(bandwidth=NVLINK, alpha=3e-6):
+def p3_two_rings(bandwidth: float = NVLINK, alpha: float = 3e-6) -> Topology:
     """The P3.16xlarge / DGX-1 decomposition: a ring of double NVLinks and one of single links.
 
     The data is split 2 : 1 between them so that both finish together, which makes them one
@@ -58,17 +63,18 @@ def p3_two_rings(bandwidth=NVLINK, alpha=3e-6):
     return Topology('P3 two NVLink rings', 8, PCIE3_X16, PCIE3_X16, 3 * bandwidth, alpha)
 
 
-def ethernet(machines=4, bandwidth=10e9 / 8, alpha=50e-6):
+def ethernet(machines: int = 4, bandwidth: float = 10e9 / 8,
+             alpha: float = 50e-6) -> Topology:
     """Machines on one switch (10 GbE by default); the 'cpu' host is one more such machine."""
     return Topology('Ethernet', machines, bandwidth, bandwidth, None, alpha)
 
 
-def allreduce_time(algorithm, size_bytes, topology):
+def allreduce_time(algorithm: str, size_bytes: int, topology: Topology) -> float:
     """Seconds `algorithm` takes to allreduce `size_bytes` on each of `topology`'s devices."""
     return plan_time(schedule(algorithm, topology.devices), algorithm, size_bytes, topology)
 
 
-def half_time(collective, algorithm, size_bytes, topology):
+def half_time(collective: str, algorithm: str, size_bytes: int, topology: Topology) -> float:
     """Seconds a 'reduce-scatter' or an 'all-gather' of `size_bytes` (each device's whole
     array) takes by `algorithm` ('ring' or 'split'): half of the allreduce each, as sharded
     training pays them."""
@@ -76,7 +82,7 @@ def half_time(collective, algorithm, size_bytes, topology):
                      topology)
 
 
-def plan_time(plan, algorithm, size_bytes, topology):
+def plan_time(plan: Schedule, algorithm: str, size_bytes: int, topology: Topology) -> float:
     """Seconds a schedule takes: its steps, one after the other, priced on `topology`."""
     if size_bytes < 0:
         raise ValueError(f'size_bytes must be at least 0, not {size_bytes}')
@@ -87,7 +93,7 @@ def plan_time(plan, algorithm, size_bytes, topology):
     return sum(step_time(step, chunk_bytes, topology) for step in plan.steps)
 
 
-def step_time(step, chunk_bytes, topology):
+def step_time(step: Step, chunk_bytes: Sequence[int], topology: Topology) -> float:
     """How long one step takes: its busiest resource's bytes over bandwidth, plus α a message."""
     load, messages = collections.Counter(), collections.Counter()
     for move in step.transfers:
@@ -97,7 +103,7 @@ def step_time(step, chunk_bytes, topology):
     return max(load[r] + topology.alpha * messages[r] for r in load)
 
 
-def resources(source, target, topology):
+def resources(source: int, target: int, topology: Topology) -> list[tuple[tuple, float]]:
     """[(resource, bandwidth)] that a transfer from party `source` to `target` uses.
 
     On a ring fabric, data between devices takes the shorter way round, over every link on
@@ -119,7 +125,7 @@ def _port(party, topology):
     return topology.port if party < topology.devices else topology.host
 
 
-def bus_bandwidth(size_bytes, seconds, devices):
+def bus_bandwidth(size_bytes: float, seconds: float, devices: int) -> float:
     """nccl-tests' bus bandwidth of an allreduce: size / time · 2(n-1)/n, in bytes/s.
 
     It is what each device's link carried, so it can be set against the link's bandwidth
@@ -128,7 +134,8 @@ def bus_bandwidth(size_bytes, seconds, devices):
     return size_bytes / seconds * 2 * (devices - 1) / devices
 
 
-def fit_alpha_beta(sizes_bytes, seconds):
+def fit_alpha_beta(sizes_bytes: Sequence[float],
+                   seconds: Sequence[float]) -> tuple[float, float]:
     """(α seconds, β seconds a byte) of the line `seconds = α + β · size` closest to the points.
 
     Least squares on relative errors (each point weighted 1 / its time), so the small messages,

@@ -4,14 +4,21 @@
 GPUs"); its copies are ordinary engine operations, so they run asynchronously and in
 dependency order with the forward and backward passes that follow.
 """
+from __future__ import annotations
+
+from typing import Sequence, Union
+
 import numpy
 
 from .. import np
 from ..device import Device
 from ..np.multiarray import NDArray
 
+Devices = Union[Device, Sequence[Device]]
 
-def split_and_load(data, devices, even_split=True, work_load_list=None):
+
+def split_and_load(data: NDArray | numpy.ndarray, devices: Devices, even_split: bool = True,
+                   work_load_list: Sequence[float] | None = None) -> list[NDArray]:
     """One slice of `data` (along axis 0) copied to each of `devices`, in order.
 
     Without `work_load_list`, the slices are equal; with `even_split=False`, a batch that does
@@ -31,7 +38,8 @@ def split_and_load(data, devices, even_split=True, work_load_list=None):
     return slices
 
 
-def slice_sizes(num_examples, num_devices, even_split=True, work_load_list=None):
+def slice_sizes(num_examples: int, num_devices: int, even_split: bool = True,
+                work_load_list: Sequence[float] | None = None) -> list[int]:
     """How many examples each device gets.
 
     Equal split: `num_examples / num_devices` each; with `even_split=False` and a remainder r,
@@ -81,7 +89,8 @@ def _weighted_sizes(num_examples, num_devices, even_split, work_load_list):
     return sizes
 
 
-def split_batch(X, y, devices):
+def split_batch(X: NDArray, y: NDArray,
+                devices: Devices) -> tuple[list[NDArray], list[NDArray]]:
     """Features and labels, split alike among `devices`: (X slices, y slices).
 
     The split is as even as the batch allows (`even_split=False`), so a last, smaller batch

@@ -27,12 +27,19 @@ that fails tells every worker before it exits: a worker waiting on it raises `Se
 with the server's error. The servers' SGD updates floating-point keys only: an integer key
 is refused at `init` (or `set_optimizer`), as each step would be rounded to a whole number.
 Taught in "Parameter Servers".
+
+No doctest here: an example needs an MPI job of workers and servers, which doctest cannot
+start. tests/mpi/test_kvstore_dist.py runs every method below under `d2lperf.launch`; the
+examples of `base.KVStoreBase` show the same calls on one process.
 """
+from __future__ import annotations
+
 import atexit
 import os
 import sys
 import time
 import zipfile
+from typing import TYPE_CHECKING
 
 import numpy
 
@@ -42,16 +49,22 @@ from ..optimizer import SGD
 from ..utils import atomic_write
 from . import DIST_TYPES as TYPES
 from .base import KVStoreBase
-from .keys import as_list, describe, pairs, state_name
+from .keys import describe, state_name
 from .protocol import (VALUE_DTYPES, IncompleteRoundError, ProtocolError, ServerError, as_text,
                        key_id, log, receive, roll_call, send, start_mpi, text_of,
                        wait_for_request, wait_for_sends)
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
+
+    from .base import Key, Keys, Values
+
 _created = {}      # the one store of this process: creating a second would split MPI again
 SERVER_HEAD_START = 1.0   # seconds a worker waits before raising a server's failure (`answer`)
 
 
 @KVStoreBase.register(*TYPES)
-def create_dist(name):
+def create_dist(name: str) -> DistKVStore:
     """The distributed store `name` on a worker; on a server, serve and exit."""
     if name not in TYPES:
         raise ValueError(f'unknown distributed key-value store {name!r}; choose one of {TYPES}')
@@ -115,16 +128,15 @@ def num_servers(world_size):
 class DistKVStore(KVStoreBase):
     """The worker's side: checks every call, then talks to the servers."""
 
-    def __init__(self, type, world, worker_comm, servers):
+    def __init__(self, type: str, world: MPI.Comm, worker_comm: MPI.Comm,
+                 servers: int) -> None:
         self.type, self.world, self.worker_comm = type, world, worker_comm
         self.rank, self.num_workers = worker_comm.Get_rank(), worker_comm.Get_size()
         self.servers = list(range(world.Get_size() - servers, world.Get_size()))
         self.keys = {}            # key -> (key id, shape, dtype)
-        self.first_key = None     # its type is the type of every key
-        self.optimizer = None
         self.closed = False
 
-    def init(self, key, value):
+    def init(self, key: Keys, value: Values) -> None:
         """Give each key its first value; every worker calls it, worker 0's values are kept.
 
         All or nothing: if any worker refuses any key, every worker raises (none is left
@@ -147,8 +159,7 @@ class DistKVStore(KVStoreBase):
                 self.wait_for_acks(about)
         for one_key, identity, value in new:
             self.keys[one_key] = (identity, value.shape, value.dtype)
-        if self.first_key is None and new:
-            self.first_key = new[0][0]
+        self.note_first_key([one_key for one_key, _, _ in new])
         self.meet(about)
 
     def new_keys(self, pairs):
@@ -172,7 +183,7 @@ class DistKVStore(KVStoreBase):
             new.append((key, identity, host))
         return new
 
-    def push(self, key, value):
+    def push(self, key: Keys, value: Values) -> None:
         """Send `value` (an array or a list, one per device) to the servers, summed."""
         checked = [(key, values, self.check(key, values))
                    for key, values in self.typed_pairs(key, value)]
@@ -182,7 +193,7 @@ class DistKVStore(KVStoreBase):
             self.to_servers('push', identity, total, f'push of key {key!r}')
             log(self.rank, f'push key {key!r} (id {identity})', total.nbytes, started)
 
-    def pull(self, key, out):
+    def pull(self, key: Keys, out: Values) -> None:
         """Copy the stored value of `key` into `out` (an array or a list of them).
 
         Each output gets the whole value or keeps its own: a refused answer (ProtocolError)
@@ -203,7 +214,7 @@ class DistKVStore(KVStoreBase):
                     target[...] = from_host(value, target.device)
             log(self.rank, f'pull key {key!r} (id {identity})', value.nbytes, started)
 
-    def pushpull(self, key, value, out=None):
+    def pushpull(self, key: Keys, value: Values, out: Values | None = None) -> None:
         """Push every key, then pull every key into `out` (by default into the pushed arrays):
         an array that serves several keys is pushed for each before a pull overwrites it."""
         for one_key, outs in self.typed_pairs(key, out) if out is not None else ():
@@ -211,7 +222,7 @@ class DistKVStore(KVStoreBase):
         self.push(key, value)
         self.pull(key, value if out is None else out)
 
-    def set_optimizer(self, optimizer):
+    def set_optimizer(self, optimizer: SGD) -> None:
         """Have the servers update with `optimizer` (an SGD); only its numbers travel."""
         if not isinstance(optimizer, SGD):
             raise TypeError(f'the servers run d2lperf.optimizer.SGD, not {optimizer!r}')
@@ -226,7 +237,7 @@ class DistKVStore(KVStoreBase):
             self.wait_for_acks('set_optimizer')
         self.meet('set_optimizer')
 
-    def barrier(self):
+    def barrier(self) -> None:
         """Wait until every worker got here."""
         self.meet('barrier')
 
@@ -239,13 +250,11 @@ class DistKVStore(KVStoreBase):
         wait_for_request(self.worker_comm.Ibarrier() if collective is None else collective,
                          f'rank {self.rank} waited for {whom} to reach {about}', buffer)
 
-    def save_optimizer_states(self, path):
+    def save_optimizer_states(self, path: str) -> None:
         """Worker 0 gathers the servers' momentum into one .npz (written atomically); if it
         cannot, every worker raises."""
         self.check_open()
-        if self.optimizer is None:
-            raise ValueError('this store has no optimizer, hence no states: call '
-                             'set_optimizer first')
+        self.optimizer_or_error()
         about = f'save_optimizer_states({path!r})'
         self.meet(about)                # every worker's pulls are done: the rounds are complete
         refusal = None
@@ -269,7 +278,7 @@ class DistKVStore(KVStoreBase):
         return {state_name(key): numpy.concatenate(chunks[identity]).reshape(shape)
                 for key, (identity, shape, _) in self.keys.items() if identity in chunks}
 
-    def load_optimizer_states(self, path):
+    def load_optimizer_states(self, path: str) -> None:
         """Send the states of a .npz that save_optimizer_states wrote to the servers."""
         self.check_open()
         about = f'load_optimizer_states({path!r})'
@@ -290,7 +299,7 @@ class DistKVStore(KVStoreBase):
             raise refusal or ValueError(f'worker 0 refused optimizer states {path!r}; '
                                         'its error says why')
 
-    def close(self):
+    def close(self) -> None:
         """Say goodbye to the servers (they exit when every worker has); called at exit."""
         if not self.closed:
             self.closed = True
@@ -299,16 +308,11 @@ class DistKVStore(KVStoreBase):
 
     # The checks every call makes before anything travels.
 
-    def typed_pairs(self, key, value):
-        """[(key, [arrays])] of a call, after checking the keys' types against the store's."""
-        return [(one_key, as_list(values))
-                for one_key, values in pairs(key, value, self.first_key)]
-
     def check_open(self):
         if self.closed:
             raise RuntimeError('this key-value store is closed; its servers have left')
 
-    def check(self, key, arrays):
+    def check(self, key: Key, arrays: list[NDArray]) -> tuple[int, tuple, numpy.dtype]:
         if key not in self.keys:
             raise KeyError(f'key {key!r} was never initialized: call kv.init({key!r}, value) '
                            'on every worker first')

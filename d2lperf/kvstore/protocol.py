@@ -95,7 +95,7 @@ def wait_until(test, deadline, what):
     poll), but yields the core between polls: on a machine with more ranks than cores, the rank
     we wait for may need this very core to compute the answer. Past that the process sleeps
     between polls, from 10 microseconds doubling up to LONGEST_PAUSE, so a long wait costs
-    1 to 2% of a core (measured: tests/test_kvstore_deadlines.py) and still answers within
+    1 to 2% of a core (measured: tests/mpi/test_kvstore_deadlines.py) and still answers within
     a millisecond. The yield matters where ranks outnumber cores: with 4 workers and a server
     on 2 cores, polling without it kept LeNet's images/s in all below one worker's."""
     done = test()

@@ -18,7 +18,7 @@ workers sent) on the stored value.
 float16 keys travel as float16 but are summed and kept in float32 here (MXNet keeps them in
 float16 unless the optimizer has multi_precision=True; a server is where a weight takes
 thousands of updates, and each float16 rounding loses an update smaller than half a unit in
-the last place). Measured (`python -m pytest -s tests/test_kvstore_dist_float16.py` prints
+the last place). Measured (`python -m pytest -s tests/mpi/test_kvstore_dist_float16.py` prints
 it): 1000 dist_async pushes of values in [0, 0.002) onto a float16 key under
 SGD(learning_rate=1) pull back within a relative 4.8e-4 of the float64 sum, which is the one
 float16 rounding of the result (at most 2^-11 = 4.9e-4); summed and kept in float16, as MXNet

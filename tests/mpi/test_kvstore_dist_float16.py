@@ -1,9 +1,12 @@
 """float16 keys in the distributed store: MXNet's nightly dist_sync checks, and the error of a
 long sum on a server that sums and keeps float16 keys in float32 (`kvstore.server`)."""
 import numpy
+import pytest
 
 from tests.dist_helpers import run_program
 from d2lperf.kvstore import protocol
+
+pytestmark = pytest.mark.chapter('parameter_servers', 'distributed_training')
 
 HALF = numpy.float16
 

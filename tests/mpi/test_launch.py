@@ -13,6 +13,8 @@ from tests.dist_helpers import MPIEXEC, end_session, environment, left_running, 
 from tests.strategies import checks
 from d2lperf import launch
 
+pytestmark = pytest.mark.chapter('distributed_training')
+
 TRAINING = '''
 import os, sys, time, numpy, d2lperf as d2l
 from d2lperf.kvstore.dist import create_dist

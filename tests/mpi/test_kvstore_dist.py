@@ -11,6 +11,8 @@ import pytest
 
 from tests.dist_helpers import run_program
 
+pytestmark = pytest.mark.chapter('parameter_servers', 'distributed_training')
+
 ASYNC = '''
 import numpy, d2lperf as d2l
 from d2lperf.kvstore.dist import create_dist

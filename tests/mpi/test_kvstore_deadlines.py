@@ -12,7 +12,8 @@ from tests.dist_helpers import MPIEXEC, left_running, run_module
 from d2lperf import launch
 from d2lperf.kvstore import protocol
 
-pytestmark = pytest.mark.skipif(not MPIEXEC.exists(), reason='no mpiexec next to this Python')
+pytestmark = [pytest.mark.skipif(not MPIEXEC.exists(), reason='no mpiexec next to this Python'),
+              pytest.mark.chapter('parameter_servers', 'distributed_training')]
 
 HEADER = '''
 import sys, time, numpy, d2lperf as d2l

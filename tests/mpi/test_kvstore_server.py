@@ -5,6 +5,8 @@ import pytest
 
 from tests.dist_helpers import run_program
 
+pytestmark = pytest.mark.chapter('parameter_servers', 'distributed_training')
+
 FORGER = '''
 import os, numpy
 from mpi4py import MPI

@@ -8,6 +8,8 @@ import pytest
 
 from tests.dist_helpers import run_program
 
+pytestmark = pytest.mark.chapter('distributed_training')
+
 STEPS, BATCH, LR, MOMENTUM, WD = 5, 8, 0.05, 0.9, 0.01
 
 LINEAR = f'''

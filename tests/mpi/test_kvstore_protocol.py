@@ -5,6 +5,8 @@ import pytest
 from tests.dist_helpers import run_program
 from d2lperf.kvstore import protocol
 
+pytestmark = pytest.mark.chapter('parameter_servers', 'distributed_training')
+
 FORGER = '''
 import numpy
 from mpi4py import MPI

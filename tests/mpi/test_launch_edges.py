@@ -20,6 +20,8 @@ from tests.dist_helpers import (MPIEXEC, end_session, environment, left_running,
 from tests.strategies import checks
 from d2lperf import launch
 
+pytestmark = pytest.mark.chapter('distributed_training')
+
 needs_mpiexec = pytest.mark.skipif(not MPIEXEC.exists(), reason='no mpiexec next to this Python')
 
 
