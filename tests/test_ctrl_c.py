@@ -165,7 +165,7 @@ def waking_the_lane(eng, worker, hook, monkeypatch):
 
 
 def between_helps(eng, worker, hook, monkeypatch):
-    monkeypatch.setattr(eng, 'help', after(hook, eng.help))
+    monkeypatch.setattr(eng, 'run_lane_until_written', after(hook, eng.run_lane_until_written))
 
 
 POINTS = [taken_from_queue, about_to_run, inside_the_operation, completing, lane_taken,

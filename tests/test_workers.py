@@ -503,12 +503,12 @@ def test_a_slowed_device_idles_factor_minus_one_times_each_operation(monkeypatch
     from d2lperf.engine import workers
     clock = FakeClock()
     monkeypatch.setattr(workers, 'time', clock)
-    monkeypatch.setattr(workers, 'idle_owed', {})
+    slowed, full_speed = workers.Pace(d2l.cpu(7)), workers.Pace(d2l.cpu(6))
     device_module.slow_down(d2l.cpu(7), 3)
     try:
         for _ in range(4):                      # 0.4 ms each: 0.8 ms owed after each
-            workers.run_at_speed(d2l.cpu(7), TimedOp(clock, 4e-4))
-        workers.run_at_speed(d2l.cpu(6), TimedOp(clock, 4e-4))      # not slowed
+            slowed.run_at_speed(TimedOp(clock, 4e-4))
+        full_speed.run_at_speed(TimedOp(clock, 4e-4))
     finally:
         device_module.slow_down(d2l.cpu(7), 1)
     # Owed time is paid in sleeps of a millisecond or more: after the 2nd and 4th operation.
@@ -540,7 +540,8 @@ def test_slow_down_refuses_what_it_cannot_do(device, factor, message):
 
 def test_an_openblas_loaded_later_gets_the_count_too(monkeypatch):
     """SciPy brings its own OpenBLAS when scikit-learn is imported after NumPy: the engine must
-    set the count on it too, not only on the libraries it found first."""
+    set the count on it too from its next load sample, not only on the libraries it found
+    first."""
     first, second = FakeBlas(2), FakeBlas(2)
     loaded = [(first,)]
     monkeypatch.setattr(blas_module, 'openblas_thread_controls', lambda: loaded[0])
@@ -549,6 +550,8 @@ def test_an_openblas_loaded_later_gets_the_count_too(monkeypatch):
     shared_cores.enter()
     assert first.threads == 1
     loaded[0] = (first, second)
+    shared_cores.last_sampled = float('-inf')          # the next operation samples the load
+    shared_cores.fit()
     shared_cores.leave()
     shared_cores.leave()
     assert first.threads == 2 and second.threads == 2

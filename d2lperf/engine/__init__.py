@@ -3,11 +3,13 @@
 Tracking (`tracking.py`: variables, operations, the rules that order them, failures) is kept
 apart from the running policy (`engines.py`: the threaded and the naive engine; `workers.py`:
 a thread per device and lane, CUDA streams; `blas.py`: BLAS threads that fit the cores other
-programs leave, shared by virtual CPU devices; `host_memory.py`: freed memory kept for the next
-step). The rest of the package calls
-only the functions below, on the engine in use. `start_recording` keeps a record of every
-operation, the profiler's source. Taught in "Asynchronous Computation" and "Automatic
-Parallelism".
+programs leave, shared by virtual CPU devices; `pieces.py`: a large operation cut over those
+cores; `host_memory.py`: freed memory kept for the next step). The rest of the package calls
+only the functions below, on the engine in use, which `current()` builds on first use:
+importing the package starts no thread and changes no setting. Its one effect is to load
+NumPy, with OpenBLAS's brief spin (`blas.spin_briefly`, which leaves `os.environ` as it found
+it). `start_recording` keeps a record of every operation, the profiler's source. Taught in
+"Asynchronous Computation" and "Automatic Parallelism".
 """
 import os
 import threading
@@ -24,17 +26,35 @@ from .workers import COMPUTE, COPY_IN, COPY_OUT, copy_lane               # noqa:
 ENGINES = {'threaded': ThreadedEngine, 'naive': NaiveEngine}
 
 
-def new_engine(kind, where=''):
-    if kind not in ENGINES:
-        raise ValueError(f'{where}{kind!r} is not an engine; use one of {sorted(ENGINES)}')
+def new_engine(kind):
+    check_kind(kind)
     return ENGINES[kind]()
 
 
-_engine = new_engine(os.environ.get('D2LPERF_ENGINE', 'threaded'), 'D2LPERF_ENGINE=')
+def check_kind(kind, where=''):
+    if kind not in ENGINES:
+        raise ValueError(f'{where}{kind!r} is not an engine; use one of {sorted(ENGINES)}')
+
+
+def kind_from_environment():
+    """D2LPERF_ENGINE, checked as d2lperf is imported, so that a typo fails at once."""
+    kind = os.environ.get('D2LPERF_ENGINE', 'threaded')
+    check_kind(kind, 'D2LPERF_ENGINE=')
+    return kind
+
+
+_first_kind = kind_from_environment()
+_engine = None                 # built by `current()`: importing d2lperf builds nothing
+_building = threading.Lock()
 
 
 def current():
-    """The engine in use."""
+    """The engine in use, built on first use (two threads' first pushes build one)."""
+    global _engine
+    if _engine is None:
+        with _building:
+            if _engine is None:
+                _engine = new_engine(_first_kind)
     return _engine
 
 
@@ -42,9 +62,12 @@ def use(kind):
     """Switch to the 'threaded' or 'naive' engine, after finishing all pushed work."""
     global _engine
     engine = new_engine(kind)
-    _engine.stop()
-    engine.recording, _engine = _engine.recording, engine
-    return _engine
+    with _building:
+        if _engine is not None:      # finished first: two engines never track one variable
+            _engine.stop()
+            engine.recording = _engine.recording
+        _engine = engine
+    return engine
 
 
 def push(fn, reads, writes, device, name, lane=COMPUTE):
@@ -52,15 +75,15 @@ def push(fn, reads, writes, device, name, lane=COMPUTE):
 
     `lane` picks the device's worker: COMPUTE, or COPY_IN / COPY_OUT for moving data.
     """
-    _engine.push(fn, reads, writes, device, name, lane)
+    (_engine or current()).push(fn, reads, writes, device, name, lane)  # once built: no call
 
 
 def wait_for(var):
-    _engine.wait_for(var)
+    (_engine or current()).wait_for(var)
 
 
 def wait_all():
-    _engine.wait_all()
+    (_engine or current()).wait_all()
 
 
 def wait_to_write(var):
@@ -73,35 +96,36 @@ def wait_to_write(var):
 
 def in_flight():
     """How many pushed operations have not finished yet (0 for the naive engine)."""
-    return _engine.in_flight
+    return current().in_flight
 
 
 def set_max_in_flight(limit):
     """Block `push` while `limit` operations are unfinished (None: no bound); returns the old."""
     if limit is not None and limit < 1:
         raise ValueError(f'max_in_flight must be a positive count or None, not {limit!r}')
-    old, _engine.max_in_flight = _engine.max_in_flight, limit
+    engine = current()
+    old, engine.max_in_flight = engine.max_in_flight, limit
     return old
 
 
 def set_blas_division(enabled):
     """Divide BLAS threads among busy CPU devices (True) or not (False, the default); returns
     the old setting. See `blas.SharedCores` for what was measured."""
-    return _engine.set_blas_division(enabled)
+    return current().set_blas_division(enabled)
 
 
 def set_helping(enabled):
     """Let a thread that waits for a result run the ready work it waits for itself (True, the
     default), or sleep until a worker has done it (False); returns the old setting. See
-    `ThreadedEngine.help` for the rule and why it is safe."""
-    return _engine.set_helping(enabled)
+    `ThreadedEngine.run_lane_until_written` for the rule and why it is safe."""
+    return current().set_helping(enabled)
 
 
 def blas_thread_changes():
     """How often the engine has changed BLAS's thread count (to fit the free cores, or to
     divide them among devices): a change alters the last bits of some products, so two runs
     agree bit for bit only if neither changed it."""
-    return _engine.workers.cores.changes if hasattr(_engine, 'workers') else 0
+    return current().blas_thread_changes()
 
 
 def start_recording():
@@ -110,12 +134,13 @@ def start_recording():
     Costs one branch per operation while off. Records are complete after `stop_recording`;
     `profiler.profile()` is the context manager around the two."""
     records = []
-    _engine.recording = records
+    current().recording = records
     return records
 
 
 def stop_recording():
     """Stop recording, wait for every recorded operation to finish, return the records."""
-    records, _engine.recording = _engine.recording, None
-    _engine.wait_all()
+    engine = current()
+    records, engine.recording = engine.recording, None
+    engine.wait_all()
     return records if records is not None else []

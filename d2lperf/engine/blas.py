@@ -13,6 +13,7 @@ Taught in "Automatic Parallelism" and "Hardware".
 """
 import collections
 import ctypes
+import functools
 import itertools
 import os
 import sys
@@ -113,6 +114,7 @@ class SharedCores:
         self.lock = threading.Lock()
         self.idle = threading.Condition(self.lock)
         self.controllers = controllers     # None: every OpenBLAS loaded, found when needed
+        self.found = None                  # those found, until the next load sample
 
     def add_device(self):
         self.devices += 1
@@ -133,6 +135,7 @@ class SharedCores:
             # second read now would measure it over a few milliseconds.
             if not self.sampled_recently():
                 self.read_load()
+                self.found = None          # and look again for an OpenBLAS loaded since
                 self.apply()
 
     def sampled_recently(self):
@@ -193,10 +196,10 @@ class SharedCores:
     def apply(self):
         """Set the count that fits. A count someone else set since (`threadpool_limits(1)`
         around a benchmark's one-thread row) is the new limit: never more than they asked."""
-        if self.limit is None:
-            self.limit = self.current = self.get()
+        if self.limit is None:           # no OpenBLAS to ask: every core, as MKL takes
+            self.limit = self.current = self.get() or self.cores
             self.set_on = self.libraries()
-        elif (outside := self.get()) != self.current:
+        elif (outside := self.get()) not in (None, self.current):
             self.limit = self.current = outside
         # Devices enter and leave only while division is on; the most busy at once since the
         # last idle moment share the cores until the next one.
@@ -204,36 +207,84 @@ class SharedCores:
         self.set(threads_that_fit(self.limit, self.cores, self.taken, self.sharing))
 
     def libraries(self):
-        return openblas_thread_controls() if self.controllers is None else self.controllers
+        """The OpenBLAS libraries to set, looked for once per load sample: a microsecond, too
+        long to spend each time a device starts or stops computing."""
+        if self.controllers is not None:
+            return self.controllers
+        if self.found is None:
+            self.found = openblas_thread_controls()
+        return self.found
 
     def get(self):
-        return max([lib.get_num_threads() or 1 for lib in self.libraries()], default=1)
+        """BLAS's thread count now (None: no OpenBLAS to ask)."""
+        return max([lib.get_num_threads() or 1 for lib in self.libraries()], default=None)
 
     def set(self, threads):
         libraries = self.libraries()
         if threads != self.current or libraries is not self.set_on:    # or a new OpenBLAS
             for lib in libraries:
                 lib.set_num_threads(threads)
-            self.changes += threads != self.current
+            self.changes += threads != self.current and bool(libraries)
             self.current, self.set_on = threads, libraries
+
+    def threads_in_force(self):
+        """The threads one operation may use now: the count that fitted last (1 before the
+        first fit), or fewer where someone set BLAS's count lower since (`threadpool_limits(1)`
+        around a benchmark's one-thread row). Without OpenBLAS the count still fits the
+        free cores: only nobody tells BLAS."""
+        fitted, outside = self.current or 1, self.get()
+        return max(1, min(fitted, outside or fitted))
 
 
 class OpenBLASThreads:
     """Get and set one OpenBLAS library's thread count from any thread.
 
-    threadpoolctl finds the library; its own setter is not used because it lets only one
-    thread (the first to call it) change the count, and here every device's worker may.
+    threadpoolctl's own setter is not used because it lets only one thread (the first to call
+    it) change the count, and here every device's worker may.
     """
 
-    def __init__(self, path):
-        library = ctypes.CDLL(path)
-        for prefix, suffix in itertools.product(('', 'scipy_'), ('', '64_', '_64')):
-            name = f'{prefix}openblas_%s_num_threads{suffix}'
-            if hasattr(library, name % 'get'):
-                self.get_num_threads = getattr(library, name % 'get')
-                self.set_num_threads = getattr(library, name % 'set')
-                return
-        raise LookupError(f'no openblas_get_num_threads in {path}')
+    def __init__(self, get_num_threads, set_num_threads):
+        self.get_num_threads, self.set_num_threads = get_num_threads, set_num_threads
+
+
+def openblas_thread_controls():
+    """One `OpenBLASThreads` per OpenBLAS the process has loaded (none with MKL or Accelerate:
+    then `SharedCores` counts the free cores, and nothing sets BLAS's threads).
+
+    Finding them takes milliseconds, so they are found again only once the process has loaded
+    another library: SciPy, imported after NumPy by scikit-learn, brings an OpenBLAS of its
+    own. One answer for the whole process, as the libraries are the process's."""
+    global _controls
+    loaded = libraries_loaded()
+    if _controls is None or _controls[0] != loaded:
+        _controls = (loaded, tuple(find_openblas()))
+    return _controls[1]
+
+
+_controls = None        # (libraries_loaded() when found, the controls found then)
+
+
+def find_openblas():
+    """The OpenBLAS libraries loaded now, by one rule: a BLAS library that exports OpenBLAS's
+    thread-count functions (`openblas_thread_functions`). One whose threads are OpenMP's is
+    left out: its count is per calling thread."""
+    import threadpoolctl      # on first use: importing it costs milliseconds
+    for info in threadpoolctl.threadpool_info():
+        if info['user_api'] == 'blas' and info.get('threading_layer') != 'openmp':
+            functions = openblas_thread_functions(ctypes.CDLL(info['filepath']))
+            if functions is not None:
+                yield OpenBLASThreads(*functions)
+
+
+def openblas_thread_functions(library):
+    """OpenBLAS's (get, set) thread-count functions in `library`, or None where it has none
+    (MKL, BLIS, Accelerate). Some builds rename them: SciPy's wheels put scipy_ before the
+    name, and 64_ or _64 after it where integers are 64 bits."""
+    for prefix, suffix in itertools.product(('', 'scipy_'), ('', '64_', '_64')):
+        get = getattr(library, f'{prefix}openblas_get_num_threads{suffix}', None)
+        if get is not None:
+            return get, getattr(library, f'{prefix}openblas_set_num_threads{suffix}')
+    return None
 
 
 SPIN = 16       # OpenBLAS's idle threads spin 2**SPIN cycles (tens of µs), not 2**28 (~0.1 s)
@@ -264,19 +315,37 @@ def spin_briefly():
         del os.environ['OPENBLAS_THREAD_TIMEOUT']
 
 
-_controls = (None, ())      # (len(sys.modules) when found, the controls found then)
+class _LoadedLibrary(ctypes.Structure):       # the head of glibc's struct dl_phdr_info
+    _fields_ = [('address', ctypes.c_void_p), ('name', ctypes.c_char_p),
+                ('headers', ctypes.c_void_p), ('header_count', ctypes.c_uint16),
+                ('loads', ctypes.c_ulonglong), ('unloads', ctypes.c_ulonglong)]
 
 
-def openblas_thread_controls():
-    """One `OpenBLASThreads` per OpenBLAS the process has loaded (none: nothing to divide).
-    Found again only after new modules were imported, since finding them takes milliseconds:
-    SciPy, imported after NumPy by scikit-learn, brings an OpenBLAS of its own."""
-    global _controls
-    if _controls[0] != len(sys.modules):
-        import threadpoolctl
-        found = tuple(OpenBLASThreads(info['filepath'])
-                      for info in threadpoolctl.threadpool_info()
-                      if info['internal_api'] == 'openblas'
-                      and info.get('threading_layer') != 'openmp')
-        _controls = (len(sys.modules), found)
-    return _controls[1]
+def libraries_loaded():
+    """A count that changes whenever the process loads or unloads a shared library (the
+    loader's own, read in a microsecond), or None where it cannot be read (neither glibc nor
+    macOS): a new OpenBLAS can only come with a new library."""
+    return _loader_count()()
+
+
+@functools.cache
+def _loader_count():
+    """A function that reads the loader's count, made once."""
+    libc = ctypes.CDLL(None)
+    if hasattr(libc, '_dyld_image_count'):                      # macOS
+        return libc._dyld_image_count
+    if not hasattr(libc, 'dl_iterate_phdr'):
+        return lambda: None
+    counts, reading = [], threading.Lock()        # any thread may ask
+
+    def first(info, size, data):
+        counts.append((info.contents.loads, info.contents.unloads))
+        return 1                                   # stop: the first library holds the counts
+    visit = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(_LoadedLibrary), ctypes.c_size_t,
+                             ctypes.c_void_p)(first)
+
+    def read():
+        with reading:
+            libc.dl_iterate_phdr(visit, None)
+            return counts.pop()
+    return read

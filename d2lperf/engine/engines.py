@@ -3,17 +3,16 @@
 `ThreadedEngine` tracks dependencies under one lock and hands each ready operation to a worker
 thread of its device and lane (`workers.py`), so the caller's thread returns at once and
 independent work overlaps; a caller that then waits for a result runs the ready work it waits
-for itself (`ThreadedEngine.help`) rather than sleeping through two thread hand-offs.
-`NaiveEngine` runs each operation at once on the caller's thread, for debugging
-(`D2LPERF_ENGINE=naive`): a failure then points at the line that caused it.
-Both keep the interface of `Engine`. Taught in "Asynchronous Computation" and "Automatic
-Parallelism".
+for itself (`ThreadedEngine.run_lane_until_written`) rather than sleeping through two thread
+hand-offs. `NaiveEngine` runs each operation at once on the caller's thread, for debugging
+(`D2LPERF_ENGINE=naive`): a failure then points at the line that caused it. Both keep the
+interface of `Engine`. Taught in "Asynchronous Computation" and "Automatic Parallelism".
 """
 import threading
 
 from .tracking import (Operation, append_read, append_write, complete_read, complete_write,
                        execute)
-from .workers import COMPUTE, PoliteLock, Workers, run_now, synchronize
+from .workers import COMPUTE, PoliteLock, RunNow, Workers, synchronize
 
 
 class Engine:
@@ -43,6 +42,14 @@ class Engine:
     def set_helping(self, enabled):
         """Let a waiting thread run the work it waits for; returns the old setting."""
         return False
+
+    def threads_per_operation(self):
+        """How many threads one operation may use (`pieces`); one, unless cores are shared."""
+        return 1
+
+    def blas_thread_changes(self):
+        """How often this engine has changed BLAS's thread count."""
+        return 0
 
 
 class ThreadedEngine(Engine):
@@ -132,14 +139,14 @@ class ThreadedEngine(Engine):
     def wait_for(self, var):
         """Block until the last write of `var` pushed so far is done; helping where it can."""
         while (writer := var.writer) is not None:
-            if not (self.helping and self.help(writer, var)):
+            if not (self.helping and self.run_lane_until_written(writer, var)):
                 self.sleep_until_written(var)
                 break
         if var.error is not None:
             raise var.error
         synchronize(var)              # a GPU worker may have only launched the write
 
-    def help(self, writer, var):
+    def run_lane_until_written(self, writer, var):
         """Instead of sleeping until a worker has written `var`, run the ready operations of the
         writer's lane on this thread, in the lane's order, until the write is done; how many ran.
 
@@ -149,7 +156,7 @@ class ThreadedEngine(Engine):
         lane's order and one at a time (whoever holds the lane's `runner`), and they complete
         as on the worker. Nothing runs where the lane is busy on its own thread, where the
         write still waits for other work, or on a GPU."""
-        return self.workers.help(writer, lambda: var.writer is not writer)
+        return self.workers.run_lane_until(writer, lambda: var.writer is not writer)
 
     def sleep_until_written(self, var):
         done = threading.Lock()
@@ -173,9 +180,16 @@ class ThreadedEngine(Engine):
         self.workers.stop()
 
     def set_helping(self, enabled):
-        """See `help`; returns the old setting."""
+        """See `run_lane_until_written`; returns the old setting."""
         old, self.helping = self.helping, bool(enabled)
         return old
+
+    def threads_per_operation(self):
+        """The BLAS threads in force: they fit the cores others leave (`blas.SharedCores`)."""
+        return self.workers.cores.threads_in_force()
+
+    def blas_thread_changes(self):
+        return self.workers.cores.changes
 
     def set_blas_division(self, enabled):
         """See `blas.SharedCores` for what was measured."""
@@ -188,9 +202,12 @@ class ThreadedEngine(Engine):
 class NaiveEngine(Engine):
     """Run every operation at once on the caller's thread: errors point at the line that failed."""
 
+    def __init__(self):
+        self.run_now = RunNow().run
+
     def push(self, fn, reads, writes, device, name, lane=COMPUTE):
         op = Operation(fn, reads, writes, device, name, lane, self.recording)
-        error, _ = execute(op, 'caller', run_now)
+        error, _ = execute(op, 'caller', self.run_now)
         for var in writes:
             var.error = error
         if error is not None:

@@ -8,14 +8,16 @@ not cut: BLAS has threads of its own. A device runs one operation at a time, so 
 competes with the pieces of another operation of the same device.
 
 How many pieces (`count`): one below `SPLIT_BYTES`, where waking a second thread costs more
-than it saves; else the BLAS thread count in force, which fits the cores other programs leave
-free and, with `engine.set_blas_division(True)`, is divided among the CPU devices computing at
-once (`blas.SharedCores`): two virtual devices on two cores then each run whole, as before. The
-first piece runs on the calling thread, the others on a small pool of threads. Taught in
-"Training on Multiple GPUs" ("Sharing the cores well").
+than it saves; else as many as the threads one operation may use
+(`Engine.threads_per_operation`): the cores other programs leave free, divided among the CPU
+devices computing at once with `engine.set_blas_division(True)` (`blas.SharedCores`), so two
+virtual devices on two cores then each run whole; one on the naive engine. The first piece
+runs on the calling thread, the others on the process's `piece_threads`. Taught in "Training
+on Multiple GPUs" ("Sharing the cores well").
 """
 import concurrent.futures
 import os
+import threading
 
 # Measured on the course's 2-core VM (`python benchmarks/parallel.py`, table "Pieces"): a strided
 # copy cut in two took 1.6 times as long as the whole at 1 MB, as long at 2 MB, 0.8 times at 4 MB
@@ -23,19 +25,13 @@ import os
 # threshold stays where the gain is large.
 SPLIT_BYTES = 8 << 20
 
-_pool = None
-
 
 def count(nbytes):
     """How many pieces an operation that moves `nbytes` should be cut into (1: run it whole)."""
     if nbytes < SPLIT_BYTES:
         return 1
     from . import current                      # the engine in use (a package import, no cycle)
-    workers = getattr(current(), 'workers', None)
-    if workers is None:                         # the naive engine: one thread, on purpose
-        return 1
-    cores = workers.cores
-    return max(1, min(cores.current or 1, cores.get()))   # `threadpool_limits` may set less
+    return current().threads_per_operation()
 
 
 def spans(size, pieces):
@@ -48,13 +44,13 @@ def spans(size, pieces):
 
 def run(piece, size, pieces):
     """Call `piece(start, stop)` for each span of range(size): the first on this thread, the
-    others on the pool, all at once; return when all are done. A piece's error is raised here,
-    after every piece has finished (the first one raised, if several did)."""
+    others on `piece_threads`, all at once; return when all are done. A piece's error is raised
+    here, after every piece has finished (the first one raised, if several did)."""
     parts = spans(size, pieces)
     if len(parts) == 1:
         piece(0, size)
         return
-    futures = [pool().submit(piece, start, stop) for start, stop in parts[1:]]
+    futures = [piece_threads.submit(piece, start, stop) for start, stop in parts[1:]]
     error = None
     try:
         piece(*parts[0])
@@ -67,12 +63,26 @@ def run(piece, size, pieces):
         raise error
 
 
-def pool():
-    global _pool
-    if _pool is None:
-        _pool = concurrent.futures.ThreadPoolExecutor(
-            max(1, (os.cpu_count() or 2) - 1), thread_name_prefix='d2lperf-piece')
-    return _pool
+class PieceThreads:
+    """The threads that run the pieces after the first, started by the first operation cut.
+
+    One set for the process, as there is one set of cores: engines come and go (`engine.use`)
+    and share them. The lock keeps two devices' first cut operations from starting two sets.
+    """
+
+    def __init__(self):
+        self.pool, self.lock = None, threading.Lock()
+
+    def submit(self, piece, start, stop):
+        if self.pool is None:
+            with self.lock:
+                if self.pool is None:
+                    self.pool = concurrent.futures.ThreadPoolExecutor(
+                        max(1, (os.cpu_count() or 2) - 1), thread_name_prefix='d2lperf-piece')
+        return self.pool.submit(piece, start, stop)
+
+
+piece_threads = PieceThreads()
 
 
 def copy(xp, view):
@@ -96,7 +106,6 @@ def over_axis(xp, size, nbytes, piece):
     along), in pieces where `nbytes` is large enough, else whole."""
     pieces = count(nbytes) if xp.__name__ == 'numpy' else 1
     run(piece, size, pieces)
-
 
 
 def elementwise(xp, piece, like, *inputs):

@@ -134,7 +134,12 @@ def inherited_error(op):
     return None
 
 
-failures = 0      # operations that have failed in this process: until one has, none inherits
+# Until an operation has failed, no variable holds an error, and `execute` need not look for
+# one to inherit (a loop over every read and write of every operation). Process-wide, as the
+# variables are: they outlive a switch of engines. Only ever set to True, from any thread: a
+# single store, which no race can lose (the count it replaces, `+= 1` on several threads,
+# could lose one). Never reset, since a variable that failed stays failed.
+an_operation_failed = False
 
 
 def execute(op, where, launch=None):
@@ -145,11 +150,11 @@ def execute(op, where, launch=None):
     A KeyboardInterrupt raised here fails the operation like any error, so that its lane goes
     on. On the threaded engine that is the operation's own doing, never Ctrl-C: a waiting main
     thread that runs operations holds Ctrl-C back until they are done (`workers.CtrlC`)."""
-    global failures
+    global an_operation_failed
     record = op.record
     if record is not None:
         record.worker, record.start = where, time.perf_counter()
-    error = inherited_error(op) if failures else None
+    error = inherited_error(op) if an_operation_failed else None
     own = error is None
     if own:
         try:
@@ -159,7 +164,7 @@ def execute(op, where, launch=None):
                 launch(op)
         except (Exception, KeyboardInterrupt) as cause:  # noqa: BLE001 - any failure travels on
             error = OperationError(op.name, cause)
-            failures += 1
+            an_operation_failed = True
     if record is not None:
         record.end = time.perf_counter()
     return error, own and error is not None

@@ -4,19 +4,18 @@ The dependency tracker (`tracking.py`) decides *when* an operation may run; this
 *where*. Every device has one worker thread per *lane*, as in MXNet's per-device engine: a
 compute lane, and lanes that move data, so that a copy overlaps with computation that does
 not depend on it. A thread that waits for a result may run a CPU lane's queue in its thread's
-place (`Worker.help`): one thread at a time runs a lane, in the lane's order. On a GPU each
-lane owns a CUDA stream (compute; host to device; device to host), so the copy engines of the
-GPU work while its cores compute; the CUDA events that
-order the streams, and the waits for them, are all here. Virtual CPU devices share the
-machine's cores, and their BLAS threads fit the cores other programs leave free
-(`blas.SharedCores`). `running_device()` says which device's operations the
-current thread runs. `PoliteLock`, the engine's lock, keeps all these
-threads from convoying on the GIL. A helping main thread holds Ctrl-C back until the
-operation in hand is done (`CtrlC`). `run_now` is the naive engine's policy: the caller's
-thread, at once. Taught in "Automatic Parallelism".
+place (`Worker.run_here_until`): one thread at a time runs a lane, in the lane's order. On a
+GPU each lane owns a CUDA stream (compute; host to device; device to host), so the copy
+engines of the GPU work while its cores compute; the CUDA events that order the streams, and
+the waits for them, are all here. Virtual CPU devices share the machine's cores, and their
+BLAS threads fit the cores other programs leave free (`blas.SharedCores`); a device slowed
+down keeps its `Pace`. `running_device()` says which device's operations the current thread
+runs. `PoliteLock`, the engine's lock, keeps all these threads from convoying on the GIL. A
+helping main thread holds Ctrl-C back until the operation in hand is done (`CtrlC`). `RunNow`
+is the naive engine's policy: the caller's thread, at once. Taught in "Automatic
+Parallelism".
 """
 import collections
-import functools
 import queue
 import threading
 import time
@@ -68,37 +67,53 @@ def synchronize(var):
             event.synchronize()
 
 
-def run_at_speed(device, op):
-    """Run `op` on a CPU device; on one slowed down (`device.slow_down`), also idle for the time
-    the slower device would have taken longer. The idle time is owed and paid in sleeps of a
-    millisecond or more, as the OS cannot sleep for the few microseconds one operation takes."""
-    factor = slowdowns.get(device)
-    if factor is None:
-        op.fn()
-        return
-    start = time.perf_counter()
-    op.fn()
-    owed = idle_owed.get(device, 0.0) + (factor - 1) * (time.perf_counter() - start)
-    if owed >= 1e-3:
+class Pace:
+    """The speed of one CPU device, kept by whoever runs its operations (its compute lane, or
+    the naive engine): on a device slowed down (`device.slow_down`), each operation is followed
+    by the idle time the slower device would have taken longer. That time is owed and paid in
+    sleeps of a millisecond or more, as the OS cannot sleep for the few microseconds one
+    operation takes; one thread at a time runs a device's operations, so one debt is enough."""
+
+    __slots__ = ('device', 'owed')
+
+    def __init__(self, device):
+        self.device, self.owed = device, 0.0
+
+    def run_at_speed(self, op):
+        factor = slowdowns.get(self.device)
+        if factor is None:
+            op.fn()
+            return
         start = time.perf_counter()
-        time.sleep(owed)
-        owed -= time.perf_counter() - start
-    idle_owed[device] = owed
-
-
-idle_owed = {}          # slowed device -> idle time it still owes (one thread per device)
-
-
-def run_now(op):
-    """Run `op` on the caller's thread and wait for it, on a GPU too: the naive engine's way."""
-    keep_freed_memory()         # once: the process runs work now (see host_memory)
-    device = running.device = op.device
-    if device is None:
         op.fn()
-        return
-    if device.kind == 'cpu':
-        run_at_speed(device, op)
-        return
+        owed = self.owed + (factor - 1) * (time.perf_counter() - start)
+        if owed >= 1e-3:
+            start = time.perf_counter()
+            time.sleep(owed)
+            owed -= time.perf_counter() - start
+        self.owed = owed
+
+
+class RunNow:
+    """The naive engine's policy: run each operation on the caller's thread and wait for it,
+    on a GPU too; a CPU device keeps its `Pace` as it would on its worker."""
+
+    def __init__(self):
+        self.paces = {}                 # CPU device -> its Pace
+
+    def run(self, op):
+        keep_freed_memory()         # once: the process runs work now (see host_memory)
+        device = running.device = op.device
+        if device is None:
+            op.fn()
+        elif device.kind == 'cpu':
+            pace = self.paces.get(device) or self.paces.setdefault(device, Pace(device))
+            pace.run_at_speed(op)
+        else:
+            run_on_gpu_now(device, op)
+
+
+def run_on_gpu_now(device, op):
     cupy = device.xp
     with cupy.cuda.Device(device.index):
         op.fn()
@@ -115,7 +130,8 @@ class Worker:
     """One thread for one lane of one device, running its ready operations in arrival order.
 
     The ready operations wait in `queued`; whoever holds `runner` runs them, one at a time
-    and in order: the lane's thread, or a caller that waits for one of them (`help`). `run(op,
+    and in order: the lane's thread, or a caller that waits for one of them
+    (`run_here_until`). `run(op,
     worker)` is the engine's: it executes the operation, with `worker.launch`, and releases what
     it held. `cores` (CPU compute lanes only) fits the BLAS threads before each operation and
     is told when the device is busy.
@@ -128,6 +144,7 @@ class Worker:
         self.wakeups = queue.SimpleQueue()       # WAKE per queued operation, STOP at the end
         self.runner = threading.Lock()
         self.stream, self.launch = None, None     # on a GPU: its stream, and run_on_stream
+        self.pace = None                          # on a CPU compute lane: the device's Pace
         self.launched = collections.deque()   # GPU: (event, op), kept alive until the event
         started = threading.Event()
         self.thread = threading.Thread(target=self._loop, args=(started,),
@@ -141,7 +158,8 @@ class Worker:
             self.stream, self.launch = use_gpu_stream(self.device), self.run_on_stream
             gpu_lanes.append(self.name)
         elif self.lane == COMPUTE:
-            self.launch = functools.partial(run_at_speed, self.device)
+            self.pace = Pace(self.device)
+            self.launch = self.pace.run_at_speed
         started.set()
         get = self.wakeups.get
         while get() is not STOP:
@@ -153,11 +171,12 @@ class Worker:
 
     def run_queued(self, finished=None, helper=False):
         """Run the queued operations in order until none is left or `finished()`; how many ran
-        (None: another thread is running them). The device counts as busy meanwhile; the
-        records of operations run by a `helper` thread carry its name, and a helper stops at
-        a Ctrl-C it holds back (`CtrlC`), leaving the rest to the lane's thread."""
+        (0 also where another thread is running them: it runs them all). The device counts as
+        busy meanwhile; the records of operations run by a `helper` thread carry its name, and
+        a helper stops at a Ctrl-C it holds back (`CtrlC`), leaving the rest to the lane's
+        thread."""
         if not self.runner.acquire(False):
-            return None
+            return 0
         cores, queued, ran = self.cores, self.queued, 0
         busy = cores is not None and cores.active
         if busy:
@@ -182,7 +201,7 @@ class Worker:
             self.runner.release()
         return ran
 
-    def help(self, finished):
+    def run_here_until(self, finished):
         """Run this lane's ready operations on the calling thread, in the lane's order, until
         `finished()`: how many it ran. A thread that would otherwise sleep until the lane's
         thread woke up, ran them and woke it in turn does the work itself. GPU lanes only
@@ -201,7 +220,7 @@ class Worker:
                 self.wakeups.put(WAKE)     # the lane's thread may have woken and found us running
             if held:
                 ctrl_c.release()           # raises KeyboardInterrupt if Ctrl-C came meanwhile
-        return ran or 0
+        return ran
 
     def stop(self):
         """End the thread once the operations queued before this call have run."""
@@ -250,7 +269,7 @@ class Worker:
 
 
 class CtrlC:
-    """Ctrl-C held back while the main thread runs a lane's operations (`Worker.help`).
+    """Ctrl-C held back while the main thread runs a lane's operations (`Worker.run_here_until`).
 
     With helping off, Ctrl-C finds the waiting main thread asleep; the operations run on,
     whole, on their lane's thread. A main thread that helps runs them itself, and Python
@@ -312,11 +331,11 @@ class Workers:
         worker = self.lanes.get((op.device, op.lane)) or self.start(op.device, op.lane)
         worker.submit(op)
 
-    def help(self, op, finished):
+    def run_lane_until(self, op, finished):
         """Run, on the calling thread, the ready operations queued on `op`'s lane until
-        `finished()`: how many ran (0 where nobody may help; see `Worker.help`)."""
+        `finished()`: how many ran (0 where nobody may help; see `Worker.run_here_until`)."""
         worker = self.lanes.get((op.device, op.lane)) if op.device is not None else None
-        return worker.help(finished) if worker is not None else 0
+        return worker.run_here_until(finished) if worker is not None else 0
 
     def start(self, device, lane):
         with self.lock:
