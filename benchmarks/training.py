@@ -303,21 +303,22 @@ def sharded_rows():
     devices = [d2l.cpu(i) for i in range(1, 5)]
     x, y = batch()
     loss = d2l.SoftmaxCrossEntropyLoss()
-    ways = {'one sum a parameter, during backward': lambda p: Buckets(p, 'adam', cap_bytes=1),
-            'buckets of 64 KiB, during backward': lambda p: Buckets(p, 'adam', cap_bytes=2**16),
-            'one flat sum, after backward': lambda p: Buckets(p, 'adam', overlap=False),
-            'ZeRO stage 1': lambda p: Zero(p, 1, 'adam'),
-            'ZeRO stage 2': lambda p: Zero(p, 2, 'adam'),
-            'ZeRO stage 3': lambda p: Zero(p, 3, 'adam'),
-            'ZeRO stage 3, weights gathered again for backward': lambda p: Zero(p, 3, 'adam',
-                                                                                 gathers=2)}
+    buckets = lambda **kw: (lambda net: Buckets(net.collect_params(), 'adam', **kw))
+    ways = {'one sum a parameter, during backward': buckets(cap_bytes=1),
+            'buckets of 64 KiB, during backward': buckets(cap_bytes=2**16),
+            'one flat sum, after backward': buckets(overlap=False),
+            'ZeRO stage 1': lambda net: Zero(net, 1, 'adam'),
+            'ZeRO stage 2': lambda net: Zero(net, 2, 'adam'),
+            'ZeRO stage 3, a unit gathered ahead': lambda net: Zero(net, 3, 'adam'),
+            'ZeRO stage 3, no unit gathered ahead': lambda net: Zero(net, 3, 'adam',
+                                                                      prefetch=0)}
     steps = {}
     for name, make in ways.items():
         net = d2l.nn.models.lenet()
         net.initialize(init=d2l.nn.init.Normal(sigma=0.1), device=devices)
         x_parts, y_parts = d2l.split_batch(np.array(x), np.array(y), devices)
         net(x_parts[0]).wait_to_read()
-        strategy = make(net.collect_params())
+        strategy = make(net)
 
         def step(strategy=strategy, net=net, x_parts=x_parts, y_parts=y_parts):
             strategy.step(lambda: [loss(net(a), b) for a, b in zip(x_parts, y_parts)], BATCH)

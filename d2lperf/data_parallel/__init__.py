@@ -14,8 +14,10 @@
     buckets   gradients summed in buckets of a chosen size while backward runs, in the order
               backward finishes them (PyTorch DDP's buckets, Horovod's tensor fusion); one
               parameter a bucket and one bucket for everything are the ladder's two ends.
-    zero      ZeRO's stages on reduce_scatter and all_gather: the optimizer state (stage 1),
-              the gradients (2) and the weights (3) sharded over the devices.
+    zero      ZeRO's stages and FSDP's units: the optimizer state (stage 1), the gradients (2)
+              and the weights (3) sharded over the devices, a child block at a time, each
+              gradient dropped once sent and each unit whole only around its forward and its
+              backward.
     predict   memory per device and the time a step spends communicating, predicted from the
               parameter count, the devices, the stage, the optimizer and the fitted α and β.
 

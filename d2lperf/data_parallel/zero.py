@@ -1,156 +1,327 @@
-"""ZeRO (Rajbhandari et al., 2020): shard what plain data parallelism keeps n copies of.
+"""ZeRO (Rajbhandari et al., 2020) and FSDP (Zhao et al., 2023): shard what plain data
+parallelism keeps n copies of, and hold whole only what the step is using.
 
 Plain data parallelism keeps, on each of n devices, every weight, every gradient and the whole
-optimizer state, though each device's update repeats all the others'. Here device d owns
-chunk d of every parameter (`comm.chunk_bounds` of its flattened values) and updates only that:
+optimizer state, though each device's update repeats all the others'. Here the net's children
+are the units (FSDP's wrapping unit): each unit's parameters live as one flat buffer a device,
+the parameters being views of it (FSDP's flat parameter), and device d owns chunk d of every
+unit (its shard), which only it updates. One gather or one reduction moves a whole unit: one
+collective a unit, never one a parameter.
 
-* stage 1: the optimizer state of its chunks alone. The gradients are reduce-scattered
-  (device d gets the sum of chunk d), each device updates its chunks, and the weights are
-  all-gathered: the same bytes moved as one allreduce, since that is an allreduce's two halves.
-* stage 2: the gradients too: the summed chunk is copied to a buffer of the chunk's size and
-  the full gradients are dropped as soon as the sum has read them; fresh ones are attached for
-  the next step.
-* stage 3: the weights too: between steps a device holds only its chunks; each step gathers
-  the whole weights into fresh arrays (all-gather), computes, and drops them after the update.
-  ZeRO-3 and FSDP free each layer's weights after its forward and gather them again for its
-  backward: three halves of traffic a step, not two. `gathers=2` does that for the whole net
-  at once (the tape keeps the arrays, without their data, in between), which moves the third
-  half as ZeRO-3 does; only freeing layer by layer, which this does not do, lowers the peak.
+* stage 1: the optimizer state of its chunks alone. After backward each unit's gradients are
+  reduce-scattered (device d gets the sum of chunk d), each device updates its chunks, and the
+  units' weights are all-gathered: the bytes of one allreduce, which is these two halves.
+* stage 2: the gradients too. Nothing holds a gradient before backward makes it; as soon as
+  a device's backward has made a unit's gradients, it sends each chunk to the chunk's owner,
+  which adds it into its shard, and drops them. (One process runs the devices' backward passes
+  one after another, so each device sends its own, as its own process would, rather than
+  waiting for the others' passes with every gradient held.)
+* stage 3: the weights too. Between steps a device holds only its chunks. A unit is gathered
+  onto a device just before its forward there and freed right after, gathered again just
+  before its backward (`autograd.on_backward`) and freed once its gradients are sent. The
+  next `prefetch` units are gathered along with it, so their copies can overlap compute: a
+  device holds its shards plus at most prefetch + 1 units whole. Three halves of traffic a
+  step: two gathers and one reduction.
 
 Taught in "Data Parallelism at Scale"; `predict` says what each stage should hold and move.
 """
+import weakref
+
 import numpy
 
 from .. import autograd, comm, engine, np
-from ..comm import chunk_bounds, fill
-from ..device import label, release, restore
+from ..comm import chunk_bounds
+from ..comm.allreduce import TransferName
+from ..device import label, release, restore, transfer
+from ..nn.block import Block
 from ..np.multiarray import NDArray
-from .overlap import backward_reporting
 from .updates import apply_updates, check_devices, create_optimizer, trained
 
 STAGES = (1, 2, 3)
 
 
 class Zero:
-    """Data-parallel training with ZeRO stage 1, 2 or 3 over the devices the parameters live on.
+    """Data-parallel training with ZeRO stage 1, 2 or 3 of `net` over the devices it lives on.
 
-    `params`: `net.collect_params()`, initialized on the devices that compute.
-    `step(forward, batch_size)`: `forward()` returns one loss a device, computed under
-    `autograd.record`; the step sums, updates and (stages 1, 2) gathers the weights.
+    `net`: a Block initialized on the devices that compute; its children that train are the
+    units. `step(forward, batch_size)`: `forward()` returns one loss a device, computed from the
+    net under `autograd.record`, device after device; the step backpropagates, sums, updates
+    and (stages 1, 2) gathers the weights.
     """
 
-    def __init__(self, params, stage, optimizer='sgd', optimizer_params=None, algorithm='ring',
-                 gathers=1):
+    def __init__(self, net, stage, optimizer='sgd', optimizer_params=None, algorithm='ring',
+                 prefetch=1):
         if stage not in STAGES:
             raise ValueError(f'ZeRO has stages 1 (optimizer state sharded), 2 (and gradients) '
                              f'and 3 (and weights), not {stage!r}')
-        if gathers not in (1, 2) or (gathers == 2 and stage != 3):
-            raise ValueError(f'gathers is 1, or 2 for stage 3 (the weights gathered again for '
-                             f'backward), not {gathers!r} at stage {stage}')
-        self.gathers = gathers
-        self.names, self.params = trained(params)
+        if not (isinstance(prefetch, int) and prefetch >= 0):
+            raise ValueError(f'prefetch is how many units to gather ahead, 0 or more, not '
+                             f'{prefetch!r}')
+        if not isinstance(net, Block):
+            raise TypeError(f'Zero takes the net (a Block), whose children it shards one by '
+                            f'one, not {type(net).__name__}')
+        self.names, self.params = trained(net.collect_params())
         self.devices = check_devices(self.params)
-        self.stage, self.algorithm = stage, algorithm
+        self.stage, self.algorithm, self.prefetch = stage, algorithm, prefetch
         self.optimizer = create_optimizer(optimizer, optimizer_params)
         self.scale = self.optimizer.rescale_grad       # the user's; step(b) scales by scale / b
-        self.shapes = [p.list_data()[0].shape for p in self.params]
-        self.bounds = [chunk_bounds(p.list_data()[0].size, len(self.devices))
-                       for p in self.params]
-        self.grad_shards = [self._shards(i, 'gradients') for i in range(len(self.params))] \
-            if stage >= 2 else None
-        self.weight_shards, self.summed = None, None
+        self.units = units_of(net, self.params, self.devices, stage)
         if stage == 3:
-            self.weight_shards = [self._shards(i, 'weights') for i in range(len(self.params))]
-            for param in self.params:
-                param.set_copies(None)
+            for unit in self.units:
+                self._hook(unit)
 
-    def _shards(self, index, kind):
-        """Device d's chunk d of parameter `index`, as an array of its own: the weight's values
-        for 'weights', zeros for 'gradients'."""
-        weights = self.params[index].list_data()
-        shards = []
-        for weight, (start, stop) in zip(weights, self.bounds[index]):
-            shard = (weight.reshape(-1)[start:stop].copy() if kind == 'weights'
-                     else np.zeros((stop - start,), weight.dtype, weight.device))
-            shards.append(label(shard, kind))
-        return shards
-
+    # -- a step ------------------------------------------------------------------------------
     def step(self, forward, batch_size):
-        if self.stage == 3:
-            self.gather_weights()
-        if self.stage >= 2:
-            for param in self.params:
-                for weight in param.list_data():
-                    weight.attach_grad()
+        for unit in self.units:         # before forward, so that the tape records the weights
+            unit.expect_gradients()
         with autograd.record():
             losses = list(forward())
-        if self.gathers == 2:
-            self.release_weights()
-            self.gather_weights([p.list_data() for p in self.params])
         self.backward(losses)
         self.update(batch_size)
 
-    def gather_weights(self, into=None):
-        """Stage 3: every weight whole on every device again, from the devices' chunks: into
-        fresh arrays, or `into` (one list of arrays a parameter) whose data was released."""
-        for index, param in enumerate(self.params):
-            whole = into[index] if into else [
-                label(NDArray(self.shapes[index], shard.dtype, device), 'weights')
-                for shard, device in zip(self.weight_shards[index], self.devices)]
-            for array, shard, bounds in zip(whole, self.weight_shards[index],
-                                            self.bounds[index]):
-                fill(restore(array), shard, *bounds)
-            param.set_copies(comm.all_gather_into(whole, self.algorithm))
-
-    def release_weights(self):
-        """After the forward pass: free every whole weight's data (the tape keeps the arrays)."""
-        for param in self.params:
-            for weight in param.list_data():
-                engine.push(lambda weight=weight: setattr(weight, 'data', None), [],
-                            [weight.var], weight.device, 'release')
-                release(weight)
-
     def backward(self, losses):
-        """Backpropagate every device's loss; reduce-scatter each gradient once it is pushed."""
-        self.summed = [None] * len(self.params)
-        backward_reporting(losses, self.params, self.reduce_scatter)
+        """Each device's backward pass; a unit's gradients go on as soon as a device has them."""
+        for device, loss in enumerate(losses):
+            missing = {id(unit): len(unit.params) for unit in self.units}
+            unit_of = {id(view): unit for unit in self.units for view in unit.views[device]}
 
-    def reduce_scatter(self, index):
-        param = self.params[index]
-        shards = comm.reduce_scatter(param.list_grad(), self.algorithm)
-        if self.stage >= 2:
-            for buffer, shard in zip(self.grad_shards[index], shards):
-                buffer[...] = shard
-            for weight in param.list_data():
-                weight.grad = None                  # freed once the sum has been read
-            shards = self.grad_shards[index]
-        self.summed[index] = shards
+            def reached(view, device=device, missing=missing, unit_of=unit_of):
+                unit = unit_of.get(id(view))
+                if unit is not None:
+                    missing[id(unit)] -= 1
+                    if missing[id(unit)] == 0:
+                        self.gradients_made(unit, device)
+            loss.backward(on_gradient=reached)
+            for unit in self.units:                 # units the loss did not reach
+                if missing[id(unit)] > 0:
+                    self.gradients_made(unit, device)
+
+    def gradients_made(self, unit, device):
+        """A device's backward has made a unit's gradients: stage 1 sums them once every device
+        has; stages 2 and 3 send this device's chunks to their owners now, and drop them."""
+        if self.stage == 1:
+            if device == len(self.devices) - 1:
+                unit.reduce_scatter(self.algorithm)
+            return
+        unit.send_chunks(device)
+        if self.stage == 3:
+            unit.free(device)
 
     def update(self, batch_size):
-        """Each device updates its chunks; then the weights are gathered (stages 1 and 2) or
-        the whole ones dropped (stage 3). One parameter at a time, so that its gather starts
-        while the next is updated."""
-        for index, param in enumerate(self.params):
-            apply_updates(self.optimizer, self.scale, batch_size, self.shard_updates(index))
+        """Each device updates its chunks; then stages 1 and 2 gather the weights. One unit at
+        a time, so that its gather starts while the next is updated."""
+        for index, unit in enumerate(self.units):
+            apply_updates(self.optimizer, self.scale, batch_size,
+                          [((index, device), weight, grad) for device, (weight, grad)
+                           in enumerate(zip(unit.weight_shards, unit.grad_shards))])
             if self.stage < 3:
-                comm.all_gather_into(param.list_data(), self.algorithm)
-            else:
-                param.set_copies(None)
+                comm.all_gather_into(unit.flats, self.algorithm)
+            unit.drop_gradients()
 
-    def shard_updates(self, index):
-        """(key, weight chunk, summed gradient chunk) of parameter `index` on every device."""
-        return [((index, device), self.weight_shard(index, device), grad)
-                for device, grad in enumerate(self.summed[index])]
+    # -- stage 3: a unit whole only around its forward and its backward ---------------------
+    def _hook(self, unit):
+        """Gather around the unit's forward, and before its backward. The hooks hold this Zero
+        weakly: the net does not keep it alive, and its hooks do nothing once it is gone."""
+        zero = weakref.ref(self)
 
-    def weight_shard(self, index, device):
-        if self.stage == 3:
-            return self.weight_shards[index][device]
-        start, stop = self.bounds[index][device]
-        return self.params[index].list_data()[device].reshape(-1)[start:stop]
+        def before_forward(block, args):
+            if zero() is not None:
+                zero().gather_with_prefetch(unit.index, args[0].device, +1)
+
+        def after_forward(block, args, out):
+            if zero() is None:
+                return None
+            unit.free(zero().devices.index(out.device))
+            return autograd.on_backward(out, lambda: zero().gather_with_prefetch(
+                unit.index, out.device, -1))
+        unit.block.register_forward_pre_hook(before_forward)
+        unit.block.register_forward_hook(after_forward)
+
+    def gather_with_prefetch(self, index, device, direction):
+        """Unit `index` whole on `device`, and the next `prefetch` units the pass will reach
+        (forward: the following ones; backward: the ones before)."""
+        d = self.devices.index(device)
+        for ahead in range(self.prefetch + 1):
+            j = index + direction * ahead
+            if 0 <= j < len(self.units):
+                self.units[j].gather(d)
 
     def weights(self):
-        """{name: NumPy array}: every weight whole (from the first device, or the shards)."""
-        if self.stage < 3:
-            return {name: p.list_data()[0].asnumpy() for name, p in zip(self.names, self.params)}
-        return {name: numpy.concatenate([s.asnumpy() for s in shards]).reshape(shape)
-                for name, shards, shape in zip(self.names, self.weight_shards, self.shapes)}
+        """{name: NumPy array}: every weight whole, from the owners' shards."""
+        found = {}
+        for unit in self.units:
+            flat = numpy.concatenate([s.asnumpy() for s in unit.weight_shards])
+            for param, shape, (start, stop) in zip(unit.params, unit.shapes, unit.layout):
+                found[id(param)] = flat[start:stop].reshape(shape)
+        return {name: found[id(param)] for name, param in zip(self.names, self.params)}
+
+
+def units_of(net, params, devices, stage):
+    """The net's children that hold trained parameters, in forward order, as Units."""
+    trained_ids = {id(p) for p in params}
+    units, covered = [], set()
+    for child in net._children.values():
+        mine = [p for p in child.collect_params().values() if id(p) in trained_ids]
+        if mine:
+            units.append(Unit(len(units), child, mine, devices, stage))
+            covered.update(id(p) for p in mine)
+    if len(covered) < len(trained_ids):
+        raise ValueError('ZeRO shards the net by its children (FSDP\'s units): put the '
+                         'parameters the net holds itself into a child block')
+    return units
+
+
+class Unit:
+    """One child block's parameters as one flat buffer a device; the parameters are views of
+    it, and device d owns chunk d (`weight_shards[d]`, `grad_shards[d]`)."""
+
+    def __init__(self, index, block, params, devices, stage):
+        self.index, self.block, self.params, self.devices = index, block, params, devices
+        self.stage = stage
+        self.shapes = [p.list_data()[0].shape for p in params]
+        stops = numpy.cumsum([p.list_data()[0].size for p in params]).tolist()
+        self.layout = list(zip([0] + stops[:-1], stops))
+        dtype = params[0].list_data()[0].dtype
+        self.bounds = chunk_bounds(stops[-1], len(devices))
+        self.flats = [label(np.concatenate([p.list_data()[d].reshape(-1) for p in params]),
+                            'weights') for d in range(len(devices))]
+        self.views = [[NDArray(shape, dtype, device, flat.var) for shape in self.shapes]
+                      for device, flat in zip(devices, self.flats)]
+        for d in range(len(devices)):
+            self.bind_views(d)
+        for i, param in enumerate(params):
+            param.set_copies([views[i] for views in self.views])
+        self.gathered = [True] * len(devices)
+        if stage == 3:
+            self.weight_shards = [label(flat[start:stop].copy(), 'weights')
+                                  for flat, (start, stop) in zip(self.flats, self.bounds)]
+            for d in range(len(devices)):
+                self.free(d)
+        else:
+            self.weight_shards = [flat[start:stop]
+                                  for flat, (start, stop) in zip(self.flats, self.bounds)]
+        self.grad_shards = None if stage == 1 else [
+            label(np.zeros((stop - start,), dtype, device), 'gradients')
+            for device, (start, stop) in zip(devices, self.bounds)]
+        self.slots = [[unmade_like(view) for view in views] for views in self.views]
+        self.full_grads, self.sent = None, 0
+
+    # -- weights ------------------------------------------------------------------------------
+    def bind_views(self, d):
+        """One engine operation: each parameter's view as its piece of the flat buffer."""
+        flat, views = self.flats[d], self.views[d]
+
+        def run():
+            for view, (start, stop) in zip(views, self.layout):
+                view.data = flat.data[start:stop].reshape(view.shape)
+        engine.push(run, [], [flat.var], flat.device, f'unit {self.index} views')
+
+    def free(self, d):
+        """Stage 3: drop the unit's whole weights on device d (its shard stays)."""
+        if self.stage < 3 or not self.gathered[d]:
+            return
+        flat, views = self.flats[d], self.views[d]
+
+        def run():
+            flat.data = None
+            for view in views:
+                view.data = None
+        engine.push(run, [], [flat.var], flat.device, f'unit {self.index} free')
+        release(flat)
+        self.gathered[d] = False
+
+    def gather(self, d):
+        """Stage 3: the unit whole on device d again, each owner's shard copied into its
+        chunk: device d's half of an all-gather, as its own process runs it."""
+        if self.gathered[d]:
+            return
+        flat = restore(self.flats[d])
+
+        def allocate():
+            flat.data = flat.device.xp.empty(flat.shape, flat.dtype)
+        engine.push(allocate, [], [flat.var], flat.device, f'unit {self.index} memory')
+        for owner, (shard, (start, stop)) in enumerate(zip(self.weight_shards, self.bounds)):
+            send(shard, flat, start, stop, 'all-gather', owner, combine=False)
+        self.bind_views(d)
+        self.gathered[d] = True
+
+    # -- gradients -----------------------------------------------------------------------------
+    def expect_gradients(self):
+        """Mark every view as wanting a gradient without making one: backward makes it."""
+        for views, slots in zip(self.views, self.slots):
+            for view, slot in zip(views, slots):
+                view.grad = slot
+        self.sent = 0
+        if self.stage == 1:
+            self.full_grads = [None] * len(self.devices)
+
+    def gathered_gradients(self, d):
+        """Device d's gradients of the unit, one flat array (made from backward's)."""
+        grads = [view.grad for view in self.views[d]]
+        flat = label(np.concatenate([g.reshape(-1) for g in grads]), 'gradients')
+        for view, slot in zip(self.views[d], self.slots[d]):
+            view.grad = slot                # backward's arrays are dropped: the flat one holds
+        return flat
+
+    def reduce_scatter(self, algorithm):
+        """Stage 1, once every device's backward has made them: one reduce-scatter."""
+        flats = [self.gathered_gradients(d) for d in range(len(self.devices))]
+        self.full_grads = flats
+        self.grad_shards = comm.reduce_scatter(flats, algorithm)
+
+    def send_chunks(self, d):
+        """Stages 2 and 3: device d's chunk of each owner's part to that owner, which adds it
+        to its shard (the first device to send sets it): device d's half of a reduce-scatter."""
+        flat = self.gathered_gradients(d)
+        for owner, (shard, (start, stop)) in enumerate(zip(self.grad_shards, self.bounds)):
+            send(flat, shard, start, stop, 'reduce-scatter', owner, combine=self.sent > 0,
+                 reverse=True)
+        self.sent += 1
+
+    def drop_gradients(self):
+        if self.stage == 1:
+            self.full_grads = self.grad_shards = None
+
+
+def unmade_like(array):
+    """An array that backward will replace and nobody reads: it marks a parameter as wanting a
+    gradient (`needs_grad`) while no memory is held for one, and so counts nothing."""
+    return release(NDArray(array.shape, array.dtype, array.device))
+
+
+def send(source, target, start, stop, phase, owner, combine, reverse=False):
+    """Copy chunk [start, stop) between a flat array and a shard on another device (or the
+    same one), and set or add it there: from the owner's shard into `target`'s chunk (a
+    gather), or, `reverse`, from `source`'s chunk into the owner's shard (a reduction).
+    Named as comm names a transfer, so `comm.bytes_sent` counts it."""
+    if stop == start:
+        return
+    source_device, target_device = source.device, target.device
+    nbytes = (stop - start) * source.dtype.itemsize
+    read = (lambda: source.data[start:stop]) if reverse else (lambda: source.data)
+
+    def write(data):
+        if reverse:
+            if combine:
+                target.data += data
+            else:
+                target.data[...] = data
+        else:
+            target.data[start:stop] = data
+    action = 'add' if combine else 'set'
+    if source_device == target_device:
+        engine.push(lambda: write(read()), [source.var], [target.var], target_device,
+                    TransferName('direct', phase, 1, owner, source_device, target_device,
+                                 action))
+        return
+    received, move = {}, transfer(source_device, target_device)
+    copy_device, lane = engine.copy_lane(source_device, target_device)
+    buffer = engine.Var()
+
+    def sent():
+        received['data'] = move(read())
+    engine.push(sent, [source.var], [buffer], copy_device,
+                TransferName('direct', phase, 1, owner, source_device, target_device, 'send',
+                             nbytes), lane)
+    engine.push(lambda: write(received.pop('data')), [buffer], [target.var], target_device,
+                TransferName('direct', phase, 1, owner, source_device, target_device, action))
