@@ -50,6 +50,8 @@ Training on Multiple GPUs, Concise Implementation for Multiple GPUs
 Parameter Servers
     optimizer     the update rules (SGD with momentum and weight decay, Adam) that a trainer
                   or a key-value store applies, with their states as plain arrays.
+    amp           mixed precision: float16/bfloat16 casts and a dynamic loss scaler (MXNet
+                  AMP's names).
     kvstore/      the (key, value) store (also "Distributed Training"): the in-process stores
                   (local, device); the distributed store's worker side, its server and the
                   wire protocol between them (over MPI, never pickled).
@@ -61,8 +63,8 @@ Distributed Training
                   an epoch.
 
 Layers, bottom first:
-    utils < device < engine < ops < np < autograd < hybrid < nn < comm < optimizer < kvstore
-    < data_parallel < data < hardware < launch < train_mnist
+    utils < device < engine < ops < np < autograd < hybrid < nn < comm < optimizer < amp
+    < kvstore < data_parallel < data < hardware < launch < train_mnist
 """
 from . import engine      # first: it sets OpenBLAS's spin before NumPy loads (engine/blas.py)
 from .device import Device, cpu, gpu, num_gpus, try_all_gpus, try_devices, try_gpu
@@ -72,7 +74,7 @@ from .nn import L2Loss, SoftmaxCrossEntropyLoss
 from .data_parallel import Trainer, get_params, sgd
 from .utils import (Accumulator, Animator, Benchmark, Timer, median_seconds, memory_in_use,
                     quick_mode, workload)
-from . import comm, data, data_parallel, hybrid, kvstore, optimizer
+from . import amp, comm, data, data_parallel, hybrid, kvstore, optimizer
 from .engine import profiler
 from .comm import split_and_load, split_batch
 # d2l.allreduce is the from-scratch chapter's "everything to the first device" (the name the
@@ -86,6 +88,6 @@ __all__ = ['engine', 'Device', 'cpu', 'gpu', 'num_gpus', 'try_all_gpus', 'try_de
            'try_gpu', 'np', 'npx', 'autograd', 'nn', 'L2Loss', 'SoftmaxCrossEntropyLoss',
            'Trainer', 'get_params', 'sgd', 'Accumulator', 'Animator', 'Benchmark', 'Timer',
            'median_seconds', 'memory_in_use', 'quick_mode', 'workload', 'comm', 'data',
-           'data_parallel', 'hybrid', 'kvstore', 'optimizer', 'profiler', 'allreduce',
+           'data_parallel', 'hybrid', 'kvstore', 'optimizer', 'amp', 'profiler', 'allreduce',
            'split_and_load', 'split_batch', 'accuracy', 'evaluate_accuracy_gpu',
            'evaluate_accuracy_gpus', 'load_data_fashion_mnist', 'Residual', 'lenet', 'resnet18']

@@ -4,38 +4,92 @@ Where the update runs is the store's business ("Parameter Servers"): on the CPU,
 that holds the weight, or on a server process. What the update is lives here, so that every
 store applies the same rule. An optimizer keeps one state per key (SGD's momentum); the states
 travel as plain NumPy arrays, so a store saves them to `.npz` and never to pickle.
+
+`multi_precision=True` is MXNet's mixed-precision rule ("Memory"): a float16 (or bfloat16)
+weight gets a float32 master copy inside the optimizer, the update runs on the master in
+float32, and the weight is the master rounded down. An update smaller than half a float16 step
+(1e-4 on a weight of 1) would vanish in float16; the master keeps it.
 """
 import math
 
+import ml_dtypes
 import numpy
 
 from . import np
 from .device import label
 
+LOW_PRECISION = (numpy.dtype(numpy.float16), numpy.dtype(ml_dtypes.bfloat16))
+FLOAT32 = numpy.dtype(numpy.float32)
 
-class SGD:
+
+class Optimizer:
+    """What SGD and Adam share: checked settings, a state per key, and float32 master weights.
+
+    Subclasses give `step(key, weight, grad)`, the rule itself, which `update` runs on the
+    weight or, under multi_precision, on its master copy.
+    """
+
+    def __init__(self, rescale_grad=1.0, multi_precision=False, **settings):
+        for name, value in dict(settings, rescale_grad=rescale_grad).items():
+            check_setting(name, value, type(self).__name__)
+        self.rescale_grad, self.multi_precision = float(rescale_grad), bool(multi_precision)
+        self.states = {}             # key -> the rule's state, created on the first update
+        self.masters = {}            # key -> float32 master copy (multi_precision only)
+        self.saved = {}              # key -> (host array, device) loaded, not yet given a weight
+
+    def update(self, key, weight, grad):
+        """Apply one step to `weight` in place (engine operations on weight's device)."""
+        if key in self.saved:
+            self.restore(key, weight, *self.saved.pop(key))
+        if not self.keeps_master(weight):
+            self.step(key, weight, grad)
+            return
+        master = self.masters.get(key)
+        if master is None:
+            master = self.masters[key] = label_master(weight.astype(FLOAT32))
+        self.step(key, master, grad.astype(FLOAT32))
+        weight[:] = master           # one operation: the assignment rounds to weight's dtype
+
+    def keeps_master(self, weight):
+        """Whether `weight` is updated through a float32 master copy."""
+        return self.multi_precision and numpy.dtype(weight.dtype) in LOW_PRECISION
+
+    def step(self, key, weight, grad):
+        """The rule: one step on `weight` (under multi_precision, the master), in place."""
+        raise NotImplementedError
+
+    def restore(self, key, weight, saved, device):
+        """Give `key` the state `set_states` left in `saved`, now that its weight says which
+        shape and dtype the state takes (and whether a master copy is in it)."""
+        raise NotImplementedError
+
+    def restore_master(self, key, weight, values, device):
+        """The saved master copy of `key` back on `device`, in `weight`'s shape."""
+        values = values.reshape(weight.shape).astype(FLOAT32)
+        self.masters[key] = label_master(np.array(values, device=device))
+
+
+class SGD(Optimizer):
     """Minibatch SGD with momentum and weight decay, by MXNet's rule.
 
     g = rescale_grad · grad + wd · weight;  momentum m ← momentum · m − learning_rate · g;
     weight ← weight + m. Without momentum: weight ← weight − learning_rate · g.
 
-    Works on float16 weights as on any other: the update runs in the weight's dtype (as
-    MXNet's SGD without multi_precision), and the momentum has the weight's dtype.
+    Without multi_precision a float16 weight is updated in float16 (as MXNet's SGD), with a
+    float16 momentum; with it, master and momentum are float32.
     """
 
-    def __init__(self, learning_rate=0.01, momentum=0.0, wd=0.0, rescale_grad=1.0):
-        for name, value in (('learning_rate', learning_rate), ('momentum', momentum),
-                            ('wd', wd), ('rescale_grad', rescale_grad)):
-            check_setting(name, value)
+    def __init__(self, learning_rate=0.01, momentum=0.0, wd=0.0, rescale_grad=1.0,
+                 multi_precision=False):
+        super().__init__(rescale_grad, multi_precision, learning_rate=learning_rate,
+                         momentum=momentum, wd=wd)
         if momentum >= 1:
             raise ValueError(f'SGD momentum must be below 1 (or the steps grow without bound), '
                              f'not {momentum}')
         self.learning_rate, self.momentum = float(learning_rate), float(momentum)
-        self.wd, self.rescale_grad = float(wd), float(rescale_grad)
-        self.states = {}             # key -> momentum NDArray, created on the first update
+        self.wd = float(wd)
 
-    def update(self, key, weight, grad):
-        """Apply one step to `weight` in place (engine operations on weight's device)."""
+    def step(self, key, weight, grad):
         if not self.momentum and not self.wd:          # the common case: two operations
             weight -= (self.learning_rate * self.rescale_grad) * grad
             return
@@ -52,27 +106,58 @@ class SGD:
         velocity -= self.learning_rate * g
         weight += velocity
 
-    @staticmethod
-    def state_of(weight):
-        """(shape, dtype) of the state `get_states` gives for `weight`: its momentum's."""
-        return tuple(weight.shape), numpy.dtype(weight.dtype)
+    def state_of(self, weight):
+        """(shape, dtype) of the state `get_states` gives for `weight`: its momentum's, or,
+        with a master copy, [momentum, master] stacked in float32."""
+        shape = tuple(weight.shape)
+        if self.keeps_master(weight):
+            return (1 + bool(self.momentum),) + shape, FLOAT32
+        return shape, numpy.dtype(weight.dtype)
 
     def get_states(self):
-        """{key: numpy.ndarray}: the momentum of every key, copied to the host."""
-        return {key: state.asnumpy() for key, state in self.states.items()}
+        """{key: numpy.ndarray}: the momentum of every key (stacked over its master copy
+        where there is one), copied to the host."""
+        states = {key: saved for key, (saved, _) in self.saved.items()}
+        for key in self.states.keys() | self.masters.keys():
+            parts = [self.states[key]] if key in self.states else []
+            if key in self.masters:
+                parts.append(self.masters[key])
+                states[key] = numpy.stack([part.asnumpy() for part in parts])
+            else:
+                states[key] = parts[0].asnumpy()
+        return states
 
     def set_states(self, states, device_of):
-        """Take `states` ({key: numpy array}) back; `device_of(key)` says where each lives."""
-        if self.momentum == 0 and states:
+        """Take `states` ({key: numpy array}) back; `device_of(key)` says where each lives.
+        Under multi_precision they wait for each key's weight, which says whether a master
+        copy is stacked in."""
+        if self.momentum == 0 and states and not self.multi_precision:
             raise ValueError(f'these optimizer states hold momentum for {len(states)} keys, '
                              'but this SGD has momentum=0: create it with the momentum the '
                              'states were saved with')
+        if self.multi_precision:
+            self.states, self.masters = {}, {}
+            self.saved = {key: (numpy.asarray(value), device_of(key))
+                          for key, value in states.items()}
+            return
         self.states = {key: label(np.array(numpy.asarray(value), device=device_of(key)),
-                                   'optimizer state')
+                                  'optimizer state')
                        for key, value in states.items()}
 
+    def restore(self, key, weight, saved, device):
+        shape, dtype = self.state_of(weight)
+        if saved.shape != shape or saved.dtype != dtype:
+            raise ValueError(f'the saved SGD state of key {key!r} is {saved.dtype}'
+                             f'{list(saved.shape)}, but its weight needs {dtype}{list(shape)}')
+        if not self.keeps_master(weight):
+            self.states[key] = label(np.array(saved, device=device), 'optimizer state')
+            return
+        self.restore_master(key, weight, saved[-1], device)
+        if self.momentum:
+            self.states[key] = label(np.array(saved[0], device=device), 'optimizer state')
 
-class Adam:
+
+class Adam(Optimizer):
     """Adam (Kingma and Ba, 2015), by MXNet's rule and defaults.
 
     g = rescale_grad · grad + wd · weight;  mean ← β1 · mean + (1 − β1) · g;
@@ -83,25 +168,18 @@ class Adam:
     """
 
     def __init__(self, learning_rate=0.001, beta1=0.9, beta2=0.999, epsilon=1e-8, wd=0.0,
-                 rescale_grad=1.0):
-        for name, value in (('learning_rate', learning_rate), ('beta1', beta1),
-                            ('beta2', beta2), ('epsilon', epsilon), ('wd', wd),
-                            ('rescale_grad', rescale_grad)):
-            check_setting(name, value, 'Adam')
+                 rescale_grad=1.0, multi_precision=False):
+        super().__init__(rescale_grad, multi_precision, learning_rate=learning_rate,
+                         beta1=beta1, beta2=beta2, epsilon=epsilon, wd=wd)
         for name, value in (('beta1', beta1), ('beta2', beta2)):
             if value >= 1:
                 raise ValueError(f'Adam needs {name} below 1 (the bias correction divides by '
                                  f'1 - {name}^t), not {value}')
         self.learning_rate, self.beta1, self.beta2 = float(learning_rate), beta1, beta2
-        self.epsilon, self.wd, self.rescale_grad = float(epsilon), float(wd), float(rescale_grad)
-        self.states = {}             # key -> (mean, var) NDArrays, created on the first update
+        self.epsilon, self.wd = float(epsilon), float(wd)
         self.counts = {}             # key -> updates so far (t)
-        self.saved = {}              # key -> (mean, var, device) loaded, not yet given a shape
 
-    def update(self, key, weight, grad):
-        """Apply one step to `weight` in place (engine operations on weight's device)."""
-        if key in self.saved:
-            self._restore(key, weight)
+    def step(self, key, weight, grad):
         state = self.states.get(key)
         if state is None:
             state = self.states[key] = (new_state(weight), new_state(weight))
@@ -117,20 +195,21 @@ class Adam:
         var += (1 - self.beta2) * (g * g)
         weight -= rate * mean / (np.sqrt(var) + self.epsilon)
 
-    @staticmethod
-    def state_of(weight):
+    def state_of(self, weight):
         """(shape, dtype) of the state `get_states` gives for `weight`."""
-        return (2 * weight.size + 1,), numpy.dtype(numpy.float64)
+        return ((2 + self.keeps_master(weight)) * weight.size + 1,), numpy.dtype(numpy.float64)
 
     def get_states(self):
-        """{key: numpy.ndarray}: one flat float64 array a key, [t, mean..., var...], so that a
-        store saves it as it saves SGD's momentum (float64 holds every float32 and t exactly)."""
-        states = {key: (mean.asnumpy(), var.asnumpy())
-                  for key, (mean, var) in self.states.items()}
-        states.update({key: (mean, var) for key, (mean, var, _) in self.saved.items()})
-        return {key: numpy.concatenate([[self.counts[key]], numpy.ravel(mean),
-                                        numpy.ravel(var)]).astype(numpy.float64)
-                for key, (mean, var) in states.items()}
+        """{key: numpy.ndarray}: one flat float64 array a key, [t, mean..., var...] and, with a
+        master copy, master... after them, so that a store saves it as it saves SGD's momentum
+        (float64 holds every float32 and t exactly)."""
+        states = {key: saved for key, (saved, _) in self.saved.items()}
+        for key, (mean, var) in self.states.items():
+            parts = [[self.counts[key]], mean.asnumpy(), var.asnumpy()]
+            if key in self.masters:
+                parts.append(self.masters[key].asnumpy())
+            states[key] = numpy.concatenate([numpy.ravel(p) for p in parts]).astype(numpy.float64)
+        return states
 
     def set_states(self, states, device_of):
         """Take `states` (as `get_states` gives them) back; each key's mean and var get its
@@ -138,22 +217,38 @@ class Adam:
         counts, saved = {}, {}
         for key, flat in states.items():
             flat = numpy.asarray(flat, numpy.float64)
-            if flat.ndim != 1 or flat.size % 2 != 1:
+            if flat.ndim != 1 or not self.could_hold(flat.size - 1):
                 raise ValueError(f'the saved Adam state of key {key!r} is not [t, mean..., '
                                  f'var...] (shape {flat.shape}): it was not saved by Adam')
-            half = flat.size // 2
             counts[key] = int(flat[0])
-            saved[key] = (flat[1:1 + half], flat[1 + half:], device_of(key))
-        self.states, self.counts, self.saved = {}, counts, saved      # all or nothing
+            saved[key] = (flat, device_of(key))
+        self.states, self.masters, self.counts, self.saved = {}, {}, counts, saved
 
-    def _restore(self, key, weight):
-        mean, var, device = self.saved.pop(key)
-        if mean.size != weight.size:
-            raise ValueError(f'the saved Adam state of key {key!r} holds {mean.size} values, '
-                             f'its weight {weight.size}: states and weights do not match')
-        self.states[key] = tuple(label(np.array(v.reshape(weight.shape).astype(weight.dtype),
+    def could_hold(self, size):
+        """Whether `size` values can be mean and var (and, under multi_precision, a master)."""
+        return size % 2 == 0 or (self.multi_precision and size % 3 == 0)
+
+    def restore(self, key, weight, flat, device):
+        if flat.shape != self.state_of(weight)[0]:
+            raise ValueError(f'the saved Adam state of key {key!r} holds {flat.size} values, '
+                             f'its {weight.dtype} weight needs {self.state_of(weight)[0][0]}: '
+                             'states and weights do not match')
+        n = weight.size
+        dtype = FLOAT32 if self.keeps_master(weight) else weight.dtype
+        self.states[key] = tuple(label(np.array(v.reshape(weight.shape).astype(dtype),
                                                 device=device), 'optimizer state')
-                                 for v in (mean, var))
+                                 for v in (flat[1:1 + n], flat[1 + n:1 + 2 * n]))
+        if self.keeps_master(weight):
+            self.restore_master(key, weight, flat[1 + 2 * n:], device)
+
+
+def label_master(array):
+    """Count `array` as master weights; where device.memory does not know that kind yet, as
+    optimizer state (MXNet keeps the master inside the optimizer's state)."""
+    try:
+        return label(array, 'master weights')
+    except ValueError:
+        return label(array, 'optimizer state')
 
 
 def new_state(weight):
@@ -176,4 +271,3 @@ def create(name, **params):
     if name not in optimizers:
         raise ValueError(f'unknown optimizer {name!r}; d2lperf offers {sorted(optimizers)}')
     return optimizers[name](**params)
-

@@ -54,6 +54,7 @@ class Trainer:
         self.initialized = False         # whether the store holds the parameters
         self.store_updates = False       # whether the store holds the optimizer
         self.reduced = set()             # parameters whose gradients are summed for this step
+        self.loss_scaler = None          # amp's LossScaler: skips steps that overflowed
 
     def _where_to_update(self, choice):
         if self.store is None:
@@ -66,6 +67,13 @@ class Trainer:
                                  'arrives, so it takes update_on_kvstore=True (or None)')
             return True
         return self.distributed if choice is None else bool(choice)
+
+    def set_loss_scaler(self, scaler) -> None:
+        """Check every step's gradients with `scaler` (amp.init_trainer gives one)."""
+        if self.update_on_kvstore:
+            raise ValueError('a loss scaler needs the update on the devices, where a step can '
+                             'be skipped: create the Trainer with update_on_kvstore=False')
+        self.loss_scaler = scaler
 
     @property
     def kvstore(self) -> str | None:
@@ -99,7 +107,15 @@ class Trainer:
     def update(self, batch_size: int) -> None:
         """Apply the optimizer to every copy of every parameter, from its (summed) gradient."""
         self._refuse_on_kvstore('update')
-        apply_updates(self.optimizer, self.scale, batch_size, copies_of(self.params))
+        scale = self.scale
+        if self.loss_scaler is not None:
+            # every copy holds the sum now: the first copies tell whether it overflowed
+            loss_scale = self.loss_scaler.check([p.list_grad()[0] for p in self.params])
+            if loss_scale is None:
+                self.reduced.clear()
+                return
+            scale /= loss_scale          # folded into rescale_grad: no pass over the grads
+        apply_updates(self.optimizer, scale, batch_size, copies_of(self.params))
         self.reduced.clear()
 
     def backward(self, losses: Iterable[NDArray]) -> None:

@@ -1,4 +1,6 @@
 """Parameters: named arrays a model learns, with a copy (and a gradient) on each device."""
+import numpy
+
 from ..device import Device, cpu, label
 from . import init as initializers
 
@@ -17,6 +19,7 @@ class Parameter:
         self.grad_req = grad_req     # 'null': state a layer updates itself, no gradient
         self._data = None            # {device: NDArray}
         self._devices = None         # set by initialize(), kept while the shape is unknown
+        self.dtype = None            # None: the initializer's (float32); set by cast()
 
     def initialize(self, init=None, device=None, default_init=None, force_reinit=False):
         if self._data is not None and not force_reinit:
@@ -35,12 +38,26 @@ class Parameter:
 
     def _finish(self):
         first = self._init(self.shape, self._devices[0])
-        self._data = {d: first if d == self._devices[0] else first.copyto(d)
-                      for d in self._devices}
-        for array in self._data.values():
+        if self.dtype is not None and first.dtype != self.dtype:
+            first = first.astype(self.dtype)
+        self._keep({d: first if d == self._devices[0] else first.copyto(d)
+                    for d in self._devices})
+
+    def _keep(self, copies):
+        """Hold `copies` ({device: NDArray}) as the weights, each with a gradient buffer."""
+        for array in copies.values():
             label(array, 'weights')
             if self.grad_req == 'write':
                 array.attach_grad()
+        self._data = copies
+
+    def cast(self, dtype):
+        """Every copy (and its gradient) in `dtype`, as Gluon's Parameter.cast: float16
+        weights for mixed precision, whose float32 masters the optimizer keeps
+        (multi_precision). Before the shape is known it applies when the values are drawn."""
+        self.dtype = numpy.dtype(dtype)
+        if self._data is not None:
+            self._keep({d: a.astype(self.dtype) for d, a in self._data.items()})
 
     @property
     def copies(self):

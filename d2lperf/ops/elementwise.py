@@ -5,30 +5,30 @@ input gets none. The C expressions let the GPU back end fuse a chain of these op
 kernel.
 """
 from .registry import defop
-from .rules import compare, floating, input_grads, promote, same
+from .rules import compare, floating, input_grads, promote, same, weak_scalars
 
 # -- two inputs ----------------------------------------------------------------------------
 
-defop('add', lambda xp, a, b: xp.add(a, b), promote,
+defop('add', lambda xp, a, b: xp.add(*weak_scalars(a, b)), promote,
       lambda xp, g, out, a, b: input_grads((a, lambda: g), (b, lambda: g)),
       kind='elementwise', c_expr='{a} + {b}')
-defop('subtract', lambda xp, a, b: xp.subtract(a, b), promote,
+defop('subtract', lambda xp, a, b: xp.subtract(*weak_scalars(a, b)), promote,
       lambda xp, g, out, a, b: input_grads((a, lambda: g), (b, lambda: -g)),
       kind='elementwise', c_expr='{a} - {b}')
-defop('multiply', lambda xp, a, b: xp.multiply(a, b), promote,
+defop('multiply', lambda xp, a, b: xp.multiply(*weak_scalars(a, b)), promote,
       lambda xp, g, out, a, b: input_grads((a, lambda: g * b), (b, lambda: g * a)),
       kind='elementwise', c_expr='{a} * {b}')
-defop('divide', lambda xp, a, b: xp.divide(a, b), floating,
+defop('divide', lambda xp, a, b: xp.divide(*weak_scalars(a, b)), floating,
       lambda xp, g, out, a, b: input_grads((a, lambda: g / b), (b, lambda: -g * out / b)),
       kind='elementwise', c_expr='{a} / {b}')
-defop('power', lambda xp, a, b: xp.power(a, b), promote,
+defop('power', lambda xp, a, b: xp.power(*weak_scalars(a, b)), promote,
       lambda xp, g, out, a, b: input_grads((a, lambda: g * b * xp.power(a, b - 1)),
                                            (b, lambda: g * out * xp.log(a))),
       kind='elementwise', c_expr='pow({a}, {b})')
-defop('maximum', lambda xp, a, b: xp.maximum(a, b), promote,
+defop('maximum', lambda xp, a, b: xp.maximum(*weak_scalars(a, b)), promote,
       lambda xp, g, out, a, b: input_grads((a, lambda: g * (a >= b)), (b, lambda: g * (a < b))),
       kind='elementwise', c_expr='max({a}, {b})')
-defop('minimum', lambda xp, a, b: xp.minimum(a, b), promote,
+defop('minimum', lambda xp, a, b: xp.minimum(*weak_scalars(a, b)), promote,
       lambda xp, g, out, a, b: input_grads((a, lambda: g * (a <= b)), (b, lambda: g * (a > b))),
       kind='elementwise', c_expr='min({a}, {b})')
 

@@ -6,7 +6,7 @@ Both are contractions: the compiler writes them into a buffer and lets an elemen
 import numpy
 
 from .registry import defop
-from .rules import dot_shape, dtype_of, matmul_shape, unbroadcast
+from .rules import dot_shape, dtype_of, matmul_shape, rounded, unbroadcast
 
 
 def matmul_vjp(xp, g, out, a, b):
@@ -29,6 +29,6 @@ def dot_vjp(xp, g, out, a, b):
 defop('dot', lambda xp, a, b: xp.dot(a, b),
       lambda a, b: (dot_shape(a, b), numpy.result_type(a.dtype, b.dtype)), dot_vjp,
       kind='contraction')
-defop('matmul', lambda xp, a, b: xp.matmul(a, b),
+defop('matmul', lambda xp, a, b: rounded(xp.matmul(a, b), a, b),
       lambda a, b: (matmul_shape(a, b), numpy.result_type(dtype_of(a), dtype_of(b))),
       matmul_vjp, kind='contraction')

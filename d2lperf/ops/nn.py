@@ -8,7 +8,7 @@ import numpy
 
 from ..engine import pieces
 from .registry import defop
-from .rules import floating, same
+from .rules import floating, rounded, same
 
 def relu(xp, a):
     """max(a, 0), in pieces on every core the device has where `a` is large (`pieces`)."""
@@ -78,5 +78,6 @@ def fully_connected_vjp(xp, g, out, x, weight, bias):
     return xp.matmul(g, weight), xp.matmul(g2.T, x2), g2.sum(axis=0)
 
 
-defop('fully_connected', lambda xp, x, weight, bias: xp.matmul(x, weight.T) + bias,
+defop('fully_connected',
+      lambda xp, x, weight, bias: rounded(xp.matmul(x, weight.T), x, weight) + bias,
       fully_connected_infer, fully_connected_vjp, kind='contraction')

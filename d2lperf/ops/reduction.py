@@ -8,7 +8,7 @@ import math
 import numpy
 
 from .registry import defop
-from .rules import expand_reduced, reduced_shape, sum_dtype
+from .rules import expand_reduced, reduced_shape, result_type, sum_dtype
 
 
 def tuple_axis(axis):
@@ -43,7 +43,7 @@ defop('sum', lambda xp, a, axis=None, keepdims=False: xp.sum(a, tuple_axis(axis)
       reduce_infer(sum_dtype), sum_vjp, kind='reduction')
 defop('mean', lambda xp, a, axis=None, keepdims=False: xp.mean(a, tuple_axis(axis),
                                                                keepdims=keepdims),
-      reduce_infer(lambda dtype: numpy.result_type(dtype, 1.0)), mean_vjp, kind='reduction')
+      reduce_infer(lambda dtype: result_type(dtype, 1.0)), mean_vjp, kind='reduction')
 defop('max', lambda xp, a, axis=None, keepdims=False: xp.max(a, tuple_axis(axis),
                                                              keepdims=keepdims),
       reduce_infer(numpy.dtype), max_vjp, kind='reduction')

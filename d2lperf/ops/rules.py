@@ -4,10 +4,17 @@ Shapes and dtypes follow NumPy's rules (broadcasting, type promotion, with Pytho
 weakly typed as in NumPy 2), so `infer` can give an op's result type without computing it.
 `unbroadcast` is the gradient's side of broadcasting: it sums a gradient back down to the
 shape of the input it belongs to.
+
+bfloat16 on NumPy is `ml_dtypes`' (the dtype JAX uses), which NumPy's promotion does not take
+for a float: `result_type` and `weak_scalars` keep a Python float weak beside it, as NumPy 2
+does beside float16, and `rounded` brings its products back from float32. CuPy has none.
 """
 import math
 
+import ml_dtypes
 import numpy
+
+BFLOAT16 = numpy.dtype(ml_dtypes.bfloat16)      # importing ml_dtypes names it for numpy.dtype
 
 
 # -- shape and dtype rules -----------------------------------------------------------------
@@ -26,13 +33,40 @@ def dtype_of(x):
     return x.dtype if hasattr(x, 'dtype') else x
 
 
+def result_type(*dtypes):
+    """numpy.result_type, but bfloat16 beside Python scalars stays bfloat16 (NumPy would make
+    bfloat16 · 0.5 a float64, as if bfloat16 were no float)."""
+    arrays = [d for d in dtypes if isinstance(d, numpy.dtype)]
+    if arrays and all(d == BFLOAT16 for d in arrays):
+        return BFLOAT16
+    return numpy.result_type(*dtypes)
+
+
+def weak_scalars(a, b):
+    """The inputs of a binary ufunc, a Python float beside a bfloat16 array made bfloat16, so
+    that the ufunc computes what `result_type` says (ml_dtypes would compute float32)."""
+    if type(b) is float and a.dtype == BFLOAT16:
+        return a, BFLOAT16.type(b)
+    if type(a) is float and b.dtype == BFLOAT16:
+        return BFLOAT16.type(a), b
+    return a, b
+
+
+def rounded(product, *inputs):
+    """A product of bfloat16 arrays rounded to bfloat16: ml_dtypes' matmul accumulates and
+    returns float32 (NumPy has no bfloat16 BLAS)."""
+    if product.dtype != BFLOAT16 and all(x.dtype == BFLOAT16 for x in inputs):
+        return product.astype(BFLOAT16)
+    return product
+
+
 def promote(*xs):
-    return numpy.broadcast_shapes(*map(shape_of, xs)), numpy.result_type(*map(dtype_of, xs))
+    return numpy.broadcast_shapes(*map(shape_of, xs)), result_type(*map(dtype_of, xs))
 
 
 def floating(*xs):
     shape, dtype = promote(*xs)
-    return shape, numpy.result_type(dtype, 1.0)
+    return shape, result_type(dtype, 1.0)
 
 
 def compare(*xs):
