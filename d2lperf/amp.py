@@ -15,8 +15,9 @@ doubled, to find again the largest scale that fits (Micikevicius et al., 2018).
         scaled.backward()
     trainer.step(batch_size)     # skips a step whose gradients overflowed
 
-bfloat16 (`ml_dtypes` on NumPy) has float32's range, so it needs no scaler; CuPy has no
-bfloat16, so on a GPU mixed precision here is float16.
+bfloat16 (`ml_dtypes`' dtype) has float32's range, so it needs no scaler. NumPy computes it
+through ml_dtypes; CuPy from version 14 (arithmetic, products and reductions ran on an H200
+with CuPy 14.2), CuPy 13 not at all: there mixed precision is float16.
 """
 import contextlib
 

@@ -7,7 +7,8 @@ shape of the input it belongs to.
 
 bfloat16 on NumPy is `ml_dtypes`' (the dtype JAX uses), which NumPy's promotion does not take
 for a float: `result_type` and `weak_scalars` keep a Python float weak beside it, as NumPy 2
-does beside float16, and `rounded` brings its products back from float32. CuPy has none.
+does beside float16, and `rounded` brings its products back from float32 (CuPy 14 keeps
+bfloat16 as it is; CuPy 13 has no bfloat16).
 """
 import math
 
