@@ -11,7 +11,8 @@ Every chapter
                   workload sizes, atomic file writes and the training-curve Animator.
     device        where an array lives (cpu(i), gpu(i)), which array module computes there,
                   how data moves between two devices, the one way CuPy is imported, and the
-                  bytes each device holds by kind, with the peak (`memory`).
+                  ledger of the bytes the arrays on each device hold, by kind, with the peak
+                  (`memory`), with all that writes it (`Held`, `label`, `release`).
     np/           the array: NDArray, a NumPy-like array whose every operation is one engine
                   push (multiarray.py, MXNet's name); what autograd records on each array
                   (tape.py); NumPy's names for its operations (np, np.random); and the
@@ -72,7 +73,7 @@ from . import np, autograd, nn
 from .np import extension as npx
 from .nn import L2Loss, SoftmaxCrossEntropyLoss
 from .data_parallel import Trainer, get_params, sgd
-from .utils import (Accumulator, Animator, Benchmark, Timer, median_seconds, memory_in_use,
+from .utils import (Accumulator, Animator, Benchmark, Timer, median_seconds, process_memory,
                     quick_mode, workload)
 from . import amp, comm, data, data_parallel, hybrid, kvstore, optimizer
 from .engine import profiler
@@ -87,7 +88,7 @@ from .nn import Residual, lenet, resnet18
 __all__ = ['engine', 'Device', 'cpu', 'gpu', 'num_gpus', 'try_all_gpus', 'try_devices',
            'try_gpu', 'np', 'npx', 'autograd', 'nn', 'L2Loss', 'SoftmaxCrossEntropyLoss',
            'Trainer', 'get_params', 'sgd', 'Accumulator', 'Animator', 'Benchmark', 'Timer',
-           'median_seconds', 'memory_in_use', 'quick_mode', 'workload', 'comm', 'data',
+           'median_seconds', 'process_memory', 'quick_mode', 'workload', 'comm', 'data',
            'data_parallel', 'hybrid', 'kvstore', 'optimizer', 'amp', 'profiler', 'allreduce',
            'split_and_load', 'split_batch', 'accuracy', 'evaluate_accuracy_gpu',
            'evaluate_accuracy_gpus', 'load_data_fashion_mnist', 'Residual', 'lenet', 'resnet18']

@@ -5,8 +5,9 @@ A `Device` is a kind ('cpu' or 'gpu') and an index. CPU devices are virtual: `cp
 compute side by side ("Automatic Parallelism"). GPUs compute with CuPy, imported only when a
 GPU is asked for, so the package runs on machines with neither CuPy nor a GPU. `transfer`
 says how data moves between two devices. `memory(device)` says how many bytes the arrays on a
-device hold, by kind (weights, gradients, optimizer state, activations, temporaries), and the
-peak ("Data Parallelism at Scale").
+device hold, by kind (`MEMORY_KINDS`: weights, gradients, optimizer state, activations,
+temporaries), and the peak ("Data Parallelism at Scale"); the ledger it reads and everything
+that writes it (`Held`, the part of an array's engine variable that holds its bytes) live here.
 """
 import collections
 import dataclasses
@@ -169,7 +170,7 @@ def try_devices(n):
 
 # -- memory: the bytes each device's arrays hold, by kind ----------------------------------
 
-KINDS = ('weights', 'gradients', 'optimizer state', 'activations', 'temporaries')
+MEMORY_KINDS = ('weights', 'gradients', 'optimizer state', 'activations', 'temporaries')
 
 # Every change is appended, never added up in place: deque.append is atomic, so an array freed
 # on an engine worker, or by the garbage collector in the middle of another update, never loses
@@ -188,7 +189,7 @@ class Ledger:
     __slots__ = ('by_kind', 'total', 'peak', 'at_peak')
 
     def __init__(self):
-        self.by_kind = dict.fromkeys(KINDS, 0)
+        self.by_kind = dict.fromkeys(MEMORY_KINDS, 0)
         self.total = self.peak = 0
         self.at_peak = dict(self.by_kind)
 
@@ -229,7 +230,7 @@ class Memory:
         rows = [f'{self.device}: {mebibytes(self.total)} held, peak {mebibytes(self.peak)}',
                 f'  {"":16s} {"now":>12s} {"at peak":>12s}']
         rows += [f'  {kind:16s} {mebibytes(self.by_kind[kind]):>12s} '
-                 f'{mebibytes(self.at_peak[kind]):>12s}' for kind in KINDS]
+                 f'{mebibytes(self.at_peak[kind]):>12s}' for kind in MEMORY_KINDS]
         return '\n'.join(rows)
 
 
@@ -237,7 +238,7 @@ def memory(device):
     """The bytes that arrays hold on `device` now, by kind, and the peak (a `Memory`).
 
     An array counts from its creation until the last array sharing its memory (base or view)
-    is freed (see `ndarray.HeldVar`); a device never used holds nothing.
+    is freed (see `Held`); a device never used holds nothing.
     """
     with _fold_lock:
         fold_changes()
@@ -263,19 +264,61 @@ def ledger_of(device, caller):
     return _ledgers[device]
 
 
+class Held:
+    """What an engine variable that owns an array's memory does with the ledger: it holds the
+    memory's bytes on its device from the array's creation until the variable dies, that is
+    until the last array sharing the memory (base or view) is freed, as 'temporaries' until
+    labelled. What an operation makes for itself while it runs (im2col's columns, a compiled
+    graph's intermediates) is no array and is not counted.
+
+    A mixin, because the variable is the engine's (a layer above): `np.multiarray.HeldVar` is
+    `Held` and `engine.Var` together and declares `Held.FIELDS` as its slots, so the ledger
+    reads and writes only fields that this class names. `nbytes` is the memory's size;
+    `counted` whether the ledger holds it now (`release` takes it out, `restore` back).
+    """
+
+    __slots__ = ()
+    FIELDS = ('device', 'nbytes', 'kind', 'counted')
+
+    def hold(self, device, nbytes):
+        """Start counting `nbytes` on `device`, as temporaries; called once, at creation."""
+        self.device, self.nbytes, self.kind, self.counted = device, nbytes, 'temporaries', True
+        memory_changes.append((device, 'temporaries', nbytes))
+        if len(memory_changes) > FOLD_AFTER:
+            fold_changes()
+
+    def label(self, kind):
+        """Count the bytes as `kind`; released ones are counted as it when restored."""
+        if self.counted and self.kind != kind:  # one extend: nobody sees the bytes between kinds
+            memory_changes.extend(((self.device, self.kind, -self.nbytes),
+                                   (self.device, kind, self.nbytes)))
+        self.kind = kind
+
+    def release(self):
+        if self.counted:
+            memory_changes.append((self.device, self.kind, -self.nbytes))
+            self.counted = False
+
+    def restore(self):
+        if not self.counted:
+            memory_changes.append((self.device, self.kind, self.nbytes))
+            self.counted = True
+
+    def __del__(self, record=memory_changes.append):    # bound now: it runs at shutdown too
+        if self.counted:                # released bytes were taken off already, by `release`
+            record((self.device, self.kind, -self.nbytes))
+
+
 def label(array, kind):
-    """Count `array`'s bytes as `kind` (one of KINDS) from now on; returns the array.
+    """Count `array`'s bytes as `kind` (one of MEMORY_KINDS) from now on; returns the array.
 
     The bytes are held by the array's engine variable, so labelling a view labels the memory
-    it shares with its base, and an array whose variable holds no bytes stays as it is.
+    it shares with its base; a variable that holds no memory (not a `Held`) is left as it is.
     """
-    if kind not in KINDS:
-        raise ValueError(f'{kind!r} is not a kind of memory; use one of {KINDS}')
-    var = array.var
-    nbytes = getattr(var, 'nbytes', 0)
-    if nbytes and var.kind != kind:     # one extend: nobody sees the bytes between two kinds
-        memory_changes.extend(((var.device, var.kind, -nbytes), (var.device, kind, nbytes)))
-        var.kind = kind
+    if kind not in MEMORY_KINDS:
+        raise ValueError(f'{kind!r} is not a kind of memory; use one of {MEMORY_KINDS}')
+    if isinstance(array.var, Held):
+        array.var.label(kind)
     return array
 
 
@@ -285,22 +328,18 @@ def release(array):
 
     The bytes belong to the memory, which a view shares with its base: freeing part of it
     means nothing, so a view of part of a larger array is refused."""
-    var = array.var
-    if getattr(var, 'nbytes', 0):
+    if isinstance(array.var, Held):
         _refuse_part(array, 'release')
-        memory_changes.append((var.device, var.kind, -var.nbytes))
-        var.released, var.nbytes = var.nbytes, 0
+        array.var.release()
     return array
 
 
 def restore(array):
-    """Count `array`'s bytes again, its data back (after `release`): exactly what `release`
-    took, the whole memory the array lives in."""
-    var = array.var
-    if getattr(var, 'released', 0):
+    """Count `array`'s bytes again, its data back (after `release`): the whole memory the
+    array lives in."""
+    if isinstance(array.var, Held):
         _refuse_part(array, 'restore')
-        memory_changes.append((var.device, var.kind, var.released))
-        var.nbytes, var.released = var.released, 0
+        array.var.restore()
     return array
 
 
@@ -308,14 +347,12 @@ def part_of_larger(array):
     """Whether `array` is a view of part of a larger array: it takes fewer bytes than the
     memory it shares (counted or released), as a shard or a row does."""
     var = array.var
-    held = getattr(var, 'nbytes', 0) or getattr(var, 'released', 0)
-    return array.size * array.dtype.itemsize < held
+    return isinstance(var, Held) and array.size * array.dtype.itemsize < var.nbytes
 
 
 def _refuse_part(array, caller):
     if part_of_larger(array):
-        held = array.var.nbytes or array.var.released      # a HeldVar's: it holds bytes
         raise ValueError(f'{caller} acts on the memory an array holds, and this array on '
                          f'{array.device} is a view of {array.size * array.dtype.itemsize} of '
-                         f'the {held} bytes of a larger array: {caller} the array it is a '
-                         'view of')
+                         f'the {array.var.nbytes} bytes of a larger array: {caller} the array '
+                         'it is a view of')

@@ -146,8 +146,10 @@ class Accumulator:
         return self.data[idx]
 
 
-def memory_in_use(device=None):
-    """Bytes this process holds: host memory (resident set) and, on a GPU, CuPy's pool in use."""
+def process_memory(device=None):
+    """Bytes this process holds, as the operating system and CuPy see them: host memory (the
+    resident set, freed blocks the C library keeps included) and, on a GPU, CuPy's pool in
+    use. What the arrays hold, by kind, is `device.memory`."""
     import psutil
     used = {'host': psutil.Process().memory_info().rss, 'device': None}
     if device is not None and device.kind == 'gpu':

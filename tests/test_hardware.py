@@ -15,6 +15,7 @@ from hypothesis import given, strategies as st
 
 import d2lperf as d2l
 from d2lperf import hardware, utils
+from d2lperf.hardware import memory_hierarchy
 from fakes import cupy as fake_cupy
 
 UNIT_WORDS = {'bytes', 'seconds', 'ns', 'us', 'gb', 'mb', 'gflop', 'tflop', 'flop', 'mhz',
@@ -55,7 +56,7 @@ def test_median_seconds_warms_up_then_times_batches():
     assert hardware.median_seconds is utils.median_seconds   # one timer for everything
 
 
-@pytest.mark.parametrize('n', [1, 100, hardware.memory.TRIAD_BLOCK + 5])
+@pytest.mark.parametrize('n', [1, 100, memory_hierarchy.TRIAD_BLOCK + 5])
 def test_stream_kernels_compute_copy_and_triad(n):
     for name, expected in (('copy', 1.0), ('triad', 1.0 + 3.0 * 2.0)):
         run, out = hardware.stream_kernel(name, n)
@@ -80,7 +81,7 @@ def test_chase_cycle_visits_every_node_once():
     assert node is start                            # one cycle of length n ...
     assert sorted(seen) == sorted(map(id, nodes))   # ... through every node
     assert hardware.walk(start, len(nodes)) is start
-    hardware.memory.unlink(nodes)
+    memory_hierarchy.unlink(nodes)
     assert all(node.next is None for node in nodes)
 
 
@@ -96,7 +97,7 @@ class RecordingNode:
         return self.successor
 
 
-@pytest.mark.parametrize('steps', [1, hardware.memory.HOP, 2 * hardware.memory.HOP + 7])
+@pytest.mark.parametrize('steps', [1, memory_hierarchy.HOP, 2 * memory_hierarchy.HOP + 7])
 def test_walk_reads_each_address_from_the_previous_load(steps):
     log = []
     nodes = [RecordingNode(log) for _ in range(50)]
@@ -111,14 +112,14 @@ def test_walk_reads_each_address_from_the_previous_load(steps):
 def test_pointer_chase_rows():
     rows = hardware.pointer_chase([2 ** 12, 2 ** 16], steps=2048, repeats=2)
     assert_rows_have_units(rows, expected_rows=2)
-    stride = hardware.memory.bytes_per_node(hardware.chase_cycle(64))
-    assert stride >= sys.getsizeof(hardware.memory.ChaseNode())
+    stride = memory_hierarchy.bytes_per_node(hardware.chase_cycle(64))
+    assert stride >= sys.getsizeof(memory_hierarchy.ChaseNode())
     for row, size in zip(rows, [2 ** 12, 2 ** 16]):
         assert size - stride < row['working_set_bytes'] <= size
 
 
 def test_read_orders_read_the_same_data():
-    orders = hardware.memory.read_orders(64)
+    orders = memory_hierarchy.read_orders(64)
     np.testing.assert_array_equal(orders['sequential'], np.arange(64))
     np.testing.assert_array_equal(np.sort(orders['random']), np.arange(64))   # a permutation
 

@@ -12,6 +12,8 @@ import ast
 import pathlib
 import re
 
+import numpy
+
 import d2lperf
 
 PACKAGE = pathlib.Path(d2lperf.__file__).parent
@@ -138,3 +140,57 @@ def test_no_module_reads_another_modules_private_names():
             if isinstance(node, ast.Constant) and node.value in everyone - own[path]:
                 reaching.append(f'{path.name}:{node.lineno} names {node.value!r}')
     assert not reaching
+
+
+def declared_fields(tree):
+    """The fields that a module's classes declare: as class attributes (`__slots__` names
+    them), or by assigning `self.field`."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            for statement in filter(lambda n: isinstance(n, ast.Assign), node.body):
+                assigned = {n.id for t in statement.targets for n in ast.walk(t)
+                            if isinstance(n, ast.Name)}
+                names |= assigned
+                if '__slots__' in assigned:
+                    names |= {e.value for e in ast.walk(statement.value)
+                              if isinstance(e, ast.Constant)}
+        elif (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+              and isinstance(node.value, ast.Name) and node.value.id == 'self'):
+            names.add(node.attr)
+    return names
+
+
+def reached_fields(tree):
+    """(field, line) for each field a module reaches on another object than its own: by name
+    through getattr, hasattr, setattr or delattr, or by assigning `other.field`."""
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                and node.func.id in ('getattr', 'hasattr', 'setattr', 'delattr')
+                and len(node.args) > 1 and isinstance(node.args[1], ast.Constant)
+                and not (isinstance(node.args[0], ast.Name) and node.args[0].id == 'self')):
+            yield node.args[1].value, node.lineno
+        elif (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+              and isinstance(node.value, ast.Name) and node.value.id not in ('self', 'cls')):
+            yield node.attr, node.lineno
+
+
+# What every layer may ask of an array, NumPy's, CuPy's or NDArray alike (shape, dtype, ...).
+ARRAY_PROTOCOL = set(dir(numpy.ndarray))
+
+
+def test_no_layer_reaches_a_field_that_only_a_layer_above_declares():
+    """An import shows a dependency; duck typing hides one: device.py once read and wrote the
+    `released` field of np's HeldVar through getattr, importing nothing. A field that no
+    class of a module's layer or below declares is a layer above's to read and write."""
+    rank = {name: i for i, name in enumerate(stated_order())}
+    layer = {path: rank[entry] for path, (entry, _) in modules().items()}
+    trees = {path: ast.parse(path.read_text()) for path in layer}
+    lowest = {}                                 # field -> the lowest layer that declares it
+    for path, tree in trees.items():
+        for field in declared_fields(tree) - ARRAY_PROTOCOL:
+            lowest[field] = min(lowest.get(field, layer[path]), layer[path])
+    upward = [f'{path.relative_to(PACKAGE)}:{line} reaches .{field}'
+              for path, tree in trees.items() for field, line in reached_fields(tree)
+              if lowest.get(field, -1) > layer[path]]
+    assert upward == []

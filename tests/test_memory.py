@@ -49,7 +49,7 @@ def change(before, dev):
     """The bytes by kind that `dev` holds now beyond `before`, kinds that did not change left
     out."""
     now = held(dev).by_kind
-    return {kind: now[kind] - before.by_kind[kind] for kind in device.KINDS
+    return {kind: now[kind] - before.by_kind[kind] for kind in device.MEMORY_KINDS
             if now[kind] != before.by_kind[kind]}
 
 
@@ -114,11 +114,11 @@ def test_an_unknown_kind_or_a_device_that_is_none_are_refused():
 
 def test_a_device_never_used_holds_nothing_and_prints_in_mebibytes():
     unused = device.memory(d2l.cpu(97))
-    assert unused.by_kind == dict.fromkeys(device.KINDS, 0) == unused.at_peak
+    assert unused.by_kind == dict.fromkeys(device.MEMORY_KINDS, 0) == unused.at_peak
     assert unused.total == unused.peak == 0
     text = str(device.memory(CPU1))
     assert text.startswith('cpu(1): ') and 'MiB held, peak' in text
-    assert all(kind in text for kind in device.KINDS) and repr(device.memory(CPU1)) == text
+    assert all(kind in text for kind in device.MEMORY_KINDS) and repr(device.memory(CPU1)) == text
 
 
 def test_the_peak_and_the_kinds_at_the_peak_until_it_is_reset():
@@ -212,6 +212,27 @@ def test_frees_on_a_worker_while_this_thread_makes_arrays_lose_no_change():
     assert change(before2, CPU2) == {}
 
 
+def test_an_array_freed_while_released_is_taken_off_once_and_keeps_a_later_label():
+    before = held(CPU1)
+    weight = device.release(device.label(np.ones((4,), 'float32', device=CPU1), 'weights'))
+    assert change(before, CPU1) == {}
+    device.label(weight, 'gradients')                   # released: nothing to move yet
+    assert change(before, CPU1) == {}
+    device.restore(weight)
+    assert change(before, CPU1) == {'gradients': 16}
+    device.release(weight)
+    del weight
+    assert change(before, CPU1) == {}
+
+
+def test_only_the_variables_that_hold_memory_are_held():
+    """The ledger's fields are declared once, by `Held`, and HeldVar adds the engine's."""
+    var = np.ones((2,), device=CPU1).var
+    assert isinstance(var, device.Held) and isinstance(var, engine.Var)
+    assert not hasattr(var, '__dict__') and set(device.Held.FIELDS) <= set(dir(var))
+    assert not isinstance(engine.Var(), device.Held)
+
+
 def test_pending_changes_are_added_up_as_arrays_are_made():
     arrays = [np.ones((1,), device=CPU1) for _ in range(3 * device.FOLD_AFTER)]
     assert len(device.memory_changes) <= 2 * device.FOLD_AFTER
@@ -238,7 +259,7 @@ steps = st.one_of(
               st.lists(st.integers(0, 4), max_size=3).map(tuple), st.sampled_from(list(DTYPES))),
     st.tuples(st.just('view'), st.integers(0, 40), st.sampled_from(['index', 'reshape', 'T'])),
     st.tuples(st.just('free'), st.integers(0, 40)),
-    st.tuples(st.just('label'), st.integers(0, 40), st.sampled_from(device.KINDS)))
+    st.tuples(st.just('label'), st.integers(0, 40), st.sampled_from(device.MEMORY_KINDS)))
 
 
 class Model:
@@ -248,7 +269,7 @@ class Model:
     def __init__(self):
         self.handles = []
         self.peak = dict.fromkeys(DEVICES, 0)
-        self.at_peak = {dev: dict.fromkeys(device.KINDS, 0) for dev in DEVICES}
+        self.at_peak = {dev: dict.fromkeys(device.MEMORY_KINDS, 0) for dev in DEVICES}
 
     def run(self, step):
         getattr(self, step[0])(*step[1:])
@@ -284,7 +305,7 @@ class Model:
 
     def by_kind(self):
         blocks = {id(block): block for _, block in self.handles}.values()
-        held_now = {dev: dict.fromkeys(device.KINDS, 0) for dev in DEVICES}
+        held_now = {dev: dict.fromkeys(device.MEMORY_KINDS, 0) for dev in DEVICES}
         for block in blocks:
             held_now[block['device']][block['kind']] += block['bytes']
         return held_now
@@ -303,7 +324,7 @@ def test_the_counts_follow_a_model_of_the_program(engine_kind, program):
     expected = model.by_kind()
     for dev in DEVICES:
         now = device.memory(dev)
-        assert {k: now.by_kind[k] - before[dev].by_kind[k] for k in device.KINDS} == expected[dev]
+        assert {k: now.by_kind[k] - before[dev].by_kind[k] for k in device.MEMORY_KINDS} == expected[dev]
         assert now.peak - before[dev].total == model.peak[dev]
-        assert {k: now.at_peak[k] - before[dev].by_kind[k] for k in device.KINDS} == (
+        assert {k: now.at_peak[k] - before[dev].by_kind[k] for k in device.MEMORY_KINDS} == (
             model.at_peak[dev])

@@ -1,11 +1,14 @@
 """Microbenchmarks of the reader's own machine, run by the chapter "Hardware".
 
-    machine   what is in the box: CPU, cores, caches, memory, BLAS, GPUs; the load of others
-    memory    bandwidth of each cache level and of main memory, latency, the order of reads
-    compute   vectorization, BLAS matrix multiply by size and precision, BLAS threads
-              and a busy core, the roofline
-    io        cores writing one cache line, storage reads, messages over the network stack
-    gpu       device memory, host-device copies, kernel launches, tensor-core products
+    machine           what is in the box: CPU, cores, caches, memory, BLAS, GPUs; the load
+                      of others
+    memory_hierarchy  bandwidth of each cache level and of main memory, latency, the order
+                      of reads
+    compute           vectorization, BLAS matrix multiply by size and precision, BLAS threads
+                      and a busy core, the roofline
+    io                cores writing one cache line, storage reads, messages over the network
+                      stack
+    gpu               device memory, host-device copies, kernel launches, tensor-core products
 
 Every function returns plain rows (a list of dicts) whose numeric columns name their unit
 (`_bytes`, `_seconds`, `_ns`, `_gb_per_s`, ...); `print_table` prints them. A timing is the
@@ -16,8 +19,9 @@ median of several repeats after one warm-up run; sizes come from `workload`, so
 from ..utils import median_seconds                                       # noqa: F401
 from .machine import (cache_sizes, cpu_times, describe_load,             # noqa: F401
                       load_by_others, system_summary)
-from .memory import (CACHE_LINE_BYTES, chase_cycle, memory_bandwidth,    # noqa: F401
-                     pointer_chase, read_patterns, stream_kernel, walk)
+from .memory_hierarchy import (CACHE_LINE_BYTES, chase_cycle,            # noqa: F401
+                               memory_bandwidth, pointer_chase, read_patterns,
+                               stream_kernel, walk)
 from .compute import (blas_threads, busy_core, kernel_counts,           # noqa: F401
                       matmul_flops, predict_seconds, products_under_load, roofline_bound,
                       roofline_kernels, threads_by_size, vectorization)

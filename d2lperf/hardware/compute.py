@@ -14,7 +14,7 @@ import numpy
 import threadpoolctl
 
 from ..utils import median_seconds, workload
-from .memory import stream_kernel
+from .memory_hierarchy import stream_kernel
 
 
 # --- Arithmetic: vectorization, matrix multiply, roofline ---------------------------------

@@ -17,7 +17,7 @@ from multiprocessing import shared_memory
 import numpy
 import psutil
 
-from .memory import CACHE_LINE_BYTES
+from .memory_hierarchy import CACHE_LINE_BYTES
 from ..utils import workload
 
 

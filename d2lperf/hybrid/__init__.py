@@ -2,15 +2,17 @@
 
 The pipeline, one module each (taught in "Compilers and Interpreters"):
 
-    trace.py     run forward once on Symbols (shape, dtype, device; no data) -> Graph
-    graph.py     the IR: typed nodes in A-normal form; `print(graph)`; a reference interpreter
-    passes.py    fold_constants, eliminate_common_subexpressions, eliminate_dead_code,
-                 fuse_elementwise: each takes a graph and returns a new one
-    memory.py    plan_memory: a workspace buffer per value, reused once dead, or in place
-    codegen.py   Python source calling NumPy/CuPy with out= buffers, compiled with compile()
-    gpu.py       on a GPU: fused CUDA kernels and CUDA-graph replay
-    runtime.py   a cache per input signature; each call is ONE engine push; autograd
-    serialize.py export to JSON + .npz, and a validating loader
+    trace.py        run forward once on Symbols (shape, dtype, device; no data) -> Graph
+    graph.py        the IR: typed nodes in A-normal form; `print(graph)`; a reference
+                    interpreter
+    passes.py       fold_constants, eliminate_common_subexpressions, eliminate_dead_code,
+                    fuse_elementwise: each takes a graph and returns a new one
+    memory_plan.py  plan_memory: the compiled program's workspace, a buffer per value,
+                    reused once dead, or written in place
+    codegen.py      Python source calling NumPy/CuPy with out= buffers, compiled with compile()
+    gpu.py          on a GPU: fused CUDA kernels and CUDA-graph replay
+    runtime.py      a cache per input signature; each call is ONE engine push; autograd
+    serialize.py    export to JSON + .npz, and a validating loader
 
 For example, `relu(x @ w.T + b)` traces to
 
@@ -32,7 +34,7 @@ fusion makes the last three nodes one step, and the generated code reads
         return (v4,)
 """
 from .graph import Graph, Node, evaluate, gradients
-from .memory import MemoryPlan, plan_memory
+from .memory_plan import MemoryPlan, plan_memory
 from .passes import (bind, eliminate_common_subexpressions, eliminate_dead_code,
                      fold_constants, fuse_elementwise, optimize, simplify)
 from .codegen import Program, generate

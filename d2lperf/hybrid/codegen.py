@@ -14,7 +14,7 @@ import math
 
 from ..ops import REGISTRY, as_array
 from .graph import ARGUMENT_KINDS
-from .memory import writes_into
+from .memory_plan import writes_into
 
 _programs = itertools.count()
 

@@ -15,7 +15,7 @@ from ..device import cupy_module
 from ..ops import REGISTRY
 from .codegen import generate, is_plain_number
 from .graph import Node
-from .memory import plan_memory, writes_into
+from .memory_plan import plan_memory, writes_into
 
 C_TYPES = {numpy.dtype('float32'): 'float', numpy.dtype('float64'): 'double'}
 DENSE_ROWS = 64         # up to this batch, a dense layer is our own kernel (no cuBLAS)

@@ -3,7 +3,7 @@
 Each pass copies its input, so the reader can print the graph before and after. `optimize`
 runs them in the order a compiler would: fold what is known, merge what is repeated, drop
 what is unused, then fuse elementwise chains so that each runs as one step. Memory planning,
-the last pass, lives in `memory.py`. Taught in "Compilers and Interpreters".
+the last pass, lives in `memory_plan.py`. Taught in "Compilers and Interpreters".
 """
 import numpy
 

@@ -15,7 +15,7 @@ from ..ops import REGISTRY, Op
 from ..np.tape import TAPE, TapeNode
 from .codegen import generate
 from .graph import Node, evaluate, gradients
-from .memory import aliased_outputs, plan_memory
+from .memory_plan import aliased_outputs, plan_memory
 from .passes import fuse_elementwise, simplify
 from .trace import trace
 

@@ -11,7 +11,7 @@ import numbers
 import numpy
 
 from .. import engine
-from ..device import FOLD_AFTER, Device, cpu, fold_changes, label, memory_changes, transfer
+from ..device import Device, Held, cpu, label, transfer
 from ..ops import REGISTRY, as_array, index_shape
 from .tape import TAPE, TapeNode, needs_grad
 
@@ -83,29 +83,18 @@ class ArrayMethods:
     def copy(self): return apply('copy', self)
 
 
-class HeldVar(engine.Var):
-    """The engine variable of an array that owns its memory, and so holds its bytes.
+class HeldVar(Held, engine.Var):
+    """The engine variable of an array that owns its memory, and so holds its bytes on the
+    device's ledger (`device.Held`); a view gets its base's variable, so it is never counted
+    twice."""
 
-    The bytes count on their device (`device.memory`) from the moment the array is created
-    (pushed) until this variable dies, that is until the last array sharing it (base or view)
-    is freed; a view gets its base's variable, so it is never counted twice. They count as
-    'temporaries' until labelled (`device.label`). What an operation makes for itself while it
-    runs (im2col's columns, a compiled graph's intermediates) is no array and is not counted.
-    """
-
-    # `released`: the bytes `device.release` took, until `restore`; unset (read as 0) on the
-    # arrays never released, so that making an array costs no more for it.
-    __slots__ = ('device', 'nbytes', 'kind', 'released')
+    __slots__ = Held.FIELDS
 
     def __init__(self, device, nbytes):
+        # Each base by name, not a cooperative super().__init__: on Python 3.11 that costs
+        # about 100 ns more per array, and every operation makes one.
         engine.Var.__init__(self)
-        self.device, self.nbytes, self.kind = device, nbytes, 'temporaries'
-        memory_changes.append((device, 'temporaries', nbytes))
-        if len(memory_changes) > FOLD_AFTER:
-            fold_changes()
-
-    def __del__(self, record=memory_changes.append):    # bound now: it runs at shutdown too
-        record((self.device, self.kind, -self.nbytes))
+        self.hold(device, nbytes)
 
 
 class NDArray(ArrayMethods):
@@ -245,44 +234,73 @@ def infer(op, inputs, attrs):
 
 
 def apply(name, *inputs, **attrs):
-    """Push one registered operation; return its output NDArray at once."""
+    """Push one registered operation; return its output NDArray at once.
+
+    Five steps, which every operation takes: find the array inputs (or hand the call to the
+    compiler's tracer), the one device they share, the output's shape and dtype, then push
+    the work (a view of the first input, or a new array computed, with any input the op
+    writes in place), and leave a node on the tape if autograd records."""
     op = REGISTRY[name]
+    # The scan stays here, not in a function of its own: one more call costs 2% of a tiny
+    # operation's time (benchmarks/engine.py), and this is the path every operation takes.
     arrays = []
     for x in inputs:
         if type(x) is NDArray:
             arrays.append(x)
         elif type(x) in PYTHON_SCALARS:
             pass
-        elif hasattr(x, 'apply_op'):            # a tracer from the compiler: it builds a graph
-            return x.apply_op(name, inputs, attrs)
+        elif hasattr(x, 'apply_op'):
+            return traced(name, inputs, attrs)
         else:
             as_device_input(x)
     if not arrays:
         raise TypeError(f"operation '{name}' needs at least one NDArray input")
     device = arrays[0].device if len(arrays) == 1 else common_device(name, arrays)
     shape, dtype = infer(op, inputs, attrs)
-    compute, xp = op.compute, device.xp
     if op.kind == 'view':
-        out = alias(arrays[0], shape, dtype,
-                    lambda data: as_array(xp, compute(xp, data, **attrs)), name)
+        out = push_view(op, arrays[0], shape, dtype, attrs)
     else:
         out = NDArray(shape, dtype, device)
-        if len(arrays) == len(inputs):
-            def run():
-                out.data = as_array(xp, compute(xp, *[x.data for x in inputs], **attrs))
-        else:
-            def run():
-                out.data = as_array(xp, compute(
-                    xp, *[x.data if type(x) is NDArray else x for x in inputs], **attrs))
-        if op.writes:
-            written = [inputs[i].var for i in op.writes]
-            engine.push(run, [x.var for x in arrays if x.var not in written],
-                        [out.var] + written, device, name)
-        else:
-            engine.push(run, [x.var for x in arrays], [out.var], device, name)
+        push_compute(op, out, inputs, arrays, attrs)
     if TAPE.recording and any(map(needs_grad, arrays)):
         out.node = TapeNode(op, inputs, attrs)
     return out
+
+
+def traced(name, inputs, attrs):
+    """Hand the call to the compiler's tracer among the inputs: it records a graph node."""
+    tracer = next(x for x in inputs if hasattr(x, 'apply_op'))
+    return tracer.apply_op(name, inputs, attrs)
+
+
+def push_view(op, base, shape, dtype, attrs):
+    """Push the operation that makes a view of `base` (see `alias`)."""
+    compute, xp = op.compute, base.device.xp
+    return alias(base, shape, dtype, lambda data: as_array(xp, compute(xp, data, **attrs)),
+                 op.name)
+
+
+def push_compute(op, out, inputs, arrays, attrs):
+    """Push the operation that computes `out`: it reads the arrays and writes `out`, and the
+    inputs the op updates in place (`op.writes`), which it then does not count as reads.
+
+    Two closures, nearly alike, for speed: a push makes exactly one (one allocation), and
+    the common one, every input an array, reads their data without testing each one's type
+    when it runs."""
+    compute, xp = op.compute, out.device.xp
+    if len(arrays) == len(inputs):
+        def run():
+            out.data = as_array(xp, compute(xp, *[x.data for x in inputs], **attrs))
+    else:
+        def run():
+            out.data = as_array(xp, compute(
+                xp, *[x.data if type(x) is NDArray else x for x in inputs], **attrs))
+    if op.writes:
+        written = [inputs[i].var for i in op.writes]
+        engine.push(run, [x.var for x in arrays if x.var not in written],
+                    [out.var] + written, out.device, op.name)
+    else:
+        engine.push(run, [x.var for x in arrays], [out.var], out.device, op.name)
 
 
 def refuse_while_recording(target, what):

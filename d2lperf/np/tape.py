@@ -5,15 +5,15 @@ on its output array (`array.node`): the op, the inputs and the attributes it ran
 nodes, linked through their inputs, are the graph that `autograd.backward` walks in
 reverse. `TAPE.recording` says whether to leave nodes; `TAPE.training` whether layers such
 as dropout behave as in training or as in prediction. Both are set only by autograd's
-context managers. The tape lives apart from autograd.py so that ndarray, which records, need
-not import autograd, which sits above it: `TAPE.walk` is autograd's `backward`, set when
-autograd is imported, and `NDArray.backward` calls it. The two modules together are all of
-reverse mode.
+context managers. The tape lives apart from autograd.py so that the array (multiarray.py),
+which records, need not import autograd, which sits above it: `TAPE.walk` is autograd's
+`backward`, set when autograd is imported, and `NDArray.backward` calls it. The two modules
+together are all of reverse mode.
 
 A node keeps its inputs alive until the graph is freed, for backward to read: the memory they
 hold counts as activations from then on (`device.memory`).
 """
-from ..device import label
+from ..device import Held
 
 
 class TapeNode:
@@ -46,8 +46,9 @@ def keep_for_backward(inputs):
     """A node keeps its inputs until the graph is freed: an array that held temporaries now
     holds activations (weights, gradients and optimizer state keep their kind)."""
     for x in inputs:
-        if getattr(getattr(x, 'var', None), 'kind', None) == 'temporaries':
-            label(x, 'activations')
+        var = getattr(x, 'var', None)           # a scalar input has none
+        if isinstance(var, Held) and var.kind == 'temporaries':
+            var.label('activations')
 
 
 def needs_grad(array):

@@ -1,4 +1,4 @@
-"""Memory planning: which buffer each value of the program is written into.
+"""The compiled program's memory plan: which buffer each of its values is written into.
 
 The generated code computes into buffers allocated once, when the program is compiled, not
 on every call. A buffer is reused as soon as every value stored in it is dead (its lifetime
