@@ -78,6 +78,32 @@ def train_with_trainer(devices, optimizer, steps=5):
             if p.grad_req == 'write'}
 
 
+@pytest.mark.parametrize('stage', [1, 2, 3])
+def test_zero_in_float16_keeps_float32_master_shards_and_trains_as_one_device(stage):
+    """multi_precision under ZeRO: each device's optimizer keeps the float32 master of its own
+    chunk only (the key is the unit and the device); the float16 weights follow it."""
+    def run(devices, make):
+        net = mlp(devices)
+        net.cast('float16')
+        X_parts, y_parts = d2l.split_batch(X.astype('float16'), y, devices)
+        strategy = make(net)
+        for _ in range(5):
+            strategy.step(lambda: [loss(net(a).astype('float32'), b)
+                                   for a, b in zip(X_parts, y_parts)], 24)
+        return strategy
+    adam = ('adam', {'learning_rate': 0.01, 'multi_precision': True})
+    one = run([d2l.cpu(1)], buckets(*adam)).weights()
+    sharded = run([d2l.cpu(i) for i in (1, 2, 3)], lambda net: Zero(net, stage, *adam))
+    many = sharded.weights()
+    for key in one:
+        assert many[key].dtype == numpy.float16
+        # float16 rounds each weight to 2^-11 of itself; the sums add in another order
+        numpy.testing.assert_allclose(many[key], one[key], atol=2e-3, rtol=0)
+    masters = sharded.optimizer.masters.values()
+    assert all(m.dtype == numpy.float32 for m in masters)
+    assert sum(m.size for m in masters) == sum(w.size for w in many.values())   # Ψ in all
+
+
 @pytest.mark.parametrize('name', ['buckets of 600 B', 'ZeRO 1', 'ZeRO 2', 'ZeRO 3'])
 def test_rescale_grad_is_honoured_as_the_trainer_honours_it(name):
     """One update path: the user's rescale_grad times 1/batch_size, through every strategy."""

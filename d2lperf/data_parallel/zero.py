@@ -160,7 +160,7 @@ def units_of(net, params, devices, stage):
     """The net's children that hold trained parameters, in forward order, as Units."""
     trained_ids = {id(p) for p in params}
     units, covered = [], set()
-    for child in net._children.values():
+    for child in net.children():
         mine = [p for p in child.collect_params().values() if id(p) in trained_ids]
         if mine:
             units.append(Unit(len(units), child, mine, devices, stage))

@@ -31,6 +31,11 @@ class Block:
             self._params[name] = value
         object.__setattr__(self, name, value)
 
+    def children(self):
+        """The blocks assigned to this one, in the order they were assigned (PyTorch's name):
+        FSDP and ZeRO-3 shard a net by them."""
+        return list(self._children.values())
+
     def collect_params(self, prefix=''):
         """Every parameter of this block and its children, by dotted name."""
         params = collections.OrderedDict((prefix + n, p) for n, p in self._params.items())
