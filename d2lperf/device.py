@@ -170,7 +170,8 @@ def try_devices(n):
 
 # -- memory: the bytes each device's arrays hold, by kind ----------------------------------
 
-MEMORY_KINDS = ('weights', 'gradients', 'optimizer state', 'activations', 'temporaries')
+MEMORY_KINDS = ('weights', 'master weights', 'gradients', 'optimizer state', 'activations',
+                'temporaries')
 
 # Every change is appended, never added up in place: deque.append is atomic, so an array freed
 # on an engine worker, or by the garbage collector in the middle of another update, never loses
@@ -183,15 +184,20 @@ _fold_lock = threading.RLock()           # taken only to add up; appending never
 
 
 class Ledger:
-    """One device's running sums: bytes by kind, their total, the total's peak, and the bytes
-    by kind at that peak."""
+    """One device's running sums: bytes by kind, their total, the total's peak, the bytes by
+    kind at that peak, and each kind's own peak (which may fall at another moment)."""
 
-    __slots__ = ('by_kind', 'total', 'peak', 'at_peak')
+    __slots__ = ('by_kind', 'total', 'peak', 'at_peak', 'peak_by_kind')
 
     def __init__(self):
         self.by_kind = dict.fromkeys(MEMORY_KINDS, 0)
         self.total = self.peak = 0
         self.at_peak = dict(self.by_kind)
+        self.peak_by_kind = dict(self.by_kind)
+
+    def start_peaks(self):
+        self.peak, self.at_peak = self.total, dict(self.by_kind)
+        self.peak_by_kind = dict(self.by_kind)
 
 
 _ledgers = collections.defaultdict(Ledger)      # device -> the changes added up so far
@@ -204,10 +210,13 @@ def fold_changes():
         for _ in range(len(memory_changes)):
             device, kind, nbytes = pop()
             ledger = ledgers[device]
-            ledger.by_kind[kind] += nbytes
+            held = ledger.by_kind[kind] = ledger.by_kind[kind] + nbytes
             ledger.total += nbytes
-            if ledger.total > ledger.peak:
-                ledger.peak, ledger.at_peak = ledger.total, dict(ledger.by_kind)
+            if nbytes > 0:
+                if held > ledger.peak_by_kind[kind]:
+                    ledger.peak_by_kind[kind] = held
+                if ledger.total > ledger.peak:
+                    ledger.peak, ledger.at_peak = ledger.total, dict(ledger.by_kind)
 
 
 def mebibytes(nbytes):
@@ -217,20 +226,24 @@ def mebibytes(nbytes):
 @dataclasses.dataclass(frozen=True, repr=False)
 class Memory:
     """What `memory(device)` found: the bytes held by kind (every kind, zeros included), their
-    total, the highest total since the start or the last `reset_peak`, and the bytes by kind
-    at that moment: the kind to shrink (shard, recompute, free sooner) for a model to fit."""
+    total, the highest total since the start or the last `reset_peak`, the bytes by kind at
+    that moment (the kind to shrink, by sharding, recomputing or freeing sooner, for a model to
+    fit), and each kind's own highest since then (`peak_by_kind`: ZeRO-3's peak of weights
+    falls while a unit is gathered, not necessarily at the peak of the total)."""
 
     device: Device
     by_kind: dict
     total: int
     peak: int
     at_peak: dict
+    peak_by_kind: dict
 
     def __repr__(self):
         rows = [f'{self.device}: {mebibytes(self.total)} held, peak {mebibytes(self.peak)}',
-                f'  {"":16s} {"now":>12s} {"at peak":>12s}']
+                f'  {"":16s} {"now":>12s} {"at peak":>12s} {"own peak":>12s}']
         rows += [f'  {kind:16s} {mebibytes(self.by_kind[kind]):>12s} '
-                 f'{mebibytes(self.at_peak[kind]):>12s}' for kind in MEMORY_KINDS]
+                 f'{mebibytes(self.at_peak[kind]):>12s} '
+                 f'{mebibytes(self.peak_by_kind[kind]):>12s}' for kind in MEMORY_KINDS]
         return '\n'.join(rows)
 
 
@@ -244,7 +257,7 @@ def memory(device):
         fold_changes()
         ledger = ledger_of(device, 'memory')
         return Memory(device, dict(ledger.by_kind), ledger.total, ledger.peak,
-                      dict(ledger.at_peak))
+                      dict(ledger.at_peak), dict(ledger.peak_by_kind))
 
 
 def reset_peak(device=None):
@@ -254,7 +267,7 @@ def reset_peak(device=None):
         fold_changes()
         ledgers = _ledgers.values() if device is None else [ledger_of(device, 'reset_peak')]
         for ledger in ledgers:
-            ledger.peak, ledger.at_peak = ledger.total, dict(ledger.by_kind)
+            ledger.start_peaks()
 
 
 def ledger_of(device, caller):

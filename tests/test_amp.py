@@ -335,8 +335,6 @@ def test_float16_training_reaches_the_float32_loss(devices):
 
 # -- memory ---------------------------------------------------------------------------------
 
-@pytest.mark.skipif('master weights' not in device.memory(d2l.cpu()).by_kind,
-                    reason="device.memory has no kind 'master weights' yet")
 def test_memory_counts_float16_weights_and_float32_masters():
     where = d2l.cpu(6)
     engine.wait_all()

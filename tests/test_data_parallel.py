@@ -296,3 +296,57 @@ def test_communication_seconds_add_the_two_halves_of_an_allreduce():
     topology = comm.cost.Topology('t', 4, 1e9, 1e9, None, 1e-5)
     allreduce = comm.cost.allreduce_time('ring', 4e6, topology)
     assert predict.communication_seconds([4e6], 4, 1, 1e-5, 1e-9) == pytest.approx(allreduce)
+
+
+WIDTHS = [32, 64, 48, 16, 10]              # four units of 8448, 12480, 3136 and 680 bytes
+
+
+def wide_net(devices):
+    net = nn.HybridSequential()
+    for fan_in, fan_out in zip(WIDTHS[:-1], WIDTHS[1:]):
+        net.add(nn.Dense(fan_out, in_units=fan_in, activation='relu'))
+    np.random.seed(0)
+    net.initialize(init=d2l.nn.init.Normal(sigma=0.1), device=devices)
+    return net
+
+
+def own_peaks(stage, prefetch=1):
+    """Each kind's own peak on the first of two devices in a second step, above what it held
+    before the step."""
+    devices = [d2l.cpu(1), d2l.cpu(2)]
+    net = wide_net(devices)
+    inputs = np.array(numpy.random.default_rng(1).standard_normal((4, 32)).astype('float32'))
+    X_parts, y_parts = d2l.split_batch(inputs, y[:4], devices)
+    strategy = Zero(net, stage, 'adam', prefetch=prefetch)
+    forward = lambda: [loss(net(a), b) for a, b in zip(X_parts, y_parts)]
+    strategy.step(forward, 4)
+    settle()
+    d2l.device.reset_peak()
+    before = d2l.device.memory(devices[0])
+    strategy.step(forward, 4)
+    settle()
+    after = d2l.device.memory(devices[0])
+    return {k: after.peak_by_kind[k] - before.by_kind[k] for k in ('weights', 'gradients')}
+
+
+@pytest.mark.parametrize('prefetch', [0, 1, 2])
+def test_stage_three_holds_its_shards_and_prefetch_plus_one_units_whole(engine_kind, prefetch):
+    units = [(a * b + b) * 4 for a, b in zip(WIDTHS[:-1], WIDTHS[1:])]
+    window = max(sum(units[i:i + prefetch + 1]) for i in range(len(units)))
+    assert own_peaks(3, prefetch)['weights'] == window        # above the shards, to the byte
+
+
+@pytest.mark.parametrize('stage', [1, 2, 3])
+def test_a_gradient_is_held_only_until_its_unit_is_sent(stage):
+    """On the naive engine (every operation done when pushed, so freed memory is freed at
+    once), stages 2 and 3 hold above their shards only the largest unit's gradients twice:
+    as backward made them and packed flat to send. Stage 1 keeps every gradient until the
+    update, and the largest unit's once more while it is packed."""
+    d2l.engine.use('naive')
+    try:
+        peaks = own_peaks(stage)
+    finally:
+        d2l.engine.use('threaded')
+    psi_bytes = sum((a * b + b) * 4 for a, b in zip(WIDTHS[:-1], WIDTHS[1:]))
+    largest = max((a * b + b) * 4 for a, b in zip(WIDTHS[:-1], WIDTHS[1:]))
+    assert peaks['gradients'] == (psi_bytes + largest if stage == 1 else 2 * largest)

@@ -104,7 +104,7 @@ def test_a_label_moves_the_bytes_of_the_memory_an_array_shares():
 
 def test_an_unknown_kind_or_a_device_that_is_none_are_refused():
     x = np.ones((2,), device=CPU1)
-    with pytest.raises(ValueError, match=r"'weight' is not a kind.*'weights', 'gradients'"):
+    with pytest.raises(ValueError, match=r"'weight' is not a kind.*'weights', 'master weights'"):
         device.label(x, 'weight')
     with pytest.raises(TypeError, match=r'needs a Device such as d2l.cpu\(1\)'):
         device.memory('cpu(1)')
@@ -270,11 +270,14 @@ class Model:
         self.handles = []
         self.peak = dict.fromkeys(DEVICES, 0)
         self.at_peak = {dev: dict.fromkeys(device.MEMORY_KINDS, 0) for dev in DEVICES}
+        self.peak_by_kind = {dev: dict.fromkeys(device.MEMORY_KINDS, 0) for dev in DEVICES}
 
     def run(self, step):
         getattr(self, step[0])(*step[1:])
         by_kind = self.by_kind()
         for dev in DEVICES:
+            for kind, held_now in by_kind[dev].items():
+                self.peak_by_kind[dev][kind] = max(self.peak_by_kind[dev][kind], held_now)
             if sum(by_kind[dev].values()) > self.peak[dev]:
                 self.peak[dev], self.at_peak[dev] = sum(by_kind[dev].values()), by_kind[dev]
 
@@ -328,3 +331,5 @@ def test_the_counts_follow_a_model_of_the_program(engine_kind, program):
         assert now.peak - before[dev].total == model.peak[dev]
         assert {k: now.at_peak[k] - before[dev].by_kind[k] for k in device.MEMORY_KINDS} == (
             model.at_peak[dev])
+        assert {k: now.peak_by_kind[k] - before[dev].by_kind[k]
+                for k in device.MEMORY_KINDS} == model.peak_by_kind[dev]

@@ -25,6 +25,7 @@ collective a unit, never one a parameter.
 
 Taught in "Data Parallelism at Scale"; `predict` says what each stage should hold and move.
 """
+import collections
 import weakref
 
 import numpy
@@ -81,6 +82,7 @@ class Zero:
 
     def backward(self, losses):
         """Each device's backward pass; a unit's gradients go on as soon as a device has them."""
+        self.sends_pending = [collections.deque() for _ in self.devices]
         for device, loss in enumerate(losses):
             missing = {id(unit): len(unit.params) for unit in self.units}
             unit_of = {id(view): unit for unit in self.units for view in unit.views[device]}
@@ -106,6 +108,16 @@ class Zero:
         unit.send_chunks(device)
         if self.stage == 3:
             unit.free(device)
+        self.limit_sends_in_flight(unit, device)
+
+    def limit_sends_in_flight(self, unit, device):
+        """Let backward run at most one unit ahead of the sends: the engine frees a gradient
+        only once the operations that read it are done, so a backward pass pushed far ahead of
+        them would hold every gradient at once. (FSDP limits its gathers in flight alike.)"""
+        pending = self.sends_pending[device]
+        pending.append(unit.sends_done(device))
+        while len(pending) > 1:
+            engine.wait_for(pending.popleft())
 
     def update(self, batch_size):
         """Each device updates its chunks; then stages 1 and 2 gather the weights. One unit at
@@ -277,6 +289,13 @@ class Unit:
             send(flat, shard, start, stop, 'reduce-scatter', owner, combine=self.sent > 0,
                  reverse=True)
         self.sent += 1
+
+    def sends_done(self, d):
+        """A variable written once device d's sends of this unit have all been added in."""
+        done = engine.Var()
+        engine.push(lambda: None, [shard.var for shard in self.grad_shards], [done],
+                    self.devices[d], f'unit {self.index} sent')
+        return done
 
     def drop_gradients(self):
         if self.stage == 1:
