@@ -20,6 +20,7 @@ import contextlib
 
 from . import engine
 from .device import label
+from .ops import differentiable
 from .np.multiarray import NDArray, alias, filled_like
 from .np.tape import TAPE, TapeNode, needs_grad
 
@@ -149,7 +150,7 @@ def detached(x):
     """An array sharing x's memory but not its history; a buffer, so that backward reaches it,
     where x needs a gradient."""
     copy = alias(x, x.shape, x.dtype, lambda data: data, 'detach')
-    if needs_grad(x) and x.dtype.kind == 'f':
+    if needs_grad(x) and differentiable(x.dtype):
         copy.grad = filled_like(x, 0)
     return copy
 
@@ -183,7 +184,7 @@ def push_vjp(out, g, grads):
     if op.vjp is None:
         raise RuntimeError(f"operation '{op.name}' has no gradient; call it outside record()")
     targets = [NDArray(x.shape, x.dtype, x.device)
-               if type(x) is NDArray and needs_grad(x) and x.dtype.kind == 'f' else None
+               if type(x) is NDArray and needs_grad(x) and differentiable(x.dtype) else None
                for x in inputs]
     xp, vjp = out.device.xp, op.vjp
     if op.partial_vjp:                          # tell the rule which gradients to skip

@@ -375,3 +375,27 @@ def test_bfloat16_arrays_add_multiply_multiply_matrices_and_sum():
     total = a.sum()
     assert total.dtype == BF16
     assert float(total.item()) == pytest.approx(float(a32.sum()), rel=2 ** -7)
+
+
+def test_a_net_cast_to_bfloat16_trains_with_float32_masters():
+    """bfloat16 (ml_dtypes' kind 'V', not 'f') takes gradients like any float, and needs no
+    scaler: its range is float32's."""
+    net = nn.Sequential()
+    net.add(nn.Dense(8, in_units=4, activation='relu'), nn.Dense(3, in_units=8))
+    net.initialize()
+    net.cast('bfloat16')
+    trainer = d2l.Trainer(net.collect_params(), 'adam',
+                          {'learning_rate': 0.01, 'multi_precision': True})
+    rng = numpy.random.default_rng(0)
+    x = np.array(rng.random((16, 4)).astype('float32')).astype('bfloat16')
+    y = np.array(numpy.arange(16) % 3)
+    losses = []
+    for _ in range(30):
+        with autograd.record():
+            loss = d2l.SoftmaxCrossEntropyLoss()(net(x).astype('float32'), y)
+        loss.backward()
+        trainer.step(16)
+        losses.append(loss.mean().item())
+    assert net[0].weight.data().dtype == ml_dtypes.bfloat16
+    assert net[0].weight.grad().dtype == ml_dtypes.bfloat16
+    assert losses[-1] < losses[0] - 0.02

@@ -9,7 +9,7 @@ every pass and the code generator are tested against.
 """
 import numpy
 
-from ..ops import REGISTRY, as_array
+from ..ops import REGISTRY, as_array, differentiable
 
 ARGUMENT_KINDS = ('input', 'param')
 
@@ -196,7 +196,7 @@ def gradients(graph, xp, values, head, head_grad, needs=None):
                                             for x in node.inputs))
         inputs = [values[x] if isinstance(x, Node) else x for x in node.inputs]
         for x, grad in zip(node.inputs, op.vjp(xp, g, values[node], *inputs, **attrs)):
-            if isinstance(x, Node) and x in wanted and grad is not None and x.dtype.kind == 'f':
+            if isinstance(x, Node) and x in wanted and grad is not None and differentiable(x.dtype):
                 grads[x] = grad if x not in grads else grads[x] + grad
     return [grads.get(n) for n in graph.arguments]
 

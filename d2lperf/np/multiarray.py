@@ -12,7 +12,7 @@ import numpy
 
 from .. import engine
 from ..device import Device, Held, cpu, label, transfer
-from ..ops import REGISTRY, as_array, index_shape
+from ..ops import REGISTRY, as_array, differentiable, index_shape
 from .tape import TAPE, TapeNode, needs_grad
 
 
@@ -173,7 +173,7 @@ class NDArray(ArrayMethods):
         The buffer starts as zeros made fresh (not `self * 0`, which is NaN where the array is
         infinite), and is a real array even for a 0-d one, so that backward can write into it.
         """
-        if self.dtype.kind != 'f':
+        if not differentiable(self.dtype):
             raise TypeError(f'only floating arrays can have gradients, not {self.dtype}')
         self.grad = label(filled_like(self, 0), 'gradients')
         return self

@@ -18,8 +18,8 @@ Adding an op is one `defop` call in its family's module: every frontend (`np`, `
 autograd and the compiler find it in REGISTRY.
 """
 from .registry import OP_KINDS, REGISTRY, Op, as_array, defop
-from .rules import (compare, dot_shape, dtype_of, expand_reduced, floating, index_shape,
-                    input_grads, matmul_shape, normalize_axes, promote, reduced_shape,
+from .rules import (compare, differentiable, dot_shape, dtype_of, expand_reduced, floating,
+                    index_shape, input_grads, matmul_shape, normalize_axes, promote, reduced_shape,
                     reshape_shape, same, shape_of, sum_dtype, unbroadcast)
 from . import elementwise, linalg, reduction, shape, nn, random, convolution  # noqa: F401
 

@@ -18,6 +18,12 @@ import numpy
 BFLOAT16 = numpy.dtype(ml_dtypes.bfloat16)      # importing ml_dtypes names it for numpy.dtype
 
 
+def differentiable(dtype):
+    """Whether arrays of `dtype` take gradients: NumPy's floats, and ml_dtypes' bfloat16, whose
+    NumPy kind is 'V' (a void of two bytes), not 'f'."""
+    return dtype.kind == 'f' or dtype == BFLOAT16
+
+
 # -- shape and dtype rules -----------------------------------------------------------------
 
 def pair(value):
