@@ -39,6 +39,7 @@ REQUIREMENTS = {
     'matplotlib': ('matplotlib', 'all (d2lperf imports it)'),
     'psutil': ('psutil', 'all (d2lperf imports it)'),
     'threadpoolctl': ('threadpoolctl', 'all (d2lperf imports it)'),
+    'ml_dtypes': ('ml_dtypes', 'all (d2lperf imports it: bfloat16)'),
     'pytest': ('pytest', 'unit'),
     'hypothesis': ('hypothesis', 'unit'),
     'sklearn': ('scikit-learn', 'chapters that train on images, offline (the data fallback)'),
@@ -46,10 +47,10 @@ REQUIREMENTS = {
     'jupytext': ('jupytext', 'optional: tests/test_chapters.py (Markdown/notebook pairing)'),
     'yaml': ('pyyaml', 'optional: tests/test_chapters.py'),
 }
-NEEDED = {'unit': ['numpy', 'cupy', 'matplotlib', 'psutil', 'threadpoolctl', 'pytest',
-                   'hypothesis'],
-          'chapters': ['numpy', 'cupy', 'matplotlib', 'psutil', 'threadpoolctl'],
-          'benchmarks': ['numpy', 'cupy', 'matplotlib', 'psutil', 'threadpoolctl']}
+NEEDED = {'unit': ['numpy', 'cupy', 'matplotlib', 'psutil', 'threadpoolctl', 'ml_dtypes',
+                   'pytest', 'hypothesis'],
+          'chapters': ['numpy', 'cupy', 'matplotlib', 'psutil', 'threadpoolctl', 'ml_dtypes'],
+          'benchmarks': ['numpy', 'cupy', 'matplotlib', 'psutil', 'threadpoolctl', 'ml_dtypes']}
 GPU_PROBE = """
 import json, cupy
 runtime = cupy.cuda.runtime
