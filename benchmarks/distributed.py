@@ -5,7 +5,7 @@
 
 Rows, measured side by side in one MPI job of 2 workers and 1 server (started with
 `python -m d2lperf.launch`, whose environment is the one a training job gets; every rank
-keeps freed memory, `host_memory`, from the start, as a rank's engine would ask):
+keeps freed memory, `freed_memory`, from the start, as a rank's engine would ask):
 * plain MPI: both workers `Send` a 64 MiB buffer to the server and `Recv` it back, the
   traffic of one synchronous push and pull; then `Allreduce` of the same buffer among the
   workers (MPICH's own algorithm, no server);
@@ -44,7 +44,7 @@ def in_job(size_bytes, repeats):
     from mpi4py import MPI
 
     import d2lperf as d2l
-    d2l.engine.host_memory.keep_freed_memory()     # the policy the store's engine sets: plain MPI too
+    d2l.engine.freed_memory.keep_freed_memory()     # the policy the store's engine sets: plain MPI too
     world = MPI.COMM_WORLD
     server = world.size - 1
     is_server = world.rank == server

@@ -31,7 +31,7 @@ Asynchronous Computation, Automatic Parallelism
                   order them, failures) apart from the policies that run them (threaded and
                   naive engines; workers: a thread per device and lane, CUDA streams, waiters
                   that help; blas: BLAS threads that fit the cores others leave free; pieces:
-                  a large operation cut over the cores; host_memory: freed memory kept for
+                  a large operation cut over the cores; freed_memory: freed memory kept for
                   the next step); and profiler/, the engine's records of what ran where and
                   when: a Chrome trace, a timeline, a summary, the dependency graph.
     ops/          every operation, by family, with its compute, shape, dtype and gradient

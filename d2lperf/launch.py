@@ -89,7 +89,7 @@ def parse(argv):
 def job_environment(args):
     """{name: value} every rank gets: the server count, the timeout (`--timeout`, or this
     process's D2LPERF_TIMEOUT, which ssh would not carry) and the user's. (How a rank's malloc
-    keeps freed memory is the engine's to set, when it starts: see `host_memory`.)"""
+    keeps freed memory is the engine's to set, when it starts: see `freed_memory`.)"""
     environment = {'D2LPERF_NUM_SERVERS': str(args.num_servers)}
     if os.environ.get('D2LPERF_TIMEOUT'):
         environment['D2LPERF_TIMEOUT'] = os.environ['D2LPERF_TIMEOUT']

@@ -4,7 +4,7 @@ Tracking (`tracking.py`: variables, operations, the rules that order them, failu
 apart from the running policy (`engines.py`: the threaded and the naive engine; `workers.py`:
 a thread per device and lane, CUDA streams; `blas.py`: BLAS threads that fit the cores other
 programs leave, shared by virtual CPU devices; `pieces.py`: a large operation cut over those
-cores; `host_memory.py`: freed memory kept for the next step). The rest of the package calls
+cores; `freed_memory.py`: freed memory kept for the next step). The rest of the package calls
 only the functions below, on the engine in use, which `current()` builds on first use:
 importing the package starts no thread and changes no setting. Its one effect is to load
 NumPy, with OpenBLAS's brief spin (`blas.spin_briefly`, which leaves `os.environ` as it found

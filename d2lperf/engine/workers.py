@@ -26,7 +26,7 @@ from _signal import SIGINT, getsignal, signal as set_signal_handler
 
 from .blas import SharedCores
 from ..device import cpu, slowdowns
-from .host_memory import keep_freed_memory
+from .freed_memory import keep_freed_memory
 
 COMPUTE, COPY_IN, COPY_OUT = 'compute', 'copy in', 'copy out'
 
@@ -102,7 +102,7 @@ class RunNow:
         self.paces = {}                 # CPU device -> its Pace
 
     def run(self, op):
-        keep_freed_memory()         # once: the process runs work now (see host_memory)
+        keep_freed_memory()         # once: the process runs work now (see freed_memory)
         device = running.device = op.device
         if device is None:
             op.fn()

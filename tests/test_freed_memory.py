@@ -1,4 +1,4 @@
-"""Tests of d2lperf.engine.host_memory: a large block freed by one step is reused by the next,
+"""Tests of d2lperf.engine.freed_memory: a large block freed by one step is reused by the next,
 without a page fault per page (counted by the kernel, not timed); and the setting is made
 once, when the engine starts, never by importing d2lperf."""
 import os
@@ -11,7 +11,7 @@ import threading
 import numpy
 import pytest
 
-from d2lperf.engine import host_memory
+from d2lperf.engine import freed_memory
 
 MIB = 2**20
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -30,7 +30,7 @@ def one_step():
     del block
 
 
-@pytest.mark.skipif(not host_memory.keep_freed_memory(), reason='needs glibc (mallopt)')
+@pytest.mark.skipif(not freed_memory.keep_freed_memory(), reason='needs glibc (mallopt)')
 def test_a_freed_block_is_reused_without_page_faults_on_any_thread():
     pages = 64 * MIB // resource.getpagesize()
     counts = []
@@ -46,14 +46,14 @@ def test_a_freed_block_is_reused_without_page_faults_on_any_thread():
 
 
 def test_asking_twice_gives_the_same_answer():
-    assert host_memory.keep_freed_memory() == host_memory.keep_freed_memory()
+    assert freed_memory.keep_freed_memory() == freed_memory.keep_freed_memory()
 
 
-@pytest.mark.skipif(not host_memory.keep_freed_memory(), reason='needs glibc (mallopt)')
+@pytest.mark.skipif(not freed_memory.keep_freed_memory(), reason='needs glibc (mallopt)')
 def test_while_measuring_freed_blocks_go_back_and_after_it_they_are_kept_again():
     pages = 64 * MIB // resource.getpagesize()
     one_step()
-    with host_memory.returning_freed_memory():
+    with freed_memory.returning_freed_memory():
         returned = faults_while(one_step)         # unmapped when freed: every page is new
     one_step()
     kept = faults_while(one_step)
@@ -82,9 +82,9 @@ class Recorded:
 
 ctypes.CDLL = Recorded
 import d2lperf as d2l
-print('import', len(calls), d2l.engine.host_memory.kept)
+print('import', len(calls), d2l.engine.freed_memory.kept)
 d2l.np.ones(3).wait_to_read()
-print('start', len(calls), d2l.engine.host_memory.kept)
+print('start', len(calls), d2l.engine.freed_memory.kept)
 d2l.np.ones(3, device=d2l.cpu(1)).wait_to_read()
 (d2l.np.ones(3) + 1).wait_to_read()
 print('later', len(calls))
@@ -99,7 +99,7 @@ def test_import_leaves_malloc_alone_and_the_engine_start_sets_it_once(engine):
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[0] == 'import 0 None'                      # importing changed nothing
-    kept = host_memory.keep_freed_memory()
+    kept = freed_memory.keep_freed_memory()
     if kept:                                                # glibc: three settings, once
         assert lines[1:] == ['start 3 True', 'later 3']
     else:
