@@ -10,10 +10,15 @@ backward goes on with the layers below. A cap smaller than any parameter gives o
 a bucket; an infinite cap gives one bucket. `overlap=False` waits for the whole backward pass
 before summing anything, the step of frameworks without an asynchronous engine.
 """
+from __future__ import annotations
+
 import math
+from typing import Callable, Sequence
 
 from .. import autograd, comm, engine, np
 from ..device import label
+from ..nn.parameter import Parameter
+from ..np.multiarray import NDArray
 from .overlap import backward_reporting
 from .updates import apply_updates, check_devices, copies_of, create_optimizer, trained
 
@@ -47,8 +52,9 @@ class Buckets:
     `autograd.record`, backpropagates, sums, and updates every copy alike, as the Trainer does.
     """
 
-    def __init__(self, params, optimizer='sgd', optimizer_params=None, cap_bytes=math.inf,
-                 overlap=True, algorithm='ring'):
+    def __init__(self, params: dict | Sequence[Parameter], optimizer: str = 'sgd',
+                 optimizer_params: dict | None = None, cap_bytes: float = math.inf,
+                 overlap: bool = True, algorithm: str = 'ring'):
         self.names, self.params = trained(params)
         self.devices = check_devices(self.params)
         self.buckets = plan_buckets(self.params, cap_bytes)
@@ -69,7 +75,7 @@ class Buckets:
         return [label(np.zeros((size,), weight.dtype, device), 'gradients')
                 for device in self.devices]
 
-    def step(self, forward, batch_size):
+    def step(self, forward: Callable[[], Sequence[NDArray]], batch_size: int) -> None:
         with autograd.record():
             losses = list(forward())
         self.backward(losses)

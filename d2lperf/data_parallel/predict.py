@@ -15,6 +15,8 @@ allreduce is exactly these two), and ZeRO-3, which frees each layer's weights af
 forward pass, all-gathers them once more for backward (`gathers=2`). A step is its compute
 plus whatever of its communication does not hide behind backward.
 """
+from __future__ import annotations
+
 from ..comm import cost
 
 STATE_VALUES = {'sgd': 0, 'momentum': 1, 'adam': 2}      # values the optimizer keeps a weight
@@ -23,7 +25,8 @@ SHARDED_FROM = {'optimizer state': 1, 'master weights': 1, 'gradients': 2, 'weig
 ZERO_PAPER = {'weights': 2, 'gradients': 2, 'optimizer state': 12}     # ZeRO's Figure 1
 
 
-def model_states(num_params, devices, stage, bytes_per_kind=ZERO_PAPER):
+def model_states(num_params: float, devices: int, stage: int,
+                 bytes_per_kind: dict[str, float] = ZERO_PAPER) -> dict[str, float]:
     """{kind: bytes one device holds, ..., 'total': their sum} at this ZeRO stage.
 
     Each kind is whole on every device below the stage that shards it (`SHARDED_FROM`) and
@@ -38,7 +41,8 @@ def model_states(num_params, devices, stage, bytes_per_kind=ZERO_PAPER):
     return {**held, 'total': sum(held.values())}
 
 
-def bytes_per_kind(optimizer='adam', weight_bytes=4, multi_precision=False):
+def bytes_per_kind(optimizer: str = 'adam', weight_bytes: int = 4,
+                   multi_precision: bool = False) -> dict[str, int]:
     """Bytes a parameter holds of each kind: weight and gradient in the weight's dtype; the
     optimizer's values (and, with `multi_precision`, the master copy) in float32."""
     check(1, 0, optimizer)

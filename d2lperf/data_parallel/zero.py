@@ -25,8 +25,11 @@ collective a unit, never one a parameter.
 
 Taught in "Data Parallelism at Scale"; `predict` says what each stage should hold and move.
 """
+from __future__ import annotations
+
 import collections
 import weakref
+from typing import Callable, Sequence
 
 import numpy
 
@@ -50,8 +53,9 @@ class Zero:
     and (stages 1, 2) gathers the weights.
     """
 
-    def __init__(self, net, stage, optimizer='sgd', optimizer_params=None, algorithm='ring',
-                 prefetch=1):
+    def __init__(self, net: Block, stage: int, optimizer: str = 'sgd',
+                 optimizer_params: dict | None = None, algorithm: str = 'ring',
+                 prefetch: int = 1):
         if stage not in STAGES:
             raise ValueError(f'ZeRO has stages 1 (optimizer state sharded), 2 (and gradients) '
                              f'and 3 (and weights), not {stage!r}')
@@ -72,7 +76,7 @@ class Zero:
                 self._hook(unit)
 
     # -- a step ------------------------------------------------------------------------------
-    def step(self, forward, batch_size):
+    def step(self, forward: Callable[[], Sequence[NDArray]], batch_size: int) -> None:
         for unit in self.units:         # before forward, so that the tape records the weights
             unit.expect_gradients()
         with autograd.record():
@@ -158,7 +162,7 @@ class Zero:
             if 0 <= j < len(self.units):
                 self.units[j].gather(d)
 
-    def weights(self):
+    def weights(self) -> dict[str, numpy.ndarray]:
         """{name: NumPy array}: every weight whole, from the owners' shards."""
         found = {}
         for unit in self.units:

@@ -11,14 +11,20 @@ NumPy, with OpenBLAS's brief spin (`blas.spin_briefly`, which leaves `os.environ
 it). `start_recording` keeps a record of every operation, the profiler's source. Taught in
 "Asynchronous Computation" and "Automatic Parallelism".
 """
+from __future__ import annotations
+
 import os
 import threading
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from . import blas
 blas.spin_briefly()         # before the imports below load NumPy, and with it OpenBLAS
 from .tracking import OperationError, OpRecord, Var                      # noqa: F401
 from .engines import Engine, NaiveEngine, ThreadedEngine
 from .workers import COMPUTE, COPY_IN, COPY_OUT, copy_lane               # noqa: F401
+
+if TYPE_CHECKING:
+    from ..device import Device
 
 
 # -- the engine in use, and the module-level functions the rest of the package calls --
@@ -70,7 +76,8 @@ def use(kind):
     return engine
 
 
-def push(fn, reads, writes, device, name, lane=COMPUTE):
+def push(fn: Callable[[], None], reads: Sequence[Var], writes: Sequence[Var],
+         device: Device | None, name: str, lane: str = COMPUTE) -> None:
     """Run `fn` on `device` once the variables it reads and writes are ready; returns at once.
 
     `lane` picks the device's worker: COMPUTE, or COPY_IN / COPY_OUT for moving data.
@@ -78,11 +85,11 @@ def push(fn, reads, writes, device, name, lane=COMPUTE):
     (_engine or current()).push(fn, reads, writes, device, name, lane)  # once built: no call
 
 
-def wait_for(var):
+def wait_for(var: Var) -> None:
     (_engine or current()).wait_for(var)
 
 
-def wait_all():
+def wait_all() -> None:
     (_engine or current()).wait_all()
 
 
