@@ -341,12 +341,63 @@ def test_a_gradient_is_held_only_until_its_unit_is_sent(stage):
     """On the naive engine (every operation done when pushed, so freed memory is freed at
     once), stages 2 and 3 hold above their shards only the largest unit's gradients twice:
     as backward made them and packed flat to send. Stage 1 keeps every gradient until the
-    update, and the largest unit's once more while it is packed."""
+    update, packed a unit at a time: at the peak, the first unit's (which backward reaches
+    last) once more, while it is packed."""
     d2l.engine.use('naive')
     try:
         peaks = own_peaks(stage)
     finally:
         d2l.engine.use('threaded')
-    psi_bytes = sum((a * b + b) * 4 for a, b in zip(WIDTHS[:-1], WIDTHS[1:]))
-    largest = max((a * b + b) * 4 for a, b in zip(WIDTHS[:-1], WIDTHS[1:]))
-    assert peaks['gradients'] == (psi_bytes + largest if stage == 1 else 2 * largest)
+    units = [(a * b + b) * 4 for a, b in zip(WIDTHS[:-1], WIDTHS[1:])]
+    assert peaks['gradients'] == (sum(units) + units[0] if stage == 1 else 2 * max(units))
+
+
+@pytest.mark.parametrize('stage', [1, 2, 3])
+@pytest.mark.parametrize('sync', [True, False])
+def test_accumulating_micro_batches_equals_one_step_on_their_whole(stage, sync):
+    """Two micro-batches then one update equal one step on both: summed at the owners after
+    each micro-batch (sync), or kept whole on each device and sent once (no_sync)."""
+    devices = [d2l.cpu(i) for i in (1, 2, 3)]
+
+    def run(micro):
+        net = mlp(devices)
+        strategy = Zero(net, stage, 'sgd', {'learning_rate': 0.1, 'momentum': 0.9})
+        for _ in range(3):
+            for rows in numpy.array_split(numpy.arange(24), micro):
+                X_parts, y_parts = d2l.split_batch(X[rows[0]:rows[-1] + 1],
+                                                   y[rows[0]:rows[-1] + 1], devices)
+                strategy.accumulate(lambda: [loss(net(a), b) for a, b in zip(X_parts, y_parts)],
+                                    sync=sync)
+            strategy.update(24)
+        return strategy.weights()
+    whole, halves = run(1), run(2)
+    for key in whole:
+        numpy.testing.assert_allclose(halves[key], whole[key], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize('sync', [True, False])
+def test_no_sync_sends_once_and_holds_every_gradient_whole(sync):
+    """FSDP's trade, measured: without sync a device sends a step's gradients once, and holds
+    them whole meanwhile; with it, each micro-batch sends and only shards stay."""
+    devices = [d2l.cpu(1), d2l.cpu(2)]
+    net = wide_net(devices)
+    inputs = np.array(numpy.random.default_rng(1).standard_normal((8, 32)).astype('float32'))
+    strategy = Zero(net, 2, 'sgd')
+    units = [(a * b + b) * 4 for a, b in zip(WIDTHS[:-1], WIDTHS[1:])]
+    micro = 4
+    settle()
+    before = d2l.device.memory(devices[0]).by_kind['gradients']
+    with d2l.profiler.profile() as records:
+        for part in range(micro):
+            X_parts, y_parts = d2l.split_batch(inputs[2 * part:2 * part + 2], y[:2], devices)
+            strategy.accumulate(lambda: [loss(net(a), b) for a, b in zip(X_parts, y_parts)],
+                                sync=sync or part == micro - 1)
+            settle()
+            if part == 0:
+                between = d2l.device.memory(devices[0]).by_kind['gradients'] - before
+        strategy.update(8)
+        npx.waitall()
+    reductions, n = (micro if sync else 1), len(devices)
+    # each reduction: every device sends the (n - 1)/n of each unit that others own
+    assert comm.bytes_sent(records, 'reduce-scatter') == reductions * n * sum(units) * (n - 1) / n
+    assert between == (0 if sync else sum(units))

@@ -77,14 +77,22 @@ class Zero:
 
     # -- a step ------------------------------------------------------------------------------
     def step(self, forward: Callable[[], Sequence[NDArray]], batch_size: int) -> None:
+        self.accumulate(forward)
+        self.update(batch_size)
+
+    def accumulate(self, forward: Callable[[], Sequence[NDArray]], sync: bool = True) -> None:
+        """One micro-batch: forward and backward, its gradients added to the step's.
+
+        `sync=False` is DDP's and FSDP's `no_sync`: each device keeps its gradients summed
+        whole and sends nothing, so the bytes of one reduction serve many micro-batches, at
+        the price of every full gradient held until the next micro-batch that syncs."""
         for unit in self.units:         # before forward, so that the tape records the weights
             unit.expect_gradients()
         with autograd.record():
             losses = list(forward())
-        self.backward(losses)
-        self.update(batch_size)
+        self.backward(losses, sync)
 
-    def backward(self, losses):
+    def backward(self, losses, sync=True):
         """Each device's backward pass; a unit's gradients go on as soon as a device has them."""
         self.sends_pending = [collections.deque() for _ in self.devices]
         for device, loss in enumerate(losses):
@@ -96,23 +104,23 @@ class Zero:
                 if unit is not None:
                     missing[id(unit)] -= 1
                     if missing[id(unit)] == 0:
-                        self.gradients_made(unit, device)
+                        self.gradients_made(unit, device, sync)
             loss.backward(on_gradient=reached)
             for unit in self.units:                 # units the loss did not reach
                 if missing[id(unit)] > 0:
-                    self.gradients_made(unit, device)
+                    self.gradients_made(unit, device, sync)
 
-    def gradients_made(self, unit, device):
-        """A device's backward has made a unit's gradients: stage 1 sums them once every device
-        has; stages 2 and 3 send this device's chunks to their owners now, and drop them."""
-        if self.stage == 1:
-            if device == len(self.devices) - 1:
-                unit.reduce_scatter(self.algorithm)
-            return
-        unit.send_chunks(device)
+    def gradients_made(self, unit, device, sync=True):
+        """A device's backward has made a unit's gradients: stage 1 keeps them (whole, as it
+        holds them anyway) for one reduce-scatter at the update; stages 2 and 3 send this
+        device's chunks to their owners now, and drop them, unless told not to sync."""
+        if self.stage == 1 or not sync:
+            unit.keep_gradients(device)
+        else:
+            unit.send_chunks(device)
+            self.limit_sends_in_flight(unit, device)
         if self.stage == 3:
             unit.free(device)
-        self.limit_sends_in_flight(unit, device)
 
     def limit_sends_in_flight(self, unit, device):
         """Let backward run at most one unit ahead of the sends: the engine frees a gradient
@@ -127,6 +135,7 @@ class Zero:
         """Each device updates its chunks; then stages 1 and 2 gather the weights. One unit at
         a time, so that its gather starts while the next is updated."""
         for index, unit in enumerate(self.units):
+            unit.sum_kept_gradients(self.algorithm)
             apply_updates(self.optimizer, self.scale, batch_size,
                           [((index, device), weight, grad) for device, (weight, grad)
                            in enumerate(zip(unit.weight_shards, unit.grad_shards))])
@@ -220,6 +229,7 @@ class Unit:
             label(np.zeros((stop - start,), dtype, device), 'gradients')
             for device, (start, stop) in zip(devices, self.bounds)]
         self.slots = [[unmade_like(view) for view in views] for views in self.views]
+        self.kept = [None] * len(devices)       # gradients summed here, not sent yet
         self.full_grads, self.sent = None, 0
 
     # -- weights ------------------------------------------------------------------------------
@@ -267,32 +277,43 @@ class Unit:
         for views, slots in zip(self.views, self.slots):
             for view, slot in zip(views, slots):
                 view.grad = slot
-        self.sent = 0
-        if self.stage == 1:
-            self.full_grads = [None] * len(self.devices)
 
-    def gathered_gradients(self, d):
-        """Device d's gradients of the unit, one flat array (made from backward's)."""
+    def take_gradients(self, d, kept_only=False):
+        """Device d's gradients of the unit, one flat array (made from backward's, which are
+        dropped), with what earlier micro-batches kept here added in."""
+        if kept_only:
+            kept, self.kept[d] = self.kept[d], None
+            return kept
         grads = [view.grad for view in self.views[d]]
-        flat = label(np.concatenate([g.reshape(-1) for g in grads]), 'gradients')
+        flat = np.concatenate([g.reshape(-1) for g in grads])
         for view, slot in zip(self.views[d], self.slots[d]):
-            view.grad = slot                # backward's arrays are dropped: the flat one holds
-        return flat
+            view.grad = slot
+        kept, self.kept[d] = self.kept[d], None
+        return label(flat if kept is None else kept + flat, 'gradients')
 
-    def reduce_scatter(self, algorithm):
-        """Stage 1, once every device's backward has made them: one reduce-scatter."""
-        flats = [self.gathered_gradients(d) for d in range(len(self.devices))]
-        self.full_grads = flats
-        self.grad_shards = comm.reduce_scatter(flats, algorithm)
+    def keep_gradients(self, d):
+        self.kept[d] = self.take_gradients(d)
 
-    def send_chunks(self, d):
+    def send_chunks(self, d, kept_only=False):
         """Stages 2 and 3: device d's chunk of each owner's part to that owner, which adds it
-        to its shard (the first device to send sets it): device d's half of a reduce-scatter."""
-        flat = self.gathered_gradients(d)
+        to its shard (the first to send since the update sets it): device d's half of a
+        reduce-scatter."""
+        flat = self.take_gradients(d, kept_only)
         for owner, (shard, (start, stop)) in enumerate(zip(self.grad_shards, self.bounds)):
             send(flat, shard, start, stop, 'reduce-scatter', owner, combine=self.sent > 0,
                  reverse=True)
         self.sent += 1
+
+    def sum_kept_gradients(self, algorithm):
+        """Before the update: stage 1 reduce-scatters the whole gradients every device kept;
+        stages 2 and 3 send what a last micro-batch without sync left."""
+        if self.stage == 1:
+            self.full_grads, self.kept = self.kept, [None] * len(self.devices)
+            self.grad_shards = comm.reduce_scatter(self.full_grads, algorithm)
+            return
+        for d, kept in enumerate(self.kept):
+            if kept is not None:
+                self.send_chunks(d, kept_only=True)
 
     def sends_done(self, d):
         """A variable written once device d's sends of this unit have all been added in."""
@@ -302,6 +323,7 @@ class Unit:
         return done
 
     def drop_gradients(self):
+        self.sent = 0
         if self.stage == 1:
             self.full_grads = self.grad_shards = None
 
