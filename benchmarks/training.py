@@ -2,6 +2,7 @@
 
     python benchmarks/training.py            # full sizes
     D2LPERF_QUICK=1 python benchmarks/training.py
+    python benchmarks/training.py sharded memory      # only these sections
 
 Rows, all measured side by side in this run:
 * LeNet (the toy net of "Training on Multiple GPUs"), images per second at batch 256 on
@@ -14,14 +15,19 @@ Rows, all measured side by side in this run:
   each, against one device with every core (with its large operations in pieces, and whole).
 * Past the source ("Data Parallelism at Scale"): one step of LeNet with Adam on four virtual
   devices, its gradients summed a parameter at a time during backward (the Trainer's way), in
-  64 KiB buckets, flat after backward, and with ZeRO stages 1-3 (stage 3 gathering once and
-  twice), each against the first.
+  64 KiB buckets, flat after backward, and with ZeRO stages 1-3 (stage 3 a unit at a time, with
+  the next unit gathered ahead or not), each against the first, with the step's peak memory
+  on the first device.
+* Memory ("Memory"): one training step of a deep MLP with Adam in float32, in float16 and
+  bfloat16 (multi_precision, and for float16 the loss scaler), and with its layers
+  recomputed in √L segments (`autograd.checkpoint`), each with its peak memory beside its time.
 * ResNet-18 (the chapter's variant), seconds per step at batch 16, against the same network
   in PyTorch eager with the same threads.
 * GPU rows with CuPy, where a GPU is present.
 Each figure is the best of several interleaved repeats.
 """
 import platform
+import sys
 
 # d2lperf before NumPy, as the chapters: OpenBLAS then loads with its brief spin
 # (engine/blas.py, spin_briefly), which the rows measured so far ran with.
@@ -298,7 +304,7 @@ def data_parallel_rows(cores):
 
 
 def sharded_rows():
-    """(what, seconds a step) on four virtual devices, timed round-robin."""
+    """(what, seconds a step, peak bytes on the first device) on four virtual devices."""
     from d2lperf.data_parallel import Buckets, Zero
     devices = [d2l.cpu(i) for i in range(1, 5)]
     x, y = batch()
@@ -312,7 +318,7 @@ def sharded_rows():
             'ZeRO stage 3, a unit gathered ahead': lambda net: Zero(net, 3, 'adam'),
             'ZeRO stage 3, no unit gathered ahead': lambda net: Zero(net, 3, 'adam',
                                                                       prefetch=0)}
-    steps = {}
+    steps, peaks = {}, {}
     for name, make in ways.items():
         net = d2l.nn.models.lenet()
         net.initialize(init=d2l.nn.init.Normal(sigma=0.1), device=devices)
@@ -324,7 +330,89 @@ def sharded_rows():
             strategy.step(lambda: [loss(net(a), b) for a, b in zip(x_parts, y_parts)], BATCH)
             npx.waitall()
         steps[name] = step
-    return list(d2l.utils.median_seconds(steps, repeats=REPEATS * 2, min_seconds=0).items())
+        peaks[name] = peak_of(step, devices[0])
+    seconds = d2l.utils.median_seconds(steps, repeats=REPEATS * 2, min_seconds=0)
+    return [(name, seconds[name], peaks[name]) for name in ways]
+
+
+def peak_of(step, device):
+    """The most bytes held on `device` while `step()` runs, above what it held before (after a
+    first step has made what every step keeps). On the naive engine, which finishes each
+    operation as it is pushed: the threaded engine frees an array once the operations reading
+    it are done, so its peak also says how far Python ran ahead of them."""
+    step()
+    engine.use('naive')
+    try:
+        d2l.device.reset_peak(device)
+        before = d2l.device.memory(device).total
+        step()
+        return d2l.device.memory(device).peak - before
+    finally:
+        engine.use('threaded')
+
+
+MLP_LAYERS, MLP_WIDTH = d2l.workload(12, 8), d2l.workload(512, 256)
+
+
+def memory_rows():
+    """(what, seconds a step, peak bytes) for a deep MLP in three precisions and recomputed."""
+    from d2lperf import amp, nn
+    rng = numpy.random.default_rng(0)
+    x_host = rng.standard_normal((BATCH, MLP_WIDTH)).astype(numpy.float32)
+    y = np.array(rng.integers(0, 10, BATCH))
+    loss = d2l.SoftmaxCrossEntropyLoss()
+    segments = max(1, round(MLP_LAYERS ** 0.5))
+
+    def make(dtype=None, scaler=False, checkpoints=0):
+        net = nn.Sequential()
+        for _ in range(MLP_LAYERS):
+            net.add(nn.Dense(MLP_WIDTH, in_units=MLP_WIDTH, activation='relu'))
+        net.add(nn.Dense(10, in_units=MLP_WIDTH))
+        net.initialize(init=d2l.nn.init.Normal(sigma=0.05))
+        if dtype:
+            net.cast(dtype)
+        trainer = d2l.Trainer(net.collect_params(), 'adam',
+                              {'learning_rate': 1e-3, 'multi_precision': bool(dtype)})
+        if scaler:
+            amp.init_trainer(trainer)
+        x = np.array(x_host).astype(dtype or 'float32')
+        layers = list(net)
+        bounds = numpy.linspace(0, len(layers), segments + 1).astype(int)
+        parts = [layers[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+
+        def run(part):
+            def block(h):
+                for layer in part:
+                    h = layer(h)
+                return h
+            return block
+
+        def forward():
+            if not checkpoints:
+                return net(x)
+            h = x
+            for part in parts:
+                h = autograd.checkpoint(run(part), h)
+            return h
+
+        def step():
+            with autograd.record():
+                value = loss(forward().astype('float32'), y)
+            if scaler:
+                with amp.scale_loss(value, trainer) as scaled:
+                    scaled.backward()
+            else:
+                value.backward()
+            trainer.step(BATCH)
+            npx.waitall()
+        return step
+    ways = {'float32': make(),
+            'float16, multi_precision, loss scaler': make('float16', scaler=True),
+            'bfloat16, multi_precision': make('bfloat16'),
+            f'float32, recomputed in {segments} segments': make(checkpoints=segments)}
+    peaks = {name: peak_of(step, d2l.cpu()) for name, step in ways.items()}
+    seconds = d2l.utils.median_seconds(ways, repeats=REPEATS, min_seconds=0)
+    return [(name, seconds[name], peaks[name]) for name in ways]
 
 
 RESNET_BATCH = 16
@@ -403,10 +491,7 @@ def gpu_rows():
     return [('d2lperf on gpu(0), imperative', 'GPU', BATCH / best_seconds(step))]
 
 
-def main():
-    cores = available_cores()
-    print(f'# {platform.machine()}, {cores} cores, Python {platform.python_version()}, '
-          f'NumPy {numpy.__version__}; batch {BATCH}, 28x28, best of {REPEATS}')
+def lenet_section(cores):
     check_floor_against_d2lperf()
     print('\nLeNet, one training step (forward, backward, SGD); the floor checked against '
           'd2lperf')
@@ -421,16 +506,38 @@ def main():
     print(f'\nWhere a step goes, d2lperf imperative at {cores} threads (ms per step): ' +
           ', '.join(f'{name} {ms:.1f}' for name, ms in profile[:6]) +
           f'; the other {len(profile) - 6} kinds {sum(ms for _, ms in profile[6:]):.1f}')
+
+
+def data_parallel_section(cores):
     print('\nData parallelism on virtual devices')
     rows = data_parallel_rows(cores)
     print(f'| what | cores | img/s | × one device |\n|---|--:|--:|--:|')
     for name, threads, ips in rows:
         print(f'| {name} | {threads} | {ips:.0f} | {ips / rows[0][2]:.2f} |')
-    print('\nLeNet with Adam on four virtual devices: how the gradients are summed')
+
+
+def sharded_section(cores):
+    print('\nLeNet with Adam on four virtual devices: how the gradients are summed, and the '
+          "step's peak memory (naive engine)")
     rows = sharded_rows()
-    print('| what | ms per step | × the first |\n|---|--:|--:|')
-    for name, seconds in rows:
-        print(f'| {name} | {seconds * 1e3:.1f} | {rows[0][1] / seconds:.2f} |')
+    print('| what | ms per step | × the first | peak on cpu(1), KiB | × the first |\n'
+          '|---|--:|--:|--:|--:|')
+    for name, seconds, peak in rows:
+        print(f'| {name} | {seconds * 1e3:.1f} | {rows[0][1] / seconds:.2f} | '
+              f'{peak / 1024:.0f} | {peak / rows[0][2]:.2f} |')
+
+
+def memory_section(cores):
+    print(f'\nA {MLP_LAYERS}-layer MLP of width {MLP_WIDTH} with Adam, one step on cpu(0), '
+          'and its peak memory (naive engine)')
+    rows = memory_rows()
+    print('| what | ms per step | × float32 | peak, MiB | × float32 |\n|---|--:|--:|--:|--:|')
+    for name, seconds, peak in rows:
+        print(f'| {name} | {seconds * 1e3:.1f} | {rows[0][1] / seconds:.2f} | '
+              f'{peak / 2**20:.1f} | {peak / rows[0][2]:.2f} |')
+
+
+def resnet_section(cores):
     print(f'\nResNet-18 (28x28, batch {RESNET_BATCH}), one training step')
     rows = resnet_rows(cores)
     print('| what | threads | ms per step | img/s | × PyTorch |\n|---|--:|--:|--:|--:|')
@@ -439,9 +546,29 @@ def main():
         vs_torch = f'{torch_seconds / seconds:.2f}' if torch_seconds else '-'
         print(f'| {name} | {threads} | {seconds * 1e3:.0f} | {RESNET_BATCH / seconds:.1f} | '
               f'{vs_torch} |')
+
+
+def gpu_section(cores):
     for name, where, ips in gpu_rows():
         print(f'| {name} | {where} | {ips:.0f} img/s |')
 
 
+SECTIONS = {'lenet': lenet_section, 'data_parallel': data_parallel_section,
+            'sharded': sharded_section, 'memory': memory_section, 'resnet': resnet_section,
+            'gpu': gpu_section}
+
+
+def main(names=None):
+    names = names or list(SECTIONS)
+    unknown = [name for name in names if name not in SECTIONS]
+    if unknown:
+        raise SystemExit(f'unknown section(s) {unknown}: choose from {list(SECTIONS)}')
+    cores = available_cores()
+    print(f'# {platform.machine()}, {cores} cores, Python {platform.python_version()}, '
+          f'NumPy {numpy.__version__}; batch {BATCH}, 28x28, best of {REPEATS}')
+    for name in names:
+        SECTIONS[name](cores)
+
+
 if __name__ == '__main__':
-    main()
+    main(sys.argv[1:])
