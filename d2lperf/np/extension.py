@@ -1,5 +1,6 @@
 """`d2lperf.npx`: operators NumPy lacks (activations, softmax, picking, convolution, pooling,
-batch normalization) and engine controls. Images are NCHW: (batch, channels, height, width)."""
+batch normalization, a Transformer's embedding, layer norm, GELU and causal softmax) and
+engine controls. Images are NCHW: (batch, channels, height, width)."""
 from .. import engine
 from .multiarray import apply
 from ..ops.rules import pair
@@ -32,6 +33,34 @@ def pick(x, index):
 def fully_connected(x, weight, bias):
     """`x @ weight.T + bias`, the whole of a Dense layer as one operation."""
     return apply('fully_connected', x, weight, bias)
+
+
+def embedding(index, weight):
+    """`weight[index]`: the row of a (rows, features) table for each integer id."""
+    return apply('embedding', index, weight)
+
+
+def add_position_embedding(x, table):
+    """`x + table[:seq]` for x of shape (..., seq, features): position i's learnt vector
+    added at position i."""
+    return apply('add_position_embedding', x, table)
+
+
+def layer_norm(x, gamma, beta, eps=1e-5):
+    """Normalize each vector along the last axis to mean 0 and variance 1, then scale by
+    `gamma` and shift by `beta` (one value per feature)."""
+    return apply('layer_norm', x, gamma, beta, eps=float(eps))
+
+
+def gelu(x):
+    """GELU with GPT-2's tanh approximation."""
+    return apply('gelu', x)
+
+
+def causal_softmax(scores):
+    """Softmax of attention scores (..., queries, keys) along the keys, each query seeing
+    only the keys at or before its own position."""
+    return apply('causal_softmax', scores)
 
 
 def convolution(data, weight, bias=None, kernel=(3, 3), stride=(1, 1), pad=(0, 0),

@@ -11,6 +11,7 @@ means. Ops are registered with `defop` by family, one module each:
     reduction.py    sum, mean, max, argmax
     shape.py        reshape, transpose, broadcast_to, astype, copy, getitem, concatenate, where
     nn.py           relu, sigmoid, softmax, log_softmax, pick, fully_connected
+    transformer.py  embedding, add_position_embedding, layer_norm, gelu, causal_softmax
     random.py       one generator per device; dropout_mask
     convolution.py  convolution (im2col and one product), pooling, batch normalization
 
@@ -22,6 +23,7 @@ from .rules import (compare, differentiable, dot_shape, dtype_of, expand_reduced
                     index_shape, input_grads, matmul_shape, normalize_axes, promote, reduced_shape,
                     reshape_shape, same, shape_of, sum_dtype, unbroadcast)
 from . import elementwise, linalg, reduction, shape, nn, random, convolution  # noqa: F401
+from . import transformer  # noqa: F401
 
 __all__ = ['OP_KINDS', 'REGISTRY', 'Op', 'as_array', 'defop', 'compare', 'dot_shape', 'dtype_of',
            'expand_reduced', 'floating', 'index_shape', 'input_grads', 'matmul_shape',

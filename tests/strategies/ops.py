@@ -203,6 +203,35 @@ def dropout_mask_cases(draw):
     return (x, draw(st.sampled_from([0.0, 0.25, 0.5]))), {}
 
 
+@st.composite
+def embedding_cases(draw):
+    rows, features = draw(st.integers(1, 4)), draw(st.integers(1, 3))
+    ids = numpy.arange(math.prod(draw(shapes(0, 2)))) % rows
+    index = ids.reshape(draw(st.sampled_from([ids.shape, (1,) + ids.shape])))
+    return (index.astype(draw(st.sampled_from(['int32', 'int64']))),
+            host((rows, features), draw(floats))), {}
+
+
+
+@st.composite
+def add_position_embedding_cases(draw):
+    x = host(draw(shapes(min_dims=2)), draw(floats))
+    rows = x.shape[-2] + draw(st.integers(0, 2))
+    return (x, host((rows, x.shape[-1]), draw(floats))), {}
+
+@st.composite
+def layer_norm_cases(draw):
+    x = host(draw(shapes(min_dims=1)), draw(floats))
+    gamma, beta = (host(x.shape[-1:], draw(floats)) for _ in range(2))
+    return (x, gamma, beta), {'eps': draw(st.sampled_from([1e-5, 1e-3]))}
+
+
+@st.composite
+def causal_softmax_cases(draw):
+    batch, queries = draw(shapes(0, 2)), draw(st.integers(1, 3))
+    keys = queries + draw(st.integers(0, 2))
+    return (host(batch + (queries, keys), draw(floats)),), {}
+
 OP_CASES = {name: binary_cases() for name in (
     'add', 'subtract', 'multiply', 'divide', 'power', 'maximum', 'minimum', 'greater', 'less',
     'equal', 'greater_equal', 'less_equal', 'not_equal')}
@@ -218,5 +247,7 @@ OP_CASES.update({
     'pick': pick_cases(), 'fully_connected': fully_connected_cases(), 'where': where_cases(),
     'dropout_mask': dropout_mask_cases(), 'convolution': convolution_cases(),
     'pooling': pooling_cases(), 'batch_norm_train': batch_norm_cases(),
-    'batch_norm_predict': batch_norm_cases(),
+    'batch_norm_predict': batch_norm_cases(), 'embedding': embedding_cases(),
+    'add_position_embedding': add_position_embedding_cases(), 'layer_norm': layer_norm_cases(),
+    'gelu': unary_cases(), 'causal_softmax': causal_softmax_cases(),
 })

@@ -1,0 +1,154 @@
+"""A small GPT (Radford et al., 2019): embeddings, pre-norm Transformer layers of causal
+multi-head self-attention and a GELU MLP, and a language-model head. Taught in "Model
+Parallelism", which splits it across devices.
+
+The network is a flat sequence of units, embedding, one block per layer, head, because
+ZeRO-3 and FSDP shard a net by its children and pipeline parallelism cuts it between them.
+Inside a layer, the attention's query, key, value and output projections and the MLP's two
+Dense layers are separate, named parameters: tensor parallelism splits the first three by
+heads (columns) and the output by rows, and the MLP the same way.
+"""
+import math
+
+from ..np import extension as npx
+from .block import Dense, HybridBlock, HybridSequential
+from .init import Constant, Normal, Zero
+from .parameter import Parameter
+
+INIT_SIGMA = 0.02                # GPT-2's weights: N(0, 0.02²)
+
+
+def projection(units, in_units):
+    """A Dense layer that maps the last axis only (inputs are (batch, seq, features))."""
+    dense = Dense(units, in_units=in_units, flatten=False)
+    dense.weight.init = Normal(INIT_SIGMA)
+    return dense
+
+
+class Embedding(HybridBlock):
+    """A table of `input_dim` learnt vectors of `output_dim` values, looked up by id."""
+
+    def __init__(self, input_dim, output_dim):
+        super().__init__()
+        self.weight = Parameter('weight', (input_dim, output_dim), init=Normal(INIT_SIGMA))
+
+    def forward(self, index):
+        return npx.embedding(index, self.weight.data(index.device))
+
+    def __repr__(self):
+        return f'Embedding({self.weight.shape[0]} -> {self.weight.shape[1]})'
+
+
+class LayerNorm(HybridBlock):
+    """Normalize each position's features, then scale and shift them (learnt)."""
+
+    def __init__(self, units, eps=1e-5):
+        super().__init__()
+        self.eps = eps
+        self.gamma = Parameter('gamma', (units,), init=Constant(1.0))
+        self.beta = Parameter('beta', (units,), init=Zero())
+
+    def forward(self, x):
+        device = x.device
+        return npx.layer_norm(x, self.gamma.data(device), self.beta.data(device), self.eps)
+
+    def __repr__(self):
+        return f'LayerNorm({self.gamma.shape[0]})'
+
+
+class GPTEmbedding(HybridBlock):
+    """Each token's vector plus its position's: (batch, seq) ids -> (batch, seq, units)."""
+
+    def __init__(self, vocab_size, num_hiddens, max_len):
+        super().__init__()
+        self.token = Embedding(vocab_size, num_hiddens)
+        self.position = Parameter('position', (max_len, num_hiddens), init=Normal(INIT_SIGMA))
+
+    def forward(self, tokens):
+        return npx.add_position_embedding(self.token(tokens), self.position.data(tokens.device))
+
+
+class CausalSelfAttention(HybridBlock):
+    """Multi-head attention in which each position attends to itself and earlier ones."""
+
+    def __init__(self, num_hiddens, num_heads):
+        super().__init__()
+        if num_hiddens % num_heads:
+            raise ValueError(f'num_hiddens={num_hiddens} is not divisible by '
+                             f'num_heads={num_heads}')
+        self.num_heads = num_heads
+        self.query = projection(num_hiddens, num_hiddens)
+        self.key = projection(num_hiddens, num_hiddens)
+        self.value = projection(num_hiddens, num_hiddens)
+        self.output = projection(num_hiddens, num_hiddens)
+
+    def split_heads(self, x):
+        """(batch, seq, heads · d) -> (batch, heads, seq, d)."""
+        batch, seq, width = x.shape
+        return x.reshape(batch, seq, self.num_heads, width // self.num_heads).transpose(0, 2, 1, 3)
+
+    def forward(self, x):
+        batch, seq, width = x.shape
+        q, k, v = (self.split_heads(f(x)) for f in (self.query, self.key, self.value))
+        scores = (q @ k.transpose(0, 1, 3, 2)) * (1 / math.sqrt(width // self.num_heads))
+        heads = npx.causal_softmax(scores) @ v                     # (batch, heads, seq, d)
+        return self.output(heads.transpose(0, 2, 1, 3).reshape(batch, seq, width))
+
+
+class MLP(HybridBlock):
+    """Widen each position's features four times, GELU, and project back."""
+
+    def __init__(self, num_hiddens, expansion=4):
+        super().__init__()
+        self.hidden = projection(expansion * num_hiddens, num_hiddens)
+        self.output = projection(num_hiddens, expansion * num_hiddens)
+
+    def forward(self, x):
+        return self.output(npx.gelu(self.hidden(x)))
+
+
+class TransformerLayer(HybridBlock):
+    """Pre-norm residual layer (GPT-2's): x + attention(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, num_hiddens, num_heads):
+        super().__init__()
+        self.attention_norm = LayerNorm(num_hiddens)
+        self.attention = CausalSelfAttention(num_hiddens, num_heads)
+        self.mlp_norm = LayerNorm(num_hiddens)
+        self.mlp = MLP(num_hiddens)
+
+    def forward(self, x):
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class LanguageModelHead(HybridBlock):
+    """The final norm and the projection to one score per vocabulary entry."""
+
+    def __init__(self, num_hiddens, vocab_size):
+        super().__init__()
+        self.norm = LayerNorm(num_hiddens)
+        self.output = projection(vocab_size, num_hiddens)
+
+    def forward(self, x):
+        return self.output(self.norm(x))
+
+
+class GPT(HybridSequential):
+    """tokens (batch, seq) int -> logits (batch, seq, vocab_size), causal.
+
+    Its children, in order: a GPTEmbedding, `num_layers` TransformerLayers, a
+    LanguageModelHead (`net[0]`, `net[1:-1]`, `net[-1]`). The head has its own weights (GPT-2
+    ties them to the token table; tying would make two units share a parameter, which
+    sharding by units cannot express).
+
+    >>> net = GPT(vocab_size=50, num_layers=2, num_hiddens=32, num_heads=2, max_len=16)
+    >>> [type(unit).__name__ for unit in net.children()]
+    ['GPTEmbedding', 'TransformerLayer', 'TransformerLayer', 'LanguageModelHead']
+    """
+
+    def __init__(self, vocab_size, num_layers, num_hiddens, num_heads, max_len):
+        super().__init__()
+        self.add(GPTEmbedding(vocab_size, num_hiddens, max_len))
+        self.add(*(TransformerLayer(num_hiddens, num_heads) for _ in range(num_layers)))
+        self.add(LanguageModelHead(num_hiddens, vocab_size))
