@@ -1,4 +1,5 @@
-"""Data for the training chapters: Fashion-MNIST, downloaded once, checked and cached.
+"""Data for the training chapters: Fashion-MNIST and a text corpus, downloaded once,
+checked and cached.
 
 Fashion-MNIST (Xiao et al., 2017) is fetched from its authors' mirror, each file checked
 against its published MD5 sum and written to a cache atomically, so an interrupted download
@@ -7,6 +8,11 @@ dataset that scikit-learn ships (8×8 handwritten digits), and say so in one lin
 too under D2LPERF_VERBOSE=1).
 `load_data_fashion_mnist` serves either as minibatches of d2lperf arrays, the digits resized
 to 28×28 so that a network written for Fashion-MNIST runs on them unchanged.
+
+The language model of "Model Parallelism" reads characters: tiny Shakespeare (Karpathy's
+char-rnn corpus) where it can be had and verified, else CPython's own documentation, which
+every Python ships (`pydoc_data`); `char_batches` cuts either into (input, next-character)
+minibatches.
 """
 import gzip
 import hashlib
@@ -40,17 +46,22 @@ def md5(data):
     return hashlib.md5(data).hexdigest()
 
 
-def fetch(name, checksum, base_url=FASHION_MNIST_URL, root=None):
-    """The cached file `name`, downloaded first if it is missing or fails its checksum."""
+def sha256(data):
+    return hashlib.sha256(data).hexdigest()
+
+
+def fetch(name, checksum, base_url=FASHION_MNIST_URL, root=None, digest=md5):
+    """The cached file `name`, downloaded first if it is missing or fails its checksum
+    (`digest`: md5, as Fashion-MNIST publishes, or sha256)."""
     path = (root or cache_dir()) / name
-    if path.exists() and md5(path.read_bytes()) == checksum:
+    if path.exists() and digest(path.read_bytes()) == checksum:
         return path
     with urllib.request.urlopen(base_url + name, timeout=TIMEOUT_SECONDS) as response:
         data = response.read()
-    if md5(data) != checksum:
-        raise ValueError(f'{name} from {base_url} has MD5 {md5(data)}, expected {checksum}: '
-                         'the download is corrupt or the mirror changed; nothing was cached, '
-                         'try again later')
+    if digest(data) != checksum:
+        raise ValueError(f'{name} from {base_url} has {digest.__name__.upper()} {digest(data)}, '
+                         f'expected {checksum}: the download is corrupt or the mirror changed; '
+                         'nothing was cached, try again later')
     atomic_write(path, lambda file: file.write(data))
     return path
 
@@ -200,3 +211,80 @@ def describe(name, why, used, totals, side, resize):
         return f'dataset: {name}, {sizes}'
     reason = f' ({why})' if os.environ.get('D2LPERF_VERBOSE') else ''
     return f'Fashion-MNIST is not reachable{reason}: training on {name} ({sizes})'
+
+
+# -- a text corpus, read character by character ---------------------------------------------
+
+TINY_SHAKESPEARE_URL = ('https://raw.githubusercontent.com/karpathy/char-rnn/master/data/'
+                        'tinyshakespeare/')
+# The SHA-256 of input.txt must be filled in from a trusted copy: the machine this was
+# written on had no network, and a checksum computed from an unverified download would vouch
+# for nothing. Until it is, `tiny_shakespeare` refuses to download and the corpus falls back.
+TINY_SHAKESPEARE_FILE = ('input.txt', None)
+
+
+class UnverifiedData(LookupError):
+    """A dataset this package has no trusted checksum for: it is not downloaded."""
+
+
+def tiny_shakespeare(root=None):
+    """The 40,000 lines of Shakespeare of Karpathy's char-rnn, fetched, checked and cached."""
+    name, checksum = TINY_SHAKESPEARE_FILE
+    if checksum is None:
+        raise UnverifiedData('no trusted SHA-256 for tiny Shakespeare is recorded in '
+                             'd2lperf.data.TINY_SHAKESPEARE_FILE, so it is not downloaded')
+    return fetch(name, checksum, TINY_SHAKESPEARE_URL, root, digest=sha256).read_text('utf-8')
+
+
+def python_docs():
+    """CPython's documentation topics (`pydoc_data`, about 465,000 characters), joined in
+    the order of their names so the text is the same on every run."""
+    from pydoc_data.topics import topics
+    return '\n'.join(topics[name] for name in sorted(topics))
+
+
+def load_text_corpus(root=None):
+    """(text, corpus name): tiny Shakespeare if it can be had and verified, else CPython's
+    documentation; prints which, in one line (the reason too under D2LPERF_VERBOSE=1)."""
+    try:
+        text, name, why = tiny_shakespeare(root), 'tiny Shakespeare', None
+    except (urllib.error.URLError, OSError, UnverifiedData) as err:
+        text, name, why = python_docs(), "CPython's documentation (pydoc_data)", err
+    reason = f' ({why})' if why is not None and os.environ.get('D2LPERF_VERBOSE') else ''
+    fallback = '' if why is None else f'tiny Shakespeare is not available{reason}: '
+    print(f'{fallback}text corpus: {name}, {len(text):,} characters')
+    return text, name
+
+
+class CharVocabulary:
+    """The distinct characters of a text, each with an id (in code-point order)."""
+
+    def __init__(self, text):
+        self.chars = sorted(set(text))
+        self.ids = {c: i for i, c in enumerate(self.chars)}
+
+    def __len__(self):
+        return len(self.chars)
+
+    def encode(self, text):
+        return numpy.fromiter(map(self.ids.__getitem__, text), numpy.int64, len(text))
+
+    def decode(self, ids):
+        return ''.join(self.chars[i] for i in numpy.asarray(ids).ravel())
+
+
+def char_batches(ids, batch_size, seq_len, num_batches, seed=None, device=None):
+    """`num_batches` minibatches (X, Y) of d2lperf int64 arrays (batch_size, seq_len): X
+    windows of the encoded text at random offsets, Y the same windows one character later
+    (the next character to predict at every position)."""
+    for what, value in (('batch_size', batch_size), ('seq_len', seq_len),
+                        ('num_batches', num_batches)):
+        check_positive(what, value)
+    if len(ids) <= seq_len:
+        raise ValueError(f'a text of {len(ids)} characters has no window of {seq_len} + 1')
+    generator = numpy.random.default_rng(seed)
+    window = numpy.arange(seq_len)
+    for _ in range(num_batches):
+        starts = generator.integers(0, len(ids) - seq_len, batch_size)[:, None]
+        yield (np.array(ids[starts + window], device=device),
+               np.array(ids[starts + window + 1], device=device))
