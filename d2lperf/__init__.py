@@ -49,10 +49,11 @@ Training on Multiple GPUs, Concise Implementation for Multiple GPUs
                   at Scale", buckets, ZeRO's stages 1-3 and the calculator that predicts what
                   a step holds and moves.
 Parameter Servers
-    optimizer     the update rules (SGD with momentum and weight decay, Adam) that a trainer
-                  or a key-value store applies, with their states as plain arrays.
-    amp           mixed precision: float16/bfloat16 casts and a dynamic loss scaler (MXNet
-                  AMP's names).
+    optimizer/    the update rules (SGD with momentum and weight decay, Adam) that a trainer
+                  or a key-value store applies, with their states as plain arrays (rules.py),
+                  float32 master weights for float16 and bfloat16 ones (`multi_precision`),
+                  and, "Memory", the dynamic loss scaler that float16 gradients need (amp.py,
+                  which is `d2l.amp`, with MXNet AMP's names).
     kvstore/      the (key, value) store (also "Distributed Training"): the in-process stores
                   (local, device); the distributed store's worker side, its server and the
                   wire protocol between them (over MPI, never pickled).
@@ -64,8 +65,8 @@ Distributed Training
                   an epoch.
 
 Layers, bottom first:
-    utils < device < engine < ops < np < autograd < hybrid < nn < comm < optimizer < amp
-    < kvstore < data_parallel < data < hardware < launch < train_mnist
+    utils < device < engine < ops < np < autograd < hybrid < nn < comm < optimizer < kvstore
+    < data_parallel < data < hardware < launch < train_mnist
 """
 from . import engine      # first: it sets OpenBLAS's spin before NumPy loads (engine/blas.py)
 from .device import Device, cpu, gpu, num_gpus, try_all_gpus, try_devices, try_gpu
@@ -75,7 +76,8 @@ from .nn import L2Loss, SoftmaxCrossEntropyLoss
 from .data_parallel import Trainer, get_params, sgd
 from .utils import (Accumulator, Animator, Benchmark, Timer, median_seconds, process_memory,
                     quick_mode, workload)
-from . import amp, comm, data, data_parallel, hybrid, kvstore, optimizer
+from . import comm, data, data_parallel, hybrid, kvstore, optimizer
+from .optimizer import amp
 from .engine import profiler
 from .comm import split_and_load, split_batch
 # d2l.allreduce is the from-scratch chapter's "everything to the first device" (the name the

@@ -2,7 +2,7 @@
 
 Taught in "Memory". `net.cast('float16')` halves the bytes of weights, gradients and
 activations; `multi_precision=True` keeps float32 master weights in the optimizer
-(`optimizer.py`), so that small updates are not rounded away. What is left is the gradients:
+(`rules.py`), so that small updates are not rounded away. What is left is the gradients:
 float16 has nothing below 6e-8, and many gradients are smaller. Scaling the loss by S scales
 every gradient by S, out of the underflow; the update divides by S again. Too large an S
 overflows to inf: that step is skipped and S halved; after `scale_window` clean steps S is
@@ -23,7 +23,7 @@ import contextlib
 
 import numpy
 
-from . import autograd, np
+from .. import autograd, np
 
 
 class LossScaler:

@@ -15,8 +15,8 @@ import math
 import ml_dtypes
 import numpy
 
-from . import np
-from .device import label
+from .. import np
+from ..device import label
 
 LOW_PRECISION = (numpy.dtype(numpy.float16), numpy.dtype(ml_dtypes.bfloat16))
 FLOAT32 = numpy.dtype(numpy.float32)
