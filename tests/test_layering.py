@@ -194,3 +194,9 @@ def test_no_layer_reaches_a_field_that_only_a_layer_above_declares():
               for path, tree in trees.items() for field, line in reached_fields(tree)
               if lowest.get(field, -1) > layer[path]]
     assert upward == []
+
+
+def test_the_top_level_stays_short_enough_to_read_as_a_table_of_contents():
+    """At most 18 entries with __init__ (the house's second pass): a new concept goes into the
+    folder of the layer it belongs to, or a folder replaces several modules."""
+    assert len(entries()) + 1 <= 18, sorted(entries())
