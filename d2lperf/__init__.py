@@ -48,6 +48,8 @@ Training on Multiple GPUs, Concise Implementation for Multiple GPUs
                   on one device or split among several (evaluation), and, "Data Parallelism
                   at Scale", buckets, ZeRO's stages 1-3 and the calculator that predicts what
                   a step holds and moves.
+    model_parallel/  the model itself split over devices: pipeline schedules as data (GPipe,
+                  1F1B, interleaved), their bubble and the activations a stage holds.
 Parameter Servers
     optimizer/    the update rules (SGD with momentum and weight decay, Adam) that a trainer
                   or a key-value store applies, with their states as plain arrays (rules.py),
@@ -66,7 +68,7 @@ Distributed Training
 
 Layers, bottom first:
     utils < device < engine < ops < np < autograd < hybrid < nn < comm < optimizer < kvstore
-    < data_parallel < data < hardware < launch < train_mnist
+    < data_parallel < model_parallel < data < hardware < launch < train_mnist
 """
 from . import engine      # first: it sets OpenBLAS's spin before NumPy loads (engine/blas.py)
 from .device import Device, cpu, gpu, num_gpus, try_all_gpus, try_devices, try_gpu
@@ -76,7 +78,7 @@ from .nn import L2Loss, SoftmaxCrossEntropyLoss
 from .data_parallel import Trainer, get_params, sgd
 from .utils import (Accumulator, Animator, Benchmark, Timer, median_seconds, process_memory,
                     quick_mode, workload)
-from . import comm, data, data_parallel, hybrid, kvstore, optimizer
+from . import comm, data, data_parallel, hybrid, kvstore, model_parallel, optimizer
 from .optimizer import amp
 from .engine import profiler
 from .comm import split_and_load, split_batch
@@ -91,6 +93,6 @@ __all__ = ['engine', 'Device', 'cpu', 'gpu', 'num_gpus', 'try_all_gpus', 'try_de
            'try_gpu', 'np', 'npx', 'autograd', 'nn', 'L2Loss', 'SoftmaxCrossEntropyLoss',
            'Trainer', 'get_params', 'sgd', 'Accumulator', 'Animator', 'Benchmark', 'Timer',
            'median_seconds', 'process_memory', 'quick_mode', 'workload', 'comm', 'data',
-           'data_parallel', 'hybrid', 'kvstore', 'optimizer', 'amp', 'profiler', 'allreduce',
-           'split_and_load', 'split_batch', 'accuracy', 'evaluate_accuracy_gpu',
+           'data_parallel', 'hybrid', 'kvstore', 'model_parallel', 'optimizer', 'amp',
+           'profiler', 'allreduce', 'split_and_load', 'split_batch', 'accuracy', 'evaluate_accuracy_gpu',
            'evaluate_accuracy_gpus', 'load_data_fashion_mnist', 'Residual', 'lenet', 'resnet18']

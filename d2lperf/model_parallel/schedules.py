@@ -1,0 +1,147 @@
+"""Pipeline schedules as data: in which order each stage runs its micro-batches' passes.
+
+A model cut into p stages, one a device, runs m micro-batches through them. A schedule says,
+for each stage, its ordered actions: `Action(kind, microbatch, chunk)`, kind 'F' (forward) or
+'B' (backward). It is plain data, computed from p, m and the chunks v alone, as
+`comm/schedules.py` is for allreduce: an executor runs it, `simulate` times it, a chapter prints
+and draws it. Three schedules:
+
+* 'gpipe' (Huang et al., 2019): every forward, then every backward. A stage holds the
+  activations of all m micro-batches at once.
+* '1f1b' (PipeDream-Flush, Narayanan et al., 2021): after p - s - 1 forwards of warm-up, stage
+  s alternates one forward and one backward, so it holds at most p - s micro-batches. The same
+  bubble as GPipe: (p - 1) / (m + p - 1) of the time, when every pass takes as long.
+* 'interleaved' (Narayanan et al., 2021, Megatron-LM): each device holds v chunks of the model
+  (virtual stages s, s + p, s + 2p, ...), and runs 1F1B over its chunks in groups of p
+  micro-batches. The bubble shrinks by v: (p - 1) / (v · m) of the ideal time, for v times
+  as many transfers between devices.
+"""
+import collections
+
+Action = collections.namedtuple('Action', 'kind microbatch chunk')
+SCHEDULES = ('gpipe', '1f1b', 'interleaved')
+
+
+def schedule(name, stages, microbatches, chunks=1):
+    """[[Action, ...] for each stage]: the order in which each stage runs its passes."""
+    check(name, stages, microbatches, chunks)
+    if name == 'gpipe':
+        return [gpipe(microbatches) for _ in range(stages)]
+    if name == '1f1b':
+        return [one_f_one_b(stage, stages, microbatches) for stage in range(stages)]
+    return [interleaved(stage, stages, microbatches, chunks) for stage in range(stages)]
+
+
+def gpipe(m):
+    return [Action('F', i, 0) for i in range(m)] + [Action('B', i, 0) for i in range(m)]
+
+
+def one_f_one_b(s, p, m):
+    """Warm up with the forwards the later stages need before the first backward comes back,
+    then one forward, one backward, and drain the backwards left."""
+    warmup = min(p - s - 1, m)
+    actions = [Action('F', i, 0) for i in range(warmup)]
+    for i in range(m - warmup):
+        actions += [Action('F', warmup + i, 0), Action('B', i, 0)]
+    return actions + [Action('B', i, 0) for i in range(m - warmup, m)]
+
+
+def interleaved(s, p, m, v):
+    """Megatron's interleaved 1F1B: the k-th forward of a device runs micro-batch
+    (k // pv)·p + k % p on chunk (k // p) % v; backwards go through the chunks the other way."""
+    total = m * v
+
+    def action(kind, k):
+        chunk = (k % (p * v)) // p
+        return Action(kind, (k // (p * v)) * p + k % p, chunk if kind == 'F' else v - 1 - chunk)
+    warmup = min((p - s - 1) * 2 + (v - 1) * p, total)
+    actions = [action('F', k) for k in range(warmup)]
+    for k in range(total - warmup):
+        actions += [action('F', warmup + k), action('B', k)]
+    return actions + [action('B', k) for k in range(total - warmup, total)]
+
+
+def check(name, stages, microbatches, chunks):
+    if name not in SCHEDULES:
+        raise ValueError(f'unknown schedule {name!r}: choose one of {SCHEDULES}')
+    for what, value in (('stages', stages), ('microbatches', microbatches), ('chunks', chunks)):
+        if not (isinstance(value, int) and value >= 1):
+            raise ValueError(f'{what} is a whole number of at least 1, not {value!r}')
+    if name != 'interleaved' and chunks != 1:
+        raise ValueError(f"{name} runs one chunk a stage, not {chunks}: use 'interleaved' for "
+                         'more')
+    if name == 'interleaved' and microbatches % stages:
+        raise ValueError(f'interleaving runs the micro-batches in groups of one a stage: '
+                         f'{microbatches} micro-batches do not divide among {stages} stages; '
+                         f'use a multiple of {stages}')
+
+
+# -- what a schedule implies, before anything runs ------------------------------------------
+
+def virtual_stage(stage, chunk, stages):
+    """Chunk c of device s holds the model's part s + c·p (Megatron's layout)."""
+    return stage + chunk * stages
+
+
+def simulate(plan, forward=1.0, backward=2.0):
+    """When each action starts and ends if every forward takes `forward` and every backward
+    `backward` (per chunk), and nothing else costs time: {stage: [(Action, start, end)]}.
+
+    A forward waits for the same micro-batch's forward on the virtual stage before it; a
+    backward for its backward on the virtual stage after it (the last one, for its own
+    forward); every action for the one before it on its device."""
+    p = len(plan)
+    last = p * max(a.chunk for actions in plan for a in actions) + p - 1
+    done, timeline, position = {}, {s: [] for s in range(p)}, [0] * p
+    clock = [0.0] * p
+    while any(position[s] < len(plan[s]) for s in range(p)):
+        progressed = False
+        for s in range(p):
+            if position[s] == len(plan[s]):
+                continue
+            action = plan[s][position[s]]
+            ready = dependency_end(action, s, p, last, done)
+            if ready is None:
+                continue
+            start = max(clock[s], ready)
+            end = start + (forward if action.kind == 'F' else backward)
+            virtual = virtual_stage(s, action.chunk, p)
+            done[action.kind, action.microbatch, virtual] = end
+            timeline[s].append((action, start, end))
+            clock[s], position[s], progressed = end, position[s] + 1, True
+        if not progressed:
+            raise ValueError('this schedule deadlocks: an action waits for one that comes '
+                             'after it on its own stage')
+    return timeline
+
+
+def dependency_end(action, s, p, last, done):
+    """When what `action` waits for (on other stages) ended: None if it has not run yet."""
+    virtual = virtual_stage(s, action.chunk, p)
+    if action.kind == 'F':
+        needed = [('F', action.microbatch, virtual - 1)] if virtual > 0 else []
+    else:
+        needed = [('F', action.microbatch, virtual)]
+        if virtual < last:
+            needed.append(('B', action.microbatch, virtual + 1))
+    ends = [done.get(key) for key in needed]
+    return None if None in ends else max(ends, default=0.0)
+
+
+def bubble(timeline):
+    """(idle time over the whole, idle time over the ideal): the pipeline's bubble both ways,
+    the first as GPipe's (p - 1)/(m + p - 1), the second as Megatron's (p - 1)/(v·m)."""
+    makespan = max(end for actions in timeline.values() for _, _, end in actions)
+    busy = sum(end - start for actions in timeline.values() for _, start, end in actions)
+    idle = len(timeline) * makespan - busy
+    return idle / (len(timeline) * makespan), idle / busy
+
+
+def in_flight(actions):
+    """The most micro-batches (chunk passes) a stage holds the activations of at once: those
+    whose forward has run and whose backward has not."""
+    held = peak = 0
+    for action in actions:
+        held += 1 if action.kind == 'F' else -1
+        peak = max(peak, held)
+    return peak
