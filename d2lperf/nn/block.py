@@ -49,6 +49,12 @@ class Block:
             param.initialize(init=init, device=device, force_reinit=force_reinit)
         return self
 
+    def reset_device(self, device):
+        """Every parameter of this block and its children moved to `device` (Gluon's name)."""
+        for param in self.collect_params().values():
+            param.reset_device(device)
+        return self
+
     def cast(self, dtype):
         """Every parameter of this block and its children in `dtype` (Gluon's Block.cast):
         `net.cast('float16')` halves the bytes of weights and gradients ("Memory")."""

@@ -59,6 +59,14 @@ class Parameter:
         if self._data is not None:
             self._keep({d: a.astype(self.dtype) for d, a in self._data.items()})
 
+    def reset_device(self, device):
+        """Move the values to `device` (one Device or a list), as Gluon's reset_device: a copy
+        of the first one on each; pipeline parallelism places each stage's weights this way."""
+        devices = _device_list(device)
+        first = self._copies()[self._devices[0]]
+        self._devices = devices
+        self._keep({d: first if d == first.device else first.copyto(d) for d in devices})
+
     @property
     def copies(self):
         """{device: NDArray}: one copy per device; None until initialized, a new dict after

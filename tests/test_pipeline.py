@@ -1,0 +1,114 @@
+"""Pipeline parallelism on virtual devices: every schedule trains as one device does, and a
+stage holds the activations of as many micro-batches as its schedule says."""
+import numpy
+import pytest
+
+import d2lperf as d2l
+from d2lperf import autograd, nn, np
+from d2lperf.model_parallel import Pipeline, in_flight, schedule
+from test_memory import settle
+
+pytestmark = pytest.mark.chapter('model_parallelism')
+
+WIDTH, LAYERS, BATCH = 16, 6, 24
+rng = numpy.random.default_rng(0)
+X = rng.standard_normal((BATCH, WIDTH)).astype('float32')
+Y = rng.integers(0, 10, BATCH)
+LOSS = d2l.SoftmaxCrossEntropyLoss()
+
+
+def mlp(layers=LAYERS):
+    net = nn.Sequential()
+    for _ in range(layers - 1):
+        net.add(nn.Dense(WIDTH, in_units=WIDTH, activation='relu'))
+    net.add(nn.Dense(10, in_units=WIDTH))
+    np.random.seed(0)
+    net.initialize(init=d2l.nn.init.Normal(sigma=0.3))
+    return net
+
+
+def trained_on_one_device(steps=2):
+    net = mlp()
+    trainer = d2l.Trainer(net.collect_params(), 'sgd', {'learning_rate': 0.1})
+    for _ in range(steps):
+        with autograd.record():
+            loss = LOSS(net(np.array(X)), np.array(Y)).sum()
+        loss.backward()
+        trainer.step(BATCH)
+    return [p.data().asnumpy() for p in net.collect_params().values()]
+
+
+def trained_in_a_pipeline(devices, name, micro, chunks=1, steps=2, sizes=None):
+    net = mlp()
+    pipeline = Pipeline(net, devices, name, chunks, sizes)
+    trainer = d2l.Trainer(net.collect_params(), 'sgd', {'learning_rate': 0.1})
+    inputs = [np.array(part) for part in numpy.array_split(X, micro)]
+    labels = [np.array(part) for part in numpy.array_split(Y, micro)]
+    for _ in range(steps):
+        pipeline.forward_backward(inputs, labels, LOSS)
+        trainer.step(BATCH)
+    return [p.data().asnumpy() for p in net.collect_params().values()], pipeline
+
+
+@pytest.mark.parametrize('name, devices, micro, chunks', [
+    ('gpipe', 1, 1, 1), ('gpipe', 2, 3, 1), ('1f1b', 3, 4, 1), ('1f1b', 4, 5, 1),
+    ('interleaved', 2, 4, 2), ('interleaved', 3, 3, 2)])
+def test_every_schedule_trains_as_one_device(name, devices, micro, chunks):
+    one = trained_on_one_device()
+    many, pipeline = trained_in_a_pipeline([d2l.cpu(i + 1) for i in range(devices)], name,
+                                           micro, chunks)
+    for a, b in zip(many, one):
+        numpy.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+    assert max(numpy.abs(a - b).max() for a, b in zip(one, [
+        p.data().asnumpy() for p in mlp().collect_params().values()])) > 1e-3
+
+
+def test_each_part_lives_on_its_device():
+    _, pipeline = trained_in_a_pipeline([d2l.cpu(1), d2l.cpu(2)], 'interleaved', 2, chunks=2,
+                                        steps=1)
+    assert [len(part) for part in pipeline.parts] == [2, 2, 1, 1]
+    for k, part in enumerate(pipeline.parts):
+        for layer in part:
+            for param in layer.collect_params().values():
+                assert param.list_device() == [d2l.cpu(1 + k % 2)]
+
+
+@pytest.mark.parametrize('name', ['gpipe', '1f1b'])
+def test_a_stage_holds_the_micro_batches_its_schedule_says(name):
+    """On the naive engine (what is freed is freed at once), each stage's peak of activations
+    is the micro-batches in flight times one micro-batch's."""
+    devices, micro = [d2l.cpu(1), d2l.cpu(2), d2l.cpu(3)], 6
+    d2l.engine.use('naive')
+    try:
+        net = mlp()
+        pipeline = Pipeline(net, devices, name)
+        inputs = [np.array(part) for part in numpy.array_split(X, micro)]
+        labels = [np.array(part) for part in numpy.array_split(Y, micro)]
+        pipeline.forward_backward(inputs[:1], labels[:1], LOSS)      # one micro-batch alone
+        settle()
+        d2l.device.reset_peak()
+        before = [d2l.device.memory(d).by_kind['activations'] for d in devices]
+        pipeline.forward_backward(inputs[:1], labels[:1], LOSS)
+        settle()
+        one = [d2l.device.memory(d).peak_by_kind['activations'] - b
+               for d, b in zip(devices, before)]
+        d2l.device.reset_peak()
+        pipeline.forward_backward(inputs, labels, LOSS)
+        settle()
+        held = [d2l.device.memory(d).peak_by_kind['activations'] - b
+                for d, b in zip(devices, before)]
+    finally:
+        d2l.engine.use('threaded')
+    counts = [in_flight(actions) for actions in schedule(name, 3, micro)]
+    assert min(one) > 0 and held == [c * o for c, o in zip(counts, one)]
+    assert counts == ([micro] * 3 if name == 'gpipe' else [3, 2, 1])
+
+
+def test_uneven_sizes_and_a_net_too_shallow_are_named():
+    with pytest.raises(ValueError, match='6 layers do not split into 8 parts'):
+        Pipeline(mlp(), [d2l.cpu(i) for i in range(1, 5)], 'interleaved', chunks=2)
+    with pytest.raises(ValueError, match=r'sizes \[4, 1\] must give'):
+        Pipeline(mlp(), [d2l.cpu(1), d2l.cpu(2)], sizes=[4, 1])
+    _, pipeline = trained_in_a_pipeline([d2l.cpu(1), d2l.cpu(2)], '1f1b', 3, sizes=[5, 1],
+                                        steps=1)
+    assert [len(part) for part in pipeline.parts] == [5, 1]
