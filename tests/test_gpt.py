@@ -3,6 +3,7 @@
 causality, PyTorch's numbers where PyTorch is installed, and a loss that falls on real text.
 """
 import math
+import sys
 
 import numpy
 import pytest
@@ -185,6 +186,42 @@ def test_a_sequence_longer_than_max_len_is_refused():
     with pytest.raises(ValueError, match='seq rows'):
         small_gpt(max_len=6)(np.array(tokens(1, 7, 11)))
 
+
+
+# -- on a GPU (CuPy): the same numbers as on the CPU ------------------------------------------
+
+needs_gpu = pytest.mark.skipif(not d2l.num_gpus(), reason='needs a GPU and CuPy')
+
+
+def gpu_matches_cpu(hybridize):
+    """Logits and every gradient of a GPT on gpu(0) equal the CPU's, to float32 rounding."""
+    x, y = tokens(3, 6, 11), tokens(3, 6, 11, seed=1)
+    on_cpu = small_gpt().hybridize(hybridize)
+    cpu_loss, cpu_grads = loss_and_gradients(on_cpu, np.array(x), np.array(y))
+    gpu = d2l.gpu(0)
+    on_gpu = small_gpt().initialize(device=gpu, force_reinit=True).hybridize(hybridize)
+    for param, source in zip(on_gpu.collect_params().values(),
+                             on_cpu.collect_params().values()):
+        param.set_data(source.data().copyto(gpu))          # the GPU draws other numbers
+    gpu_loss, gpu_grads = loss_and_gradients(on_gpu, np.array(x, device=gpu),
+                                             np.array(y, device=gpu))
+    assert gpu_loss == pytest.approx(cpu_loss, rel=1e-5)
+    for name, grad in cpu_grads.items():
+        numpy.testing.assert_allclose(gpu_grads[name], grad, rtol=1e-4, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize('hybridize', [False, True])
+def test_gpt_on_fake_gpus_takes_the_cupy_path(fake_gpus, monkeypatch, hybridize):
+    """The stand-in's ufuncs are plain functions; CuPy's, like NumPy's, have `at`, which the
+    embedding's gradient scatters with."""
+    monkeypatch.setattr(sys.modules['cupy'], 'add', numpy.add, raising=False)
+    gpu_matches_cpu(hybridize)
+
+
+@needs_gpu
+@pytest.mark.parametrize('hybridize', [False, True])
+def test_gpt_on_a_gpu_matches_the_cpu(hybridize):
+    gpu_matches_cpu(hybridize)
 
 # -- PyTorch, where it is installed: the same weights give the same numbers ------------------
 
