@@ -272,6 +272,35 @@ def test_gpt_matches_pytorch():
                                       err_msg=name)
 
 
+
+# -- the text: a corpus, its characters, windows of it ----------------------------------------
+
+def test_the_corpus_falls_back_to_python_docs_and_never_downloads_unverified(monkeypatch,
+                                                                              capsys, tmp_path):
+    asked = []
+
+    def offline(url, timeout):
+        asked.append(url)
+        raise data.urllib.error.URLError('offline')
+    monkeypatch.setattr(data.urllib.request, 'urlopen', offline)
+    text, name = data.load_text_corpus(root=tmp_path)
+    assert 'pydoc_data' in name and len(text) > 400_000
+    assert 'text corpus: ' in capsys.readouterr().out
+    if data.TINY_SHAKESPEARE_FILE[1] is None:
+        assert asked == []                           # no checksum to check it against
+    vocab = data.CharVocabulary(text)
+    assert vocab.decode(vocab.encode(text[:200])) == text[:200]
+
+
+def test_char_batches_pair_each_window_with_the_next_characters():
+    batches = list(data.char_batches(numpy.arange(100), 4, 10, 3, seed=0))
+    assert len(batches) == 3
+    for x, y in batches:
+        assert x.shape == y.shape == (4, 10) and x.dtype == numpy.int64
+        assert numpy.array_equal(y.asnumpy(), x.asnumpy() + 1)
+    with pytest.raises(ValueError, match='no window'):
+        next(data.char_batches(numpy.arange(10), 1, 10, 1))
+
 # -- training on real text -------------------------------------------------------------------
 
 def unigram_entropy(ids):
