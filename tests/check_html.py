@@ -7,11 +7,13 @@ A page fails on a formula left as raw TeX or not rendered (every `.math` element
 must hold MathJax's output, and no `\\(`, `\\[` or `$$` may be left in the text), a MathJax
 error, an image that did not load, a request for anything not on this machine (each one is
 refused, so the check reads the book as an offline reader does even where a network is up),
-or a JavaScript error. It prints one line a page and exits non-zero if any page failed; with
+a JavaScript error, or a Markdown table left as raw pipes (a paragraph whose text holds `|---|`
+or starts with `| `: a table that reached the page as text). It prints one line a page and exits non-zero if any page failed; with
 no browser, or no Playwright to drive it, it says how to install them and exits 2.
 `make check-html` runs it on _build/html; tests/test_book_html.py on an unexecuted build.
 """
 import argparse
+import html.parser
 import os
 import pathlib
 import shutil
@@ -45,6 +47,37 @@ PAGE_REPORT = """() => {
             .filter(i => !i.complete || i.naturalWidth === 0).map(i => i.src),
     };
 }"""
+
+
+class Paragraphs(html.parser.HTMLParser):
+    """The text of every <p> of a page, each paragraph's whole text (its inline tags' too)."""
+
+    def __init__(self):
+        super().__init__()
+        self.texts, self.depth = [], 0
+
+    def handle_starttag(self, tag, attrs):
+        if tag == 'p':
+            if self.depth == 0:
+                self.texts.append('')
+            self.depth += 1
+
+    def handle_endtag(self, tag):
+        if tag == 'p' and self.depth:
+            self.depth -= 1
+
+    def handle_data(self, data):
+        if self.depth:
+            self.texts[-1] += data
+
+
+def raw_tables(page_html):
+    """The paragraphs of a page that are a Markdown table nobody rendered (their first 60
+    characters): a row of `|---|`, or text that starts like a table row."""
+    parser = Paragraphs()
+    parser.feed(page_html)
+    return [text.strip()[:60] for text in parser.texts
+            if '|---|' in text.replace(' ', '') or text.lstrip().startswith('| ')]
 
 
 def find_browser():
@@ -99,6 +132,8 @@ def check_page(context, path, screenshot=None):
     failures += [f'raw TeX in the text: {text!r}' for text in report['raw_tex']]
     failures += [f'image did not load: {src}' for src in report['broken_images']]
     failures += [f'request off this machine: {url}' for _, url in remote]
+    failures += [f'a Markdown table left as raw pipes: {text!r}'
+                 for text in raw_tables(path.read_text(errors='replace'))]
     return failures + errors, report
 
 

@@ -96,6 +96,17 @@ def test_the_check_finds_what_it_looks_for(tmp_path, capsys, monkeypatch):
     assert 'request off this machine: https://cdn.example.org/x.js' in report
 
 
+def test_a_table_left_as_raw_pipes_is_found():
+    """A Markdown table that reached the page as one paragraph of pipes is a failure; a real
+    table, a code block with pipes, and a paragraph that mentions a pipe are not."""
+    page = ('<html><body><p>| step | ms |\n|---|---|\n| one | 1.0 |</p>'
+            '<p>|<em>a</em> | b |<br>| --- | --- |</p>'
+            '<table><tr><td>| one</td></tr></table><pre>| a |\n|---|</pre>'
+            '<p>x | y is a bitwise or</p><p>| a |</p></body></html>')
+    assert check_html.raw_tables(page) == ['| step | ms |\n|---|---|\n| one | 1.0 |',
+                                           '|a | b || --- | --- |', '| a |']
+
+
 def test_every_page_renders_whole_offline_in_a_browser(book, capsys):
     if check_html.missing_tools():
         pytest.skip(check_html.missing_tools())
