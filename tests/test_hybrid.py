@@ -702,3 +702,34 @@ def test_on_a_real_gpu_fused_kernels_and_cuda_graphs_agree_with_imperative():
             assert runner.name == ('fused kernels' if refused else 'CUDA graph'), runner.notes
         else:
             assert runner.name == 'fused kernels', runner.notes
+
+
+class SlicesItsParameter(nn.HybridBlock):
+    """A forward that computes from a parameter alone (`w[:n]`, `(w * 2).sum()`) before it
+    meets the input: the compiler must trace that too, not fold it into a constant."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = d2l.nn.Parameter('w', (5, 3))
+
+    def forward(self, x):
+        return x * self.w.data()[:x.shape[0]] + (self.w.data() * 2).sum()
+
+
+@pytest.mark.parametrize('hybridize', [False, True])
+def test_what_a_forward_computes_from_a_parameter_alone_follows_the_parameter(hybridize):
+    np.random.seed(0)
+    block = SlicesItsParameter()
+    block.initialize(init=d2l.nn.init.Normal(1.0))
+    if hybridize:
+        block.hybridize()
+    x = np.ones((4, 3))
+    with autograd.record():
+        loss = block(x).sum()
+    loss.backward()
+    expected = numpy.full((5, 3), 24.0)         # 2 from the sum, for each of the 12 outputs
+    expected[:4] += 1.0                           # and x from the slice
+    numpy.testing.assert_allclose(block.w.grad().asnumpy(), expected)
+    block.w.data()[:] = block.w.data() + 1        # a new value: the compiled code must see it
+    w = block.w.data().asnumpy()
+    numpy.testing.assert_allclose(block(x).asnumpy(), w[:4] + 2 * w.sum(), rtol=1e-5)

@@ -13,6 +13,7 @@ import numpy
 
 from ..device import cpu
 from ..np.multiarray import ArrayMethods, NDArray, check_basic_key
+from ..np.tape import TAPE
 from .graph import Graph, Node
 
 
@@ -170,6 +171,13 @@ class Tracer:
         self.captured[id(array)] = (array, node)
         return node
 
+    def reads_a_parameter(self, arrays):
+        """Whether an operation on these NDArrays alone reads a parameter: then it belongs in
+        the graph (it must be computed from the parameter's value at every call, and carry
+        its gradient), not computed once now and kept as a constant."""
+        return self.param_name is not None and any(
+            self.param_name(a) is not None for a in arrays if a.device == self.device)
+
     def add_constant(self, value):
         graph = self.graph
         return graph.add(Node(graph.fresh_name('const'), 'constant', shape=value.shape,
@@ -195,7 +203,11 @@ def trace(fn, args, names=None, param_name=None):
                          f'{sorted(map(str, devices))}')
     tracer = Tracer(devices.pop(), param_name)
     symbols = [tracer.placeholder(n, a.shape, a.dtype) for n, a in zip(names, args)]
-    result = fn(*symbols)
+    outer, TAPE.tracer = TAPE.tracer, tracer
+    try:
+        result = fn(*symbols)
+    finally:
+        TAPE.tracer = outer
     results = list(result) if isinstance(result, (tuple, list)) else [result]
     graph = tracer.graph
     graph.outputs = [tracer.node_of(r) if isinstance(r, (Symbol, NDArray)) else _not_an_array(r)

@@ -255,6 +255,8 @@ def apply(name, *inputs, **attrs):
             as_device_input(x)
     if not arrays:
         raise TypeError(f"operation '{name}' needs at least one NDArray input")
+    if TAPE.tracer is not None and TAPE.tracer.reads_a_parameter(arrays):
+        return TAPE.tracer.call(name, inputs, attrs)
     device = arrays[0].device if len(arrays) == 1 else common_device(name, arrays)
     shape, dtype = infer(op, inputs, attrs)
     if op.kind == 'view':
@@ -372,6 +374,8 @@ def alias(base, shape, dtype, make, name):
 def view(base, key):
     """`base[key]`: a view that shares base's memory and so its engine variable."""
     check_basic_key(key)
+    if TAPE.tracer is not None and TAPE.tracer.reads_a_parameter([base]):
+        return TAPE.tracer.call('getitem', (base,), {'key': key})
     element_key = key if isinstance(key, tuple) else (key,)
     if Ellipsis not in element_key:
         element_key += (Ellipsis,)      # x[1, 2, ...] is a 0-d view; x[1, 2] a copied scalar

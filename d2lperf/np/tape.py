@@ -30,13 +30,15 @@ class TapeNode:
 
 
 class TapeState:
-    """Whether operations are recorded for autograd, whether layers are training, and the
-    reverse walk (`walk(head, head_grad, retain_graph, on_gradient)`) that autograd provides."""
+    """Whether operations are recorded for autograd, whether layers are training, the
+    reverse walk (`walk(head, head_grad, retain_graph, on_gradient)`) that autograd provides,
+    and the compiler's tracer while it traces a forward (`hybrid.trace`), which takes every
+    operation that reads a parameter, even one with no traced input (`w[:n]`)."""
 
-    __slots__ = ('recording', 'training', 'walk')
+    __slots__ = ('recording', 'training', 'walk', 'tracer')
 
     def __init__(self):
-        self.recording, self.training, self.walk = False, False, None
+        self.recording, self.training, self.walk, self.tracer = False, False, None, None
 
 
 TAPE = TapeState()
