@@ -401,3 +401,32 @@ def test_no_sync_sends_once_and_holds_every_gradient_whole(sync):
     # each reduction: every device sends the (n - 1)/n of each unit that others own
     assert comm.bytes_sent(records, 'reduce-scatter') == reductions * n * sum(units) * (n - 1) / n
     assert between == (0 if sync else sum(units))
+
+
+@pytest.mark.parametrize('devices', [1, 2, 4])
+@pytest.mark.parametrize('stage', [1, 2, 3])
+@pytest.mark.parametrize('optimizer', OPTIMIZERS, ids=['sgd', 'momentum', 'adam'])
+def test_zero_with_checkpointed_units_trains_as_one_device(devices, stage, optimizer):
+    """Recomputation inside ZeRO: each unit runs under `autograd.checkpoint`, so stage 3
+    gathers a unit three times a step (forward, and again for the forward recomputed in
+    backward, whose hook gathers once more before that backward): the weights still end as
+    one device's, to float32 rounding of sums taken in another order."""
+    def run(devices, make, checkpointed):
+        net = wide_net(devices)
+        inputs = np.array(numpy.random.default_rng(1).standard_normal((8, 32)).astype('float32'))
+        X_parts, y_parts = d2l.split_batch(inputs, y[:8], devices)
+
+        def forward_one(x):
+            for unit in net.children():
+                x = d2l.autograd.checkpoint(unit, x) if checkpointed else unit(x)
+            return x
+        strategy = make(net)
+        for _ in range(3):
+            strategy.step(lambda: [loss(forward_one(a), b) for a, b in zip(X_parts, y_parts)],
+                          8)
+        return strategy.weights()
+    one = run([d2l.cpu(1)], buckets(*optimizer), False)
+    many = run([d2l.cpu(i + 1) for i in range(devices)],
+               lambda net: Zero(net, stage, *optimizer), True)
+    for key in one:
+        numpy.testing.assert_allclose(many[key], one[key], atol=1e-5, rtol=0)

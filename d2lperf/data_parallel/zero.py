@@ -141,6 +141,9 @@ class Zero:
                            in enumerate(zip(unit.weight_shards, unit.grad_shards))])
             if self.stage < 3:
                 comm.all_gather_into(unit.flats, self.algorithm)
+            else:                       # a copy gathered ahead and not used is stale now
+                for device in range(len(self.devices)):
+                    unit.free(device)
             unit.drop_gradients()
 
     # -- stage 3: a unit whole only around its forward and its backward ---------------------
