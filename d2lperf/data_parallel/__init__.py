@@ -18,6 +18,8 @@
               and the weights (3) sharded over the devices, a child block at a time, each
               gradient dropped once sent and each unit whole only around its forward and its
               backward.
+    units     what zero shards and moves: a child block's parameters as one flat buffer a
+              device, and each device's half of a gather and of a reduction.
     predict   memory per device and the time a step spends communicating, predicted from the
               parameter count, the devices, the stage, the optimizer and the fitted α and β.
 

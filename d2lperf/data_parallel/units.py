@@ -1,0 +1,207 @@
+"""A unit of sharded training (FSDP's wrapping unit): a child block's parameters as one flat
+buffer a device, of which device d owns chunk d, and the one-device halves of the collectives
+that move it: a gather onto one device, and one device's sends to the chunks' owners.
+
+The parameters are views of the flat buffer, so one copy moves a whole unit. Each device's
+half is what its own process would run (in a real job the halves of all devices meet in one
+collective): here one process runs the devices one after another, and each sends and
+receives its own. `zero.py` decides when each runs.
+"""
+import numpy
+
+from .. import comm, engine, np
+from ..comm import chunk_bounds
+from ..comm.allreduce import TransferName
+from ..device import label, release, restore, transfer
+from ..np.multiarray import NDArray
+
+
+def units_of(net, params, devices, stage):
+    """The net's children that hold trained parameters, in forward order, as Units."""
+    trained_ids = {id(p) for p in params}
+    units, covered = [], set()
+    for child in net.children():
+        mine = [p for p in child.collect_params().values() if id(p) in trained_ids]
+        if mine:
+            units.append(Unit(len(units), child, mine, devices, stage))
+            covered.update(id(p) for p in mine)
+    if len(covered) < len(trained_ids):
+        raise ValueError('ZeRO shards the net by its children (FSDP\'s units): put the '
+                         'parameters the net holds itself into a child block')
+    return units
+
+
+class Unit:
+    """One child block's parameters as one flat buffer a device; the parameters are views of
+    it, and device d owns chunk d (`weight_shards[d]`, `grad_shards[d]`)."""
+
+    def __init__(self, index, block, params, devices, stage):
+        self.index, self.block, self.params, self.devices = index, block, params, devices
+        self.stage = stage
+        self.shapes = [p.list_data()[0].shape for p in params]
+        stops = numpy.cumsum([p.list_data()[0].size for p in params]).tolist()
+        self.layout = list(zip([0] + stops[:-1], stops))
+        dtype = params[0].list_data()[0].dtype
+        self.bounds = chunk_bounds(stops[-1], len(devices))
+        self.flats = [label(np.concatenate([p.list_data()[d].reshape(-1) for p in params]),
+                            'weights') for d in range(len(devices))]
+        self.views = [[NDArray(shape, dtype, device, flat.var) for shape in self.shapes]
+                      for device, flat in zip(devices, self.flats)]
+        for d in range(len(devices)):
+            self.bind_views(d)
+        for i, param in enumerate(params):
+            param.set_copies([views[i] for views in self.views])
+        self.gathered = [True] * len(devices)
+        if stage == 3:
+            self.weight_shards = [label(flat[start:stop].copy(), 'weights')
+                                  for flat, (start, stop) in zip(self.flats, self.bounds)]
+            for d in range(len(devices)):
+                self.free(d)
+        else:
+            self.weight_shards = [flat[start:stop]
+                                  for flat, (start, stop) in zip(self.flats, self.bounds)]
+        self.grad_shards = None if stage == 1 else [
+            label(np.zeros((stop - start,), dtype, device), 'gradients')
+            for device, (start, stop) in zip(devices, self.bounds)]
+        self.slots = [[unmade_like(view) for view in views] for views in self.views]
+        self.kept = [None] * len(devices)       # gradients summed here, not sent yet
+        self.full_grads, self.sent = None, 0
+
+    # -- weights ------------------------------------------------------------------------------
+    def bind_views(self, d):
+        """One engine operation: each parameter's view as its piece of the flat buffer."""
+        flat, views = self.flats[d], self.views[d]
+
+        def run():
+            for view, (start, stop) in zip(views, self.layout):
+                view.data = flat.data[start:stop].reshape(view.shape)
+        engine.push(run, [], [flat.var], flat.device, f'unit {self.index} views')
+
+    def free(self, d):
+        """Stage 3: drop the unit's whole weights on device d (its shard stays)."""
+        if self.stage < 3 or not self.gathered[d]:
+            return
+        flat, views = self.flats[d], self.views[d]
+
+        def run():
+            flat.data = None
+            for view in views:
+                view.data = None
+        engine.push(run, [], [flat.var], flat.device, f'unit {self.index} free')
+        release(flat)
+        self.gathered[d] = False
+
+    def gather(self, d):
+        """Stage 3: the unit whole on device d again, each owner's shard copied into its
+        chunk: device d's half of an all-gather, as its own process runs it."""
+        if self.gathered[d]:
+            return
+        flat = restore(self.flats[d])
+
+        def allocate():
+            flat.data = flat.device.xp.empty(flat.shape, flat.dtype)
+        engine.push(allocate, [], [flat.var], flat.device, f'unit {self.index} memory')
+        for owner, (shard, (start, stop)) in enumerate(zip(self.weight_shards, self.bounds)):
+            send(shard, flat, start, stop, 'all-gather', owner, combine=False)
+        self.bind_views(d)
+        self.gathered[d] = True
+
+    # -- gradients -----------------------------------------------------------------------------
+    def expect_gradients(self):
+        """Mark every view as wanting a gradient without making one: backward makes it."""
+        for views, slots in zip(self.views, self.slots):
+            for view, slot in zip(views, slots):
+                view.grad = slot
+
+    def take_gradients(self, d, kept_only=False):
+        """Device d's gradients of the unit, one flat array (made from backward's, which are
+        dropped), with what earlier micro-batches kept here added in."""
+        if kept_only:
+            kept, self.kept[d] = self.kept[d], None
+            return kept
+        grads = [view.grad for view in self.views[d]]
+        flat = np.concatenate([g.reshape(-1) for g in grads])
+        for view, slot in zip(self.views[d], self.slots[d]):
+            view.grad = slot
+        kept, self.kept[d] = self.kept[d], None
+        return label(flat if kept is None else kept + flat, 'gradients')
+
+    def keep_gradients(self, d):
+        self.kept[d] = self.take_gradients(d)
+
+    def send_chunks(self, d, kept_only=False):
+        """Stages 2 and 3: device d's chunk of each owner's part to that owner, which adds it
+        to its shard (the first to send since the update sets it): device d's half of a
+        reduce-scatter."""
+        flat = self.take_gradients(d, kept_only)
+        for owner, (shard, (start, stop)) in enumerate(zip(self.grad_shards, self.bounds)):
+            send(flat, shard, start, stop, 'reduce-scatter', owner, combine=self.sent > 0,
+                 reverse=True)
+        self.sent += 1
+
+    def sum_kept_gradients(self, algorithm):
+        """Before the update: stage 1 reduce-scatters the whole gradients every device kept;
+        stages 2 and 3 send what a last micro-batch without sync left."""
+        if self.stage == 1:
+            self.full_grads, self.kept = self.kept, [None] * len(self.devices)
+            self.grad_shards = comm.reduce_scatter(self.full_grads, algorithm)
+            return
+        for d, kept in enumerate(self.kept):
+            if kept is not None:
+                self.send_chunks(d, kept_only=True)
+
+    def sends_done(self, d):
+        """A variable written once device d's sends of this unit have all been added in."""
+        done = engine.Var()
+        engine.push(lambda: None, [shard.var for shard in self.grad_shards], [done],
+                    self.devices[d], f'unit {self.index} sent')
+        return done
+
+    def drop_gradients(self):
+        self.sent = 0
+        if self.stage == 1:
+            self.full_grads = self.grad_shards = None
+
+
+def unmade_like(array):
+    """An array that backward will replace and nobody reads: it marks a parameter as wanting a
+    gradient (`needs_grad`) while no memory is held for one, and so counts nothing."""
+    return release(NDArray(array.shape, array.dtype, array.device))
+
+
+def send(source, target, start, stop, phase, owner, combine, reverse=False):
+    """Copy chunk [start, stop) between a flat array and a shard on another device (or the
+    same one), and set or add it there: from the owner's shard into `target`'s chunk (a
+    gather), or, `reverse`, from `source`'s chunk into the owner's shard (a reduction).
+    Named as comm names a transfer, so `comm.bytes_sent` counts it."""
+    if stop == start:
+        return
+    source_device, target_device = source.device, target.device
+    nbytes = (stop - start) * source.dtype.itemsize
+    read = (lambda: source.data[start:stop]) if reverse else (lambda: source.data)
+
+    def write(data):
+        if reverse:
+            if combine:
+                target.data += data
+            else:
+                target.data[...] = data
+        else:
+            target.data[start:stop] = data
+    action = 'add' if combine else 'set'
+    if source_device == target_device:
+        engine.push(lambda: write(read()), [source.var], [target.var], target_device,
+                    TransferName('direct', phase, 1, owner, source_device, target_device,
+                                 action))
+        return
+    received, move = {}, transfer(source_device, target_device)
+    copy_device, lane = engine.copy_lane(source_device, target_device)
+    buffer = engine.Var()
+
+    def sent():
+        received['data'] = move(read())
+    engine.push(sent, [source.var], [buffer], copy_device,
+                TransferName('direct', phase, 1, owner, source_device, target_device, 'send',
+                             nbytes), lane)
+    engine.push(lambda: write(received.pop('data')), [buffer], [target.var], target_device,
+                TransferName('direct', phase, 1, owner, source_device, target_device, action))
