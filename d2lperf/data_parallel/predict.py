@@ -59,6 +59,19 @@ def memory_per_device(num_params, devices, stage, optimizer='adam', bytes_per_va
     return held
 
 
+def transformer_layer_activations(seq, batch, hidden, heads, value_bytes=2, dropout=True):
+    """Bytes one Transformer layer keeps for its backward pass (Korthikanti et al., 2022):
+    with 16-bit values and one-byte dropout masks, s·b·h·(34 + 5·a·s/h).
+
+    In values: 16·sbh of inputs the layer's products, norms and GELU need (the norms' inputs,
+    Q, K, V, the inputs of both MLP products and of the output projection) and a·s²·b for the
+    attention probabilities; dropout adds its output after the softmax (a·s²·b more values)
+    and three masks of a byte a value (2·sbh + a·s²·b)."""
+    sbh, as2b = seq * batch * hidden, heads * seq * seq * batch
+    values = 16 * sbh + as2b + dropout * as2b
+    return value_bytes * values + dropout * (2 * sbh + as2b)
+
+
 def halves(stage, gathers=1):
     """The collectives a step runs on all of the gradients or weights, in order."""
     check(2, stage)
