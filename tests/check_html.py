@@ -16,6 +16,7 @@ import argparse
 import html.parser
 import os
 import pathlib
+import re
 import shutil
 import sys
 
@@ -71,13 +72,17 @@ class Paragraphs(html.parser.HTMLParser):
             self.texts[-1] += data
 
 
+# A table's rule row, `|---|`, as Sphinx's smart quotes leave it: `---` becomes an em dash.
+RULE_ROW = re.compile(r'\|\s*:?[-\u2013\u2014]+:?\s*\|')
+
+
 def raw_tables(page_html):
     """The paragraphs of a page that are a Markdown table nobody rendered (their first 60
-    characters): a row of `|---|`, or text that starts like a table row."""
+    characters): a rule row `|---|`, or text that starts like a table row."""
     parser = Paragraphs()
     parser.feed(page_html)
     return [text.strip()[:60] for text in parser.texts
-            if '|---|' in text.replace(' ', '') or text.lstrip().startswith('| ')]
+            if RULE_ROW.search(text) or text.lstrip().startswith('| ')]
 
 
 def find_browser():

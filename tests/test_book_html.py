@@ -81,18 +81,20 @@ def test_the_math_renderer_is_in_the_book(book):
 
 
 def test_the_check_finds_what_it_looks_for(tmp_path, capsys, monkeypatch):
-    """check_html's own report: a page with raw TeX, a missing image and a remote script,
-    from a root given relative to the working directory, as `make check-html` gives it."""
+    """check_html's own report: a page with raw TeX, a table left as pipes, a missing image
+    and a remote script, from a root given relative to the working directory, as `make
+    check-html` gives it."""
     if check_html.missing_tools():
         pytest.skip(check_html.missing_tools())
     (tmp_path / 'index.html').write_text('<html><body>redirect</body></html>')
     (tmp_path / 'bad.html').write_text(
-        '<html><body><p>raw \\(x^2\\) left</p><img src="missing.png">'
+        '<html><body><p>raw \\(x^2\\) left</p><p>| a | b |</p><img src="missing.png">'
         '<script src="https://cdn.example.org/x.js"></script></body></html>')
     monkeypatch.chdir(tmp_path.parent)
     assert check_html.check(pathlib.Path(tmp_path.name)) == 1   # index.html whole, bad.html not
     report = capsys.readouterr().out
     assert 'raw TeX in the text' in report and 'missing.png' in report
+    assert "a Markdown table left as raw pipes: '| a | b |'" in report
     assert 'request off this machine: https://cdn.example.org/x.js' in report
 
 
@@ -102,9 +104,11 @@ def test_a_table_left_as_raw_pipes_is_found():
     page = ('<html><body><p>| step | ms |\n|---|---|\n| one | 1.0 |</p>'
             '<p>|<em>a</em> | b |<br>| --- | --- |</p>'
             '<table><tr><td>| one</td></tr></table><pre>| a |\n|---|</pre>'
-            '<p>x | y is a bitwise or</p><p>| a |</p></body></html>')
+            '<p>x | y is a bitwise or</p><p>| a |</p>'
+            '<p>Sphinx made an em dash: a|\u2014|\u2014|</p></body></html>')
     assert check_html.raw_tables(page) == ['| step | ms |\n|---|---|\n| one | 1.0 |',
-                                           '|a | b || --- | --- |', '| a |']
+                                           '|a | b || --- | --- |', '| a |',
+                                           'Sphinx made an em dash: a|\u2014|\u2014|']
 
 
 def test_every_page_renders_whole_offline_in_a_browser(book, capsys):
