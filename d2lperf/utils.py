@@ -146,6 +146,17 @@ class Accumulator:
         return self.data[idx]
 
 
+def show_table(header, rows):
+    """Display a table as HTML in a notebook. myst-nb renders a Markdown output as CommonMark,
+    which has no tables: a Markdown table would reach the book as one paragraph of pipes."""
+    import html
+    from IPython.display import HTML, display
+    cells = lambda tag, row: ''.join(f'<{tag}>{html.escape(str(c))}</{tag}>' for c in row)
+    display(HTML('<table>\n<thead><tr>' + cells('th', header) + '</tr></thead>\n<tbody>\n'
+                 + '\n'.join(f'<tr>{cells("td", row)}</tr>' for row in rows)
+                 + '\n</tbody>\n</table>'))
+
+
 def process_memory(device=None):
     """Bytes this process holds, as the operating system and CuPy see them: host memory (the
     resident set, freed blocks the C library keeps included) and, on a GPU, CuPy's pool in

@@ -178,7 +178,7 @@ def ipython_display_stand_in():
             return self.data
 
     display_module = types.ModuleType('IPython.display')
-    display_module.Markdown = Markdown
+    display_module.Markdown = display_module.HTML = Markdown
     display_module.display = lambda *objects, **kwargs: print(*map(repr, objects))
     # Only the submodule: a module named IPython would tell matplotlib that it runs inside one.
     sys.modules['IPython.display'] = display_module
