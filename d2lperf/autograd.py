@@ -110,7 +110,29 @@ class BackwardHook:
         add_gradient(grads, out.node.inputs[0], g)
 
 
-WALKED_HERE = (Recompute, BackwardHook)       # tape steps that push no vjp of their own
+class Collective:
+    """The tape's step for one device's part of a collective in the backward pass: it waits
+    (`backward_together`) until every device's walk has brought its gradient, then `reduce`
+    runs on all of them at once (an allreduce for tensor parallelism's f), and each walk goes
+    on with its own result."""
+
+    __slots__ = ('name', 'reduce', 'arrived')
+
+    def __init__(self, reduce, size):
+        self.name, self.reduce, self.arrived = 'collective', reduce, [None] * size
+
+    def walk(self, out, g, grads, on_gradient):
+        part = out.node.attrs['part']
+        self.arrived[part] = (g, grads, out.node.inputs[0])
+        if any(a is None for a in self.arrived):
+            return
+        results = self.reduce([g for g, _, _ in self.arrived])
+        for result, (_, walk_grads, x) in zip(results, self.arrived):
+            add_gradient(walk_grads, x, result)
+        self.arrived = [None] * len(self.arrived)
+
+
+WALKED_HERE = (Recompute, BackwardHook, Collective)    # tape steps that push no vjp of their own
 
 
 def checkpoint(block, *inputs):
@@ -140,6 +162,21 @@ def on_backward(array, callback):
     out = alias(array, array.shape, array.dtype, lambda data: data, 'on_backward')
     out.node = TapeNode(BackwardHook(callback), (array,), {})
     return out
+
+
+def reduce_in_backward(arrays, reduce):
+    """The arrays again (one a device, sharing their memory), where the backward walks
+    (`backward_together`) meet: their gradients go through `reduce` together, one result for
+    each array. Tensor parallelism's f: the identity forward, an allreduce backward."""
+    if not TAPE.recording:
+        return list(arrays)
+    step = Collective(reduce, len(arrays))
+    outs = []
+    for part, x in enumerate(arrays):
+        out = alias(x, x.shape, x.dtype, lambda data: data, 'collective')
+        out.node = TapeNode(step, (x,), {'part': part})
+        outs.append(out)
+    return outs
 
 
 def add_gradient(grads, x, g):
@@ -235,28 +272,51 @@ def backward(head, head_grad=None, retain_graph=False, on_gradient=None):
     `on_gradient(array)` is called as soon as the write of `array.grad` has been pushed, while
     the rest of the backward pass is still being pushed: a trainer can start summing that
     gradient over devices right away ("Parameter Servers")."""
+    with pause():
+        for _ in walk(head, head_grad, retain_graph, on_gradient):
+            pass
+
+
+def backward_together(heads, on_gradient=None):
+    """The backward passes of several heads, one array of each in turn, as the devices of a
+    tensor-parallel layer run theirs side by side: a collective in the backward pass
+    (`Collective`) then finds every device's part at once. The heads' graphs are alike (one
+    network split over devices), so their walks reach each collective in the same turn."""
+    with pause():
+        walks = [walk(head, None, False, on_gradient) for head in heads]
+        while walks:
+            walks = [w for w in walks if next(w, None) is not None]
+
+
+def walk(head, head_grad, retain_graph, on_gradient):
+    """The reverse walk, one array a step (a generator: `backward_together` interleaves
+    several); the caller pauses recording."""
     if head.node is None:
         raise RuntimeError('nothing to differentiate: compute the head inside autograd.record() '
                            'from arrays that called attach_grad()')
-    with pause():
-        grads = {id(head): head_grad if head_grad is not None else filled_like(head, 1)}
-        for array in reversed(topological_order(head)):
-            g = grads.pop(id(array), None)
-            if g is None:
-                continue
-            if array.node is not None:
-                if type(array.node.op) in WALKED_HERE:
-                    array.node.op.walk(array, g, grads, on_gradient)
-                else:
-                    push_vjp(array, g, grads)
-                if not retain_graph:
-                    array.node = None
-            elif array.grad is not None:
-                # The gradient, a fresh array, becomes `.grad` rather than being copied into
-                # it; an array held from an earlier `.grad` (a store's sum) keeps its values.
-                array.grad = label(g, 'gradients')
-                if on_gradient is not None:
-                    on_gradient(array)
+    grads = {id(head): head_grad if head_grad is not None else filled_like(head, 1)}
+    for array in reversed(topological_order(head)):
+        g = grads.pop(id(array), None)
+        if g is not None:
+            step(array, g, grads, retain_graph, on_gradient)
+        yield array          # every array, reached or not: alike graphs' walks stay in step
+
+
+def step(array, g, grads, retain_graph, on_gradient):
+    """One array of the walk: push its vjp (or run its tape step), or give a leaf its `.grad`."""
+    if array.node is not None:
+        if type(array.node.op) in WALKED_HERE:
+            array.node.op.walk(array, g, grads, on_gradient)
+        else:
+            push_vjp(array, g, grads)
+        if not retain_graph:
+            array.node = None
+    elif array.grad is not None:
+        # The gradient, a fresh array, becomes `.grad` rather than being copied into it; an
+        # array held from an earlier `.grad` (a store's sum) keeps its values.
+        array.grad = label(g, 'gradients')
+        if on_gradient is not None:
+            on_gradient(array)
 
 
 TAPE.walk = backward         # how NDArray.backward, below this module, reaches the walk

@@ -138,7 +138,7 @@ def test_gpt_is_a_flat_sequence_of_units_with_named_projections():
                  'mlp.hidden', 'mlp.output'):
         assert {f'2.{part}.weight', f'2.{part}.bias'} <= names
     assert net.collect_params()['2.mlp.hidden.weight'].shape == (32, 8)
-    with pytest.raises(ValueError, match='not divisible'):
+    with pytest.raises(ValueError, match='10 features do not split among num_heads=4'):
         d2l.nn.GPT(11, 1, 10, 4, 6)
 
 

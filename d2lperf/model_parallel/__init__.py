@@ -5,10 +5,15 @@
                 simulator that times them.
     pipeline    a net's layers cut into stages on devices and trained by a schedule, the
                 copies between stages engine operations.
+    tensor      Megatron-LM's split of each Transformer layer over devices: attention by
+                heads, the MLP by features, an allreduce after each block forward and before
+                it in backward.
 
 Taught in "Model Parallelism".
 """
 from .schedules import Action, SCHEDULES, bubble, in_flight, schedule, simulate
 from .pipeline import Pipeline
+from .tensor import TensorParallelGPT, tensor_parallel
 
-__all__ = ['Action', 'SCHEDULES', 'Pipeline', 'bubble', 'in_flight', 'schedule', 'simulate']
+__all__ = ['Action', 'SCHEDULES', 'Pipeline', 'TensorParallelGPT', 'bubble', 'in_flight',
+           'schedule', 'simulate', 'tensor_parallel']

@@ -69,18 +69,22 @@ class GPTEmbedding(HybridBlock):
 
 
 class CausalSelfAttention(HybridBlock):
-    """Multi-head attention in which each position attends to itself and earlier ones."""
+    """Multi-head attention in which each position attends to itself and earlier ones.
 
-    def __init__(self, num_hiddens, num_heads):
+    `width`: the features of the queries, keys and values of its `num_heads` heads (all of
+    `num_hiddens` by default; a tensor-parallel part holds some heads only)."""
+
+    def __init__(self, num_hiddens, num_heads, width=None):
         super().__init__()
-        if num_hiddens % num_heads:
-            raise ValueError(f'num_hiddens={num_hiddens} is not divisible by '
-                             f'num_heads={num_heads}')
+        width = width or num_hiddens
+        if width % num_heads:
+            raise ValueError(f'{width} features do not split among num_heads={num_heads} '
+                             'heads: use a number of heads that divides num_hiddens')
         self.num_heads = num_heads
-        self.query = projection(num_hiddens, num_hiddens)
-        self.key = projection(num_hiddens, num_hiddens)
-        self.value = projection(num_hiddens, num_hiddens)
-        self.output = projection(num_hiddens, num_hiddens)
+        self.query = projection(width, num_hiddens)
+        self.key = projection(width, num_hiddens)
+        self.value = projection(width, num_hiddens)
+        self.output = projection(num_hiddens, width)
 
     def split_heads(self, x):
         """(batch, seq, heads · d) -> (batch, heads, seq, d)."""
@@ -88,20 +92,23 @@ class CausalSelfAttention(HybridBlock):
         return x.reshape(batch, seq, self.num_heads, width // self.num_heads).transpose(0, 2, 1, 3)
 
     def forward(self, x):
-        batch, seq, width = x.shape
+        batch, seq, _ = x.shape
         q, k, v = (self.split_heads(f(x)) for f in (self.query, self.key, self.value))
-        scores = (q @ k.transpose(0, 1, 3, 2)) * (1 / math.sqrt(width // self.num_heads))
+        scores = (q @ k.transpose(0, 1, 3, 2)) * (1 / math.sqrt(q.shape[-1]))
         heads = npx.causal_softmax(scores) @ v                     # (batch, heads, seq, d)
+        width = heads.shape[1] * heads.shape[3]
         return self.output(heads.transpose(0, 2, 1, 3).reshape(batch, seq, width))
 
 
 class MLP(HybridBlock):
-    """Widen each position's features four times, GELU, and project back."""
+    """Widen each position's features four times, GELU, and project back (`width`: the wide
+    features this block holds; a tensor-parallel part holds some of them)."""
 
-    def __init__(self, num_hiddens, expansion=4):
+    def __init__(self, num_hiddens, expansion=4, width=None):
         super().__init__()
-        self.hidden = projection(expansion * num_hiddens, num_hiddens)
-        self.output = projection(num_hiddens, expansion * num_hiddens)
+        width = width or expansion * num_hiddens
+        self.hidden = projection(width, num_hiddens)
+        self.output = projection(num_hiddens, width)
 
     def forward(self, x):
         return self.output(npx.gelu(self.hidden(x)))

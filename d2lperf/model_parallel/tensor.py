@@ -1,0 +1,153 @@
+"""Tensor parallelism (Shoeybi et al., 2019, Megatron-LM): each Transformer layer split over t
+devices, so that each holds and computes 1/t of its attention and its MLP.
+
+Attention splits by heads: device r holds the query, key and value rows of heads r·a/t to
+(r+1)·a/t and the matching columns of the output projection; the MLP's first product splits
+by columns of its output (rows of the weight), its second by the matching rows of its input.
+Each device then computes a part of each block's output, and the parts add up to the whole:
+
+* f, before each block: the identity forward (every device has the whole input), and in
+  backward an allreduce of the input's gradients, since every part contributed to it;
+* g, after each block: an allreduce of the parts forward, and the identity backward.
+
+So a layer moves two allreduces of (batch, sequence, hidden) values forward and two backward.
+The embeddings, the norms and the head are copied whole on every device, where each computes
+the same values and gets the same gradients. The backward passes of the t devices run side by
+side (`autograd.backward_together`), so that each f finds every device's gradient.
+Taught in "Model Parallelism".
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from .. import autograd, comm
+from ..device import Device
+from ..nn.transformer import (GPT, CausalSelfAttention, GPTEmbedding, LanguageModelHead, MLP,
+                              TransformerLayer)
+from ..np.multiarray import NDArray
+
+
+def tensor_parallel(net: GPT, devices: Sequence[Device], algorithm: str = 'ring'):
+    """A copy of the GPT `net` split over `devices` (the net itself is left as it is)."""
+    return TensorParallelGPT(net, devices, algorithm)
+
+
+class TensorParallelGPT:
+    """The GPT as t device programs run side by side: `ranks[r]` holds device r's part.
+
+    `net(tokens)` returns the logits on every device (the same values); `backward(losses)`
+    runs every device's backward pass at once; `collect_params()` has every device's
+    parameters (each on one device: a Trainer updates each where it lives)."""
+
+    def __init__(self, net, devices, algorithm='ring'):
+        self.devices, self.algorithm = list(devices), algorithm
+        t = len(self.devices)
+        first = net[1]
+        heads, hidden = first.attention.num_heads, first.attention_norm.gamma.shape[0]
+        if heads % t:
+            raise ValueError(f'{heads} attention heads do not split among {t} devices: use a '
+                             f'number of devices that divides {heads}')
+        self.ranks = [Rank(net, rank, t, device) for rank, device in enumerate(self.devices)]
+        self.hidden = hidden
+
+    def __call__(self, tokens: NDArray) -> list[NDArray]:
+        xs = [rank.embedding(tokens.copyto(rank.device)) for rank in self.ranks]
+        for depth in range(len(self.ranks[0].layers)):
+            layers = [rank.layers[depth] for rank in self.ranks]
+            xs = self.block(xs, [layer.attention_norm for layer in layers],
+                            [layer.attention for layer in layers])
+            xs = self.block(xs, [layer.mlp_norm for layer in layers],
+                            [layer.mlp for layer in layers])
+        return [rank.head(x) for rank, x in zip(self.ranks, xs)]
+
+    def block(self, xs, norms, parts):
+        """x + g(part(f(norm(x)))) on every device: one residual block of a layer."""
+        inputs = autograd.reduce_in_backward([norm(x) for norm, x in zip(norms, xs)],
+                                             self.allreduce)
+        outputs = self.allreduce_forward([part(h) for part, h in zip(parts, inputs)])
+        return [x + out for x, out in zip(xs, outputs)]
+
+    def allreduce(self, arrays):
+        return comm.allreduce(arrays, self.algorithm)
+
+    def allreduce_forward(self, parts):
+        """g: the parts summed on every device, the identity in backward (a recorded copy,
+        whose gradient is its output's, then summed in place outside the tape)."""
+        outs = [part.copy() for part in parts]
+        return self.allreduce(outs)
+
+    def backward(self, losses: Sequence[NDArray]) -> None:
+        autograd.backward_together(losses)
+
+    def collect_params(self):
+        return {f'rank{r}.{name}': param for r, rank in enumerate(self.ranks)
+                for name, param in rank.collect_params().items()}
+
+
+class Rank:
+    """Device `rank`'s part of the GPT: whole copies of the embedding, the norms and the head,
+    and 1/t of each layer's attention heads and MLP features, with the weights of `net`."""
+
+    def __init__(self, net, rank, t, device):
+        self.device = device
+        embedding, head = net[0], net[-1]
+        vocab, hidden = embedding.token.weight.shape
+        self.embedding = copied(GPTEmbedding(vocab, hidden, embedding.position.shape[0]),
+                                embedding, device)
+        self.head = copied(LanguageModelHead(hidden, vocab), head, device)
+        self.layers = [split_layer(layer, rank, t, device) for layer in net[1:-1]]
+
+    def collect_params(self):
+        params = {}
+        for name, block in [('embedding', self.embedding), ('head', self.head)] + [
+                (f'layer{i}', layer) for i, layer in enumerate(self.layers)]:
+            params.update(block.collect_params(f'{name}.'))
+        return params
+
+
+def split_layer(layer, rank, t, device):
+    """Device `rank`'s share of a TransformerLayer: its heads, its MLP features, whole norms."""
+    hidden = layer.attention_norm.gamma.shape[0]
+    heads = layer.attention.num_heads
+    part = TransformerLayer(hidden, heads)
+    part.attention = CausalSelfAttention(hidden, heads // t, width=hidden // t)
+    wide = layer.mlp.hidden.weight.shape[0]
+    part.mlp = MLP(hidden, width=wide // t)
+    for name in ('query', 'key', 'value'):           # by rows: this device's heads
+        rows = slice(rank * hidden // t, (rank + 1) * hidden // t)
+        take(getattr(part.attention, name), getattr(layer.attention, name), rows, rows)
+    rows = slice(rank * wide // t, (rank + 1) * wide // t)
+    take(part.mlp.hidden, layer.mlp.hidden, rows, rows)
+    by_columns = (slice(None), slice(rank * hidden // t, (rank + 1) * hidden // t))
+    take(part.attention.output, layer.attention.output, by_columns, None, rank == 0)
+    by_columns = (slice(None), slice(rank * wide // t, (rank + 1) * wide // t))
+    take(part.mlp.output, layer.mlp.output, by_columns, None, rank == 0)
+    for name in ('attention_norm', 'mlp_norm'):
+        copied(getattr(part, name), getattr(layer, name), device)
+    part.reset_device(device)
+    return part
+
+
+def take(dense, whole, weight_key, bias_key=slice(None), bias_here=True):
+    """`dense`'s weight as `whole`'s weight[weight_key]; its bias as whole's bias[bias_key],
+    or, for a split input (`bias_key` None), the whole bias on one device only: the parts are
+    summed, so the bias is added once (the other devices' biases stay zero, untrained)."""
+    source = whole.weight.data()
+    dense.initialize()
+    dense.weight.set_data(source[weight_key].copy())
+    if bias_key is not None:
+        dense.bias.set_data(whole.bias.data()[bias_key].copy())
+    elif bias_here:
+        dense.bias.set_data(whole.bias.data().copy())
+    else:
+        dense.bias.grad_req = 'null'
+        dense.bias.initialize(force_reinit=True)
+
+
+def copied(block, source, device):
+    """`block` (built alike) with `source`'s values, on `device`."""
+    block.initialize()
+    for mine, theirs in zip(block.collect_params().values(), source.collect_params().values()):
+        mine.set_data(theirs.data().copy())
+    block.reset_device(device)
+    return block

@@ -1,0 +1,120 @@
+"""Tensor parallelism (Megatron-LM) on virtual devices: the same logits and gradients as one
+device, the bytes the paper's allreduces move, and 1/t of each layer's weights a device."""
+import numpy
+import pytest
+
+import d2lperf as d2l
+from d2lperf import autograd, comm, nn, np
+from d2lperf.model_parallel import tensor_parallel
+from test_memory import settle
+
+pytestmark = pytest.mark.chapter('model_parallelism')
+
+VOCAB, LAYERS, HIDDEN, HEADS, SEQ, BATCH = 20, 2, 16, 4, 8, 3
+LOSS = d2l.SoftmaxCrossEntropyLoss()
+rng = numpy.random.default_rng(0)
+TOKENS = rng.integers(0, VOCAB, (BATCH, SEQ))
+LABELS = rng.integers(0, VOCAB, (BATCH, SEQ))
+
+
+def gpt():
+    np.random.seed(0)
+    net = nn.GPT(VOCAB, LAYERS, HIDDEN, HEADS, SEQ)
+    net.initialize(device=d2l.cpu(5))
+    return net
+
+
+def devices(t):
+    return [d2l.cpu(i + 1) for i in range(t)]
+
+
+def one_device_step(net):
+    with autograd.record():
+        logits = net(np.array(TOKENS, device=d2l.cpu(5)))
+        loss = LOSS(logits, np.array(LABELS, device=d2l.cpu(5))).sum()
+    loss.backward()
+    return logits.asnumpy()
+
+
+def split_step(tp):
+    with autograd.record():
+        logits = tp(np.array(TOKENS))
+        losses = [LOSS(out, np.array(LABELS, device=out.device)).sum() for out in logits]
+    tp.backward(losses)
+    return [out.asnumpy() for out in logits]
+
+
+@pytest.mark.parametrize('t', [1, 2, 4])
+def test_logits_and_gradients_equal_one_devices(t):
+    net = gpt()
+    tp = tensor_parallel(net, devices(t))
+    whole = one_device_step(net)
+    for logits in split_step(tp):
+        numpy.testing.assert_allclose(logits, whole, atol=1e-6, rtol=0)
+    grad = lambda param: param.grad().asnumpy()
+    for depth, layer in enumerate(net[1:-1]):
+        parts = [rank.layers[depth] for rank in tp.ranks]
+        for name in ('query', 'key', 'value'):          # split by rows: this device's heads
+            numpy.testing.assert_allclose(numpy.concatenate(
+                [grad(getattr(p.attention, name).weight) for p in parts]),
+                grad(getattr(layer.attention, name).weight), atol=1e-6)
+        numpy.testing.assert_allclose(numpy.concatenate(            # by columns
+            [grad(p.mlp.output.weight) for p in parts], axis=1), grad(layer.mlp.output.weight),
+            atol=1e-5)
+        numpy.testing.assert_allclose(grad(parts[0].attention.output.bias),
+                                      grad(layer.attention.output.bias), atol=1e-5)
+        for p in parts:                                 # whole copies: the whole gradient
+            numpy.testing.assert_allclose(grad(p.mlp_norm.gamma), grad(layer.mlp_norm.gamma),
+                                          atol=1e-5)
+    for rank in tp.ranks:
+        numpy.testing.assert_allclose(grad(rank.embedding.token.weight),
+                                      grad(net[0].token.weight), atol=1e-5)
+
+
+def test_training_steps_keep_the_split_net_equal_to_one_device():
+    net = gpt()
+    tp = tensor_parallel(net, devices(2))
+    one = d2l.Trainer(net.collect_params(), 'adam', {'learning_rate': 0.01})
+    split = d2l.Trainer(tp.collect_params(), 'adam', {'learning_rate': 0.01})
+    for _ in range(3):
+        whole = one_device_step(net)
+        one.step(BATCH)
+        logits = split_step(tp)
+        split.step(BATCH)
+        numpy.testing.assert_allclose(logits[1], whole, atol=1e-5, rtol=0)
+    numpy.testing.assert_allclose(split_step(tp)[0], one_device_step(net), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize('t', [2, 4])
+def test_each_layer_moves_two_allreduces_forward_and_two_backward(t):
+    tp = tensor_parallel(gpt(), devices(t))
+    with d2l.profiler.profile() as records:
+        split_step(tp)
+        d2l.npx.waitall()
+    one_allreduce = 2 * (t - 1) / t * BATCH * SEQ * HIDDEN * 4     # bytes a device sends
+    assert comm.bytes_sent(records) / t == LAYERS * 4 * one_allreduce
+
+
+@pytest.mark.parametrize('t', [2, 4])
+def test_a_device_holds_a_tth_of_each_layers_split_weights(t):
+    settle()
+    before = [d2l.device.memory(d).by_kind['weights'] for d in devices(t)]
+    net = gpt()
+    tp = tensor_parallel(net, devices(t))
+    settle()
+    held = [d2l.device.memory(d).by_kind['weights'] - b for d, b in zip(devices(t), before)]
+    size = lambda block: sum(p.data().size for p in block.collect_params().values()) * 4
+    layers = net[1:-1]
+    split = sum(size(layer.attention) + size(layer.mlp) for layer in layers)
+    whole = size(net) - split
+    # every device: the whole copies, 1/t of the split weights, and the attention's and the
+    # MLP's output biases, whole on every device (trained on the first, zeros elsewhere: the
+    # parts are summed, so the bias is added once)
+    output_biases = LAYERS * 2 * HIDDEN * 4
+    assert held == [whole + (split - output_biases) / t + output_biases] * t
+    del tp
+
+
+def test_devices_that_do_not_divide_the_heads_are_named():
+    with pytest.raises(ValueError, match='4 attention heads do not split among 3 devices'):
+        tensor_parallel(gpt(), devices(3))
