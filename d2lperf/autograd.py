@@ -170,12 +170,18 @@ def reduce_in_backward(arrays, reduce):
     each array. Tensor parallelism's f: the identity forward, an allreduce backward."""
     if not TAPE.recording:
         return list(arrays)
-    step = Collective(reduce, len(arrays))
-    outs = []
-    for part, x in enumerate(arrays):
-        out = alias(x, x.shape, x.dtype, lambda data: data, 'collective')
-        out.node = TapeNode(step, (x,), {'part': part})
-        outs.append(out)
+    outs = [alias(x, x.shape, x.dtype, lambda data: data, 'collective') for x in arrays]
+    return collective(outs, arrays, reduce)
+
+
+def collective(outs, inputs, backward):
+    """Record `outs[d]` as computed from `inputs[d]` by a collective run outside the tape
+    (one a device): in backward, the walks meet and `backward` turns the outputs' gradients,
+    all together, into the inputs' (an all-gather's backward is a reduce-scatter)."""
+    if TAPE.recording and any(needs_grad(x) for x in inputs):
+        step = Collective(backward, len(outs))
+        for part, (out, x) in enumerate(zip(outs, inputs)):
+            out.node = TapeNode(step, (x,), {'part': part})
     return outs
 
 

@@ -118,3 +118,73 @@ def test_a_device_holds_a_tth_of_each_layers_split_weights(t):
 def test_devices_that_do_not_divide_the_heads_are_named():
     with pytest.raises(ValueError, match='4 attention heads do not split among 3 devices'):
         tensor_parallel(gpt(), devices(3))
+
+
+@pytest.mark.parametrize('t', [2, 4])
+def test_sequence_parallel_logits_and_gradients_equal_one_devices(t):
+    net = gpt()
+    tp = tensor_parallel(net, devices(t), sequence=True)
+    whole = one_device_step(net)
+    for logits in split_step(tp):
+        numpy.testing.assert_allclose(logits, whole, atol=1e-6, rtol=0)
+    grad = lambda param: param.grad().asnumpy()
+    for rank in tp.ranks:          # copies that saw 1/t of the tokens: summed after backward
+        numpy.testing.assert_allclose(grad(rank.layers[1].mlp_norm.gamma),
+                                      grad(net[2].mlp_norm.gamma), atol=1e-6)
+        numpy.testing.assert_allclose(grad(rank.embedding.token.weight),
+                                      grad(net[0].token.weight), atol=1e-5)
+    numpy.testing.assert_allclose(numpy.concatenate(
+        [grad(rank.layers[1].attention.query.weight) for rank in tp.ranks]),
+        grad(net[2].attention.query.weight), atol=1e-6)
+
+
+@pytest.mark.parametrize('t', [2, 4])
+def test_sequence_parallelism_sends_what_tensor_parallelism_does_and_the_heads_gather(t):
+    """Each allreduce became a reduce-scatter and an all-gather: the same bytes. On top: the
+    all-gather before the head, and the sum of the gradients of the copies that saw a
+    device's tokens only (embeddings and norms)."""
+    sent = {}
+    for sequence in (False, True):
+        tp = tensor_parallel(gpt(), devices(t), sequence=sequence)
+        with d2l.profiler.profile() as records:
+            split_step(tp)
+            d2l.npx.waitall()
+        sent[sequence] = comm.bytes_sent(records) / t
+    share = (t - 1) / t
+    token_values = sum(p.data().size for p in tp.ranks[0].token_params())
+    assert sent[True] == sent[False] + share * BATCH * SEQ * HIDDEN * 4 \
+        + 2 * share * token_values * 4
+
+
+def activations_of(layers, t, sequence):
+    """Activations a forward leaves on the first device."""
+    np.random.seed(0)
+    net = nn.GPT(VOCAB, layers, HIDDEN, HEADS, SEQ)
+    net.initialize(device=d2l.cpu(5))
+    tp = tensor_parallel(net, devices(t), sequence=sequence)
+    settle()
+    before = d2l.device.memory(d2l.cpu(1)).by_kind['activations']
+    with autograd.record():
+        logits = tp(np.array(TOKENS))
+    settle()
+    kept = d2l.device.memory(d2l.cpu(1)).by_kind['activations'] - before
+    del logits
+    return kept
+
+
+@pytest.mark.parametrize('t', [2, 4])
+def test_sequence_parallelism_keeps_a_tth_of_the_residual_stream_and_norm_inputs(t):
+    """A layer's two blocks keep, under tensor parallelism, the residual stream and each
+    norm's input (bsh each a block) and the summed output (bsh): 4·bsh a layer outside the
+    split products. Split by tokens they are 4·bsh/t; the gathers keep the norm outputs'
+    shards besides (2·bsh/t a layer): 2·(2 - 3/t)·bsh less a layer, measured to the byte."""
+    per_layer = {sequence: activations_of(2, t, sequence) - activations_of(1, t, sequence)
+                 for sequence in (False, True)}
+    bsh = BATCH * SEQ * HIDDEN * 4
+    assert per_layer[False] - per_layer[True] == 2 * (2 - 3 / t) * bsh
+
+
+def test_tokens_that_do_not_split_are_named():
+    tp = tensor_parallel(gpt(), devices(4), sequence=True)
+    with pytest.raises(ValueError, match='6 tokens .* do not split among 4 devices'):
+        tp(np.array(TOKENS[:3, :2]))

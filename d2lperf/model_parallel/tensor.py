@@ -14,6 +14,13 @@ So a layer moves two allreduces of (batch, sequence, hidden) values forward and 
 The embeddings, the norms and the head are copied whole on every device, where each computes
 the same values and gets the same gradients. The backward passes of the t devices run side by
 side (`autograd.backward_together`), so that each f finds every device's gradient.
+
+Sequence parallelism (Korthikanti et al., 2022) splits what lies between the blocks too: the
+residual stream, the norms and their activations, by tokens, 1/t a device. Each allreduce
+becomes its two halves, where they belong: g is a reduce-scatter (each device keeps the sums of
+its tokens), f an all-gather (each block's products see every token), and the bytes moved are
+the same. The norms and embeddings, still copied whole, now see a device's tokens only, so
+their gradients are summed over the devices after backward, as Megatron-LM does.
 Taught in "Model Parallelism".
 """
 from __future__ import annotations
@@ -27,9 +34,11 @@ from ..nn.transformer import (GPT, CausalSelfAttention, GPTEmbedding, LanguageMo
 from ..np.multiarray import NDArray
 
 
-def tensor_parallel(net: GPT, devices: Sequence[Device], algorithm: str = 'ring'):
-    """A copy of the GPT `net` split over `devices` (the net itself is left as it is)."""
-    return TensorParallelGPT(net, devices, algorithm)
+def tensor_parallel(net: GPT, devices: Sequence[Device], algorithm: str = 'ring',
+                    sequence: bool = False):
+    """A copy of the GPT `net` split over `devices` (the net itself is left as it is);
+    `sequence=True` splits the residual stream and the norms by tokens too."""
+    return TensorParallelGPT(net, devices, algorithm, sequence)
 
 
 class TensorParallelGPT:
@@ -39,8 +48,8 @@ class TensorParallelGPT:
     runs every device's backward pass at once; `collect_params()` has every device's
     parameters (each on one device: a Trainer updates each where it lives)."""
 
-    def __init__(self, net, devices, algorithm='ring'):
-        self.devices, self.algorithm = list(devices), algorithm
+    def __init__(self, net, devices, algorithm='ring', sequence=False):
+        self.devices, self.algorithm, self.sequence = list(devices), algorithm, sequence
         t = len(self.devices)
         first = net[1]
         heads, hidden = first.attention.num_heads, first.attention_norm.gamma.shape[0]
@@ -52,20 +61,71 @@ class TensorParallelGPT:
 
     def __call__(self, tokens: NDArray) -> list[NDArray]:
         xs = [rank.embedding(tokens.copyto(rank.device)) for rank in self.ranks]
+        shape = xs[0].shape
+        if self.sequence:
+            xs = self.my_tokens(xs)
         for depth in range(len(self.ranks[0].layers)):
             layers = [rank.layers[depth] for rank in self.ranks]
             xs = self.block(xs, [layer.attention_norm for layer in layers],
-                            [layer.attention for layer in layers])
+                            [layer.attention for layer in layers], shape)
             xs = self.block(xs, [layer.mlp_norm for layer in layers],
-                            [layer.mlp for layer in layers])
-        return [rank.head(x) for rank, x in zip(self.ranks, xs)]
+                            [layer.mlp for layer in layers], shape)
+        normed = [rank.head.norm(x) for rank, x in zip(self.ranks, xs)]
+        if self.sequence:             # each device's head is whole: its gradient is too
+            normed = self.gather_tokens(normed, shape, summed=False)
+        return [rank.head.output(x) for rank, x in zip(self.ranks, normed)]
 
-    def block(self, xs, norms, parts):
+    def block(self, xs, norms, parts, shape):
         """x + g(part(f(norm(x)))) on every device: one residual block of a layer."""
-        inputs = autograd.reduce_in_backward([norm(x) for norm, x in zip(norms, xs)],
-                                             self.allreduce)
-        outputs = self.allreduce_forward([part(h) for part, h in zip(parts, inputs)])
+        normed = [norm(x) for norm, x in zip(norms, xs)]
+        if self.sequence:
+            outputs = self.scatter_tokens([part(h) for part, h in zip(
+                parts, self.gather_tokens(normed, shape))])
+        else:
+            inputs = autograd.reduce_in_backward(normed, self.allreduce)
+            outputs = self.allreduce_forward([part(h) for part, h in zip(parts, inputs)])
         return [x + out for x, out in zip(xs, outputs)]
+
+    # -- sequence parallelism: the residual stream split by tokens ---------------------------
+    def my_tokens(self, xs):
+        """Each device's share of the tokens, (tokens / t, hidden), from its whole copy."""
+        t, hidden = len(xs), xs[0].shape[-1]
+        count = xs[0].size // hidden
+        if count % t:
+            raise ValueError(f'{count} tokens (batch × sequence) do not split among {t} '
+                             'devices: use a batch or sequence length that t divides')
+        each = count // t
+        return [x.reshape(count, hidden)[r * each:(r + 1) * each] for r, x in enumerate(xs)]
+
+    def gather_tokens(self, shards, shape, summed=True):
+        """f: every device's tokens on every device (an all-gather). In backward, each
+        device's tokens' gradients summed over the devices (a reduce-scatter), where each
+        device's part of the block gave a part of them; where whole copies gave each device
+        the whole gradient (`summed=False`, the head), each device keeps its tokens' own."""
+        with autograd.pause():
+            flat = [shard.reshape(-1) for shard in shards]
+        wholes = [whole.reshape(shape) for whole in comm.all_gather(flat, self.algorithm)]
+        each = shards[0].shape
+
+        def backward(grads):
+            if summed:
+                return [g.reshape(each) for g in comm.reduce_scatter(grads, self.algorithm)]
+            return [g.reshape(-1, each[1])[r * each[0]:(r + 1) * each[0]]
+                    for r, g in enumerate(grads)]
+        return autograd.collective(wholes, shards, backward)
+
+    def scatter_tokens(self, parts):
+        """g: the parts summed, each device keeping its tokens' sums (a reduce-scatter, in
+        place: nothing reads the parts again); in backward, an all-gather."""
+        shape, hidden = parts[0].shape, parts[0].shape[-1]
+        with autograd.pause():
+            mine = [s.reshape(-1, hidden).copy()
+                    for s in comm.reduce_scatter(parts, self.algorithm)]
+
+        def backward(grads):
+            flat = [g.reshape(-1) for g in grads]
+            return [w.reshape(shape) for w in comm.all_gather(flat, self.algorithm)]
+        return autograd.collective(mine, parts, backward)
 
     def allreduce(self, arrays):
         return comm.allreduce(arrays, self.algorithm)
@@ -77,7 +137,12 @@ class TensorParallelGPT:
         return self.allreduce(outs)
 
     def backward(self, losses: Sequence[NDArray]) -> None:
+        """Every device's backward pass side by side; with sequence parallelism, then the
+        gradients of the whole copies that saw a device's tokens only, summed."""
         autograd.backward_together(losses)
+        if self.sequence:
+            for copies in zip(*(rank.token_params() for rank in self.ranks)):
+                self.allreduce([param.grad() for param in copies])
 
     def collect_params(self):
         return {f'rank{r}.{name}': param for r, rank in enumerate(self.ranks)
@@ -96,6 +161,13 @@ class Rank:
                                 embedding, device)
         self.head = copied(LanguageModelHead(hidden, vocab), head, device)
         self.layers = [split_layer(layer, rank, t, device) for layer in net[1:-1]]
+
+    def token_params(self):
+        """The whole copies that see only this device's tokens under sequence parallelism:
+        the embeddings and every norm."""
+        blocks = [self.embedding, self.head.norm] + [
+            norm for layer in self.layers for norm in (layer.attention_norm, layer.mlp_norm)]
+        return [p for block in blocks for p in block.collect_params().values()]
 
     def collect_params(self):
         params = {}
