@@ -21,6 +21,10 @@ Rows, all measured side by side in this run:
 * Memory ("Memory"): one training step of a deep MLP with Adam in float32, in float16 and
   bfloat16 (multi_precision, and for float16 the loss scaler), and with its layers
   recomputed in √L segments (`autograd.checkpoint`), each with its peak memory beside its time.
+* The small GPT ("Model Parallelism"): one training step (Adam) imperative and hybridized,
+  against the same model in PyTorch eager at equal threads (skipped without torch); and on
+  four virtual devices, split by a 1F1B pipeline, by tensor parallelism (t = 2, 4) and with
+  sequence parallelism, each with its peak memory on the first device beside its time.
 * ResNet-18 (the chapter's variant), seconds per step at batch 16, against the same network
   in PyTorch eager with the same threads.
 * GPU rows with CuPy, where a GPU is present.
@@ -415,6 +419,159 @@ def memory_rows():
     return [(name, seconds[name], peaks[name]) for name in ways]
 
 
+GPT_SIZES = dict(vocab_size=96, num_layers=d2l.workload(4, 2), num_hiddens=d2l.workload(128, 64),
+                 num_heads=4, max_len=d2l.workload(128, 32))
+GPT_BATCH = d2l.workload(16, 4)
+
+
+def gpt_data():
+    rng = numpy.random.default_rng(0)
+    shape = (GPT_BATCH, GPT_SIZES['max_len'])
+    return (rng.integers(0, GPT_SIZES['vocab_size'], shape),
+            rng.integers(0, GPT_SIZES['vocab_size'], shape))
+
+
+def small_gpt(device=None):
+    np.random.seed(0)
+    net = d2l.nn.GPT(**GPT_SIZES)
+    net.initialize(device=device)
+    return net
+
+
+def gpt_step_fn(hybridize):
+    net = small_gpt()
+    if hybridize:
+        net.hybridize()
+    trainer = d2l.Trainer(net.collect_params(), 'adam', {'learning_rate': 1e-3})
+    tokens, labels = (np.array(a) for a in gpt_data())
+    loss = d2l.SoftmaxCrossEntropyLoss()
+
+    def step():
+        with autograd.record():
+            value = loss(net(tokens), labels).mean()
+        value.backward()
+        trainer.step(1)
+        npx.waitall()
+    return step
+
+
+def torch_gpt_step_fn():
+    """The same GPT in PyTorch eager (tests/test_gpt.py writes it with torch.nn.functional over
+    our parameters' names), the same weights, Adam."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    import importlib.util
+    import pathlib
+    spec = importlib.util.spec_from_file_location(
+        'test_gpt', pathlib.Path(__file__).parents[1] / 'tests' / 'test_gpt.py')
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    weights = {name: torch.tensor(p.data().asnumpy(), requires_grad=True)
+               for name, p in small_gpt().collect_params().items()}
+    optimizer = torch.optim.Adam(weights.values(), lr=1e-3)
+    tokens, labels = (torch.from_numpy(a) for a in gpt_data())
+
+    def step():
+        optimizer.zero_grad()
+        _, value = module.torch_gpt_loss(torch, weights, tokens, labels,
+                                         GPT_SIZES['num_layers'], GPT_SIZES['num_heads'])
+        value.backward()
+        optimizer.step()
+    return step, torch
+
+
+def gpt_rows(cores):
+    """(what, threads, seconds a step) for one device."""
+    steps = {'d2lperf, imperative': gpt_step_fn(False),
+             'd2lperf, hybridized': gpt_step_fn(True)}
+    torch_step = torch_gpt_step_fn()
+    rows = []
+    for threads in sorted({1, 2, cores}):
+        for name, step in steps.items():
+            rows.append((name, threads, with_threads(threads, step)))
+        if torch_step is not None:
+            rows.append(('PyTorch eager', threads,
+                         with_threads(threads, torch_step[0], torch_step[1])))
+    return rows
+
+
+def parallel_gpt_rows():
+    """(what, seconds a step, peak bytes on cpu(1)) for the GPT split over virtual devices."""
+    from d2lperf.model_parallel import Pipeline, tensor_parallel
+    devices = [d2l.cpu(i) for i in range(1, 5)]
+    tokens, labels = gpt_data()
+    loss = d2l.SoftmaxCrossEntropyLoss()
+
+    def one_device():
+        net = small_gpt(devices[0])
+        trainer = d2l.Trainer(net.collect_params(), 'adam', {'learning_rate': 1e-3})
+        x, y = np.array(tokens, device=devices[0]), np.array(labels, device=devices[0])
+
+        def step():
+            with autograd.record():
+                value = loss(net(x), y).sum()
+            value.backward()
+            trainer.step(1)
+            npx.waitall()
+        return step
+
+    def pipeline():
+        net = small_gpt(devices[0])
+        split = Pipeline(net, devices, '1f1b')
+        trainer = d2l.Trainer(net.collect_params(), 'adam', {'learning_rate': 1e-3})
+        parts = numpy.array_split(numpy.arange(GPT_BATCH), len(devices))
+        xs = [np.array(tokens[p]) for p in parts]
+        ys = [np.array(labels[p]) for p in parts]
+
+        def step():
+            split.forward_backward(xs, ys, loss)
+            trainer.step(1)
+            npx.waitall()
+        return step
+
+    def tensor(t, sequence=False):
+        split = tensor_parallel(small_gpt(devices[0]), devices[:t], sequence=sequence)
+        trainer = d2l.Trainer(split.collect_params(), 'adam', {'learning_rate': 1e-3})
+        x = np.array(tokens)
+
+        def step():
+            with autograd.record():
+                logits = split(x)
+                values = [loss(out, np.array(labels, device=out.device)).sum()
+                          for out in logits]
+            split.backward(values)
+            trainer.step(1)
+            npx.waitall()
+        return step
+    ways = {'one device': one_device(), '1F1B pipeline, 4 stages, 4 micro-batches': pipeline(),
+            'tensor parallel, t = 2': tensor(2), 'tensor parallel, t = 4': tensor(4),
+            'tensor and sequence parallel, t = 4': tensor(4, True)}
+    peaks = {name: peak_of(step, devices[0]) for name, step in ways.items()}
+    seconds = d2l.utils.median_seconds(ways, repeats=REPEATS, min_seconds=0)
+    return [(name, seconds[name], peaks[name]) for name in ways]
+
+
+def gpt_section(cores):
+    sizes = ', '.join(f'{k} {v}' for k, v in GPT_SIZES.items())
+    print(f'\nThe small GPT ({sizes}), batch {GPT_BATCH}, one Adam step')
+    rows = gpt_rows(cores)
+    torch_seconds = {threads: seconds for name, threads, seconds in rows
+                     if name == 'PyTorch eager'}
+    print('| what | threads | ms per step | × PyTorch |\n|---|--:|--:|--:|')
+    for name, threads, seconds in rows:
+        vs_torch = f'{torch_seconds[threads] / seconds:.2f}' if threads in torch_seconds else '-'
+        print(f'| {name} | {threads} | {seconds * 1e3:.1f} | {vs_torch} |')
+    print('\nThe same GPT split over four virtual devices, and its peak memory (naive engine)')
+    rows = parallel_gpt_rows()
+    print('| what | ms per step | × one device | peak on cpu(1), KiB | × one device |\n'
+          '|---|--:|--:|--:|--:|')
+    for name, seconds, peak in rows:
+        print(f'| {name} | {seconds * 1e3:.1f} | {rows[0][1] / seconds:.2f} | '
+              f'{peak / 1024:.0f} | {peak / rows[0][2]:.2f} |')
+
+
 RESNET_BATCH = 16
 
 
@@ -554,8 +711,8 @@ def gpu_section(cores):
 
 
 SECTIONS = {'lenet': lenet_section, 'data_parallel': data_parallel_section,
-            'sharded': sharded_section, 'memory': memory_section, 'resnet': resnet_section,
-            'gpu': gpu_section}
+            'sharded': sharded_section, 'memory': memory_section, 'gpt': gpt_section,
+            'resnet': resnet_section, 'gpu': gpu_section}
 
 
 def main(names=None):
