@@ -438,12 +438,12 @@ def small_gpt(device=None):
     return net
 
 
-def gpt_step_fn(hybridize):
-    net = small_gpt()
+def gpt_step_fn(hybridize, device=None):
+    net = small_gpt(device)
     if hybridize:
         net.hybridize()
     trainer = d2l.Trainer(net.collect_params(), 'adam', {'learning_rate': 1e-3})
-    tokens, labels = (np.array(a) for a in gpt_data())
+    tokens, labels = (np.array(a, device=device) for a in gpt_data())
     loss = d2l.SoftmaxCrossEntropyLoss()
 
     def step():
@@ -504,19 +504,6 @@ def parallel_gpt_rows():
     tokens, labels = gpt_data()
     loss = d2l.SoftmaxCrossEntropyLoss()
 
-    def one_device():
-        net = small_gpt(devices[0])
-        trainer = d2l.Trainer(net.collect_params(), 'adam', {'learning_rate': 1e-3})
-        x, y = np.array(tokens, device=devices[0]), np.array(labels, device=devices[0])
-
-        def step():
-            with autograd.record():
-                value = loss(net(x), y).sum()
-            value.backward()
-            trainer.step(1)
-            npx.waitall()
-        return step
-
     def pipeline():
         net = small_gpt(devices[0])
         split = Pipeline(net, devices, '1f1b')
@@ -545,7 +532,7 @@ def parallel_gpt_rows():
             trainer.step(1)
             npx.waitall()
         return step
-    ways = {'one device': one_device(), '1F1B pipeline, 4 stages, 4 micro-batches': pipeline(),
+    ways = {'one device': gpt_step_fn(False, devices[0]), '1F1B pipeline, 4 stages, 4 micro-batches': pipeline(),
             'tensor parallel, t = 2': tensor(2), 'tensor parallel, t = 4': tensor(4),
             'tensor and sequence parallel, t = 4': tensor(4, True)}
     peaks = {name: peak_of(step, devices[0]) for name, step in ways.items()}

@@ -10,6 +10,7 @@ import pytest
 
 import d2lperf as d2l
 from d2lperf import autograd, data, np, npx
+from test_autograd import analytic_gradients
 
 pytestmark = pytest.mark.usefixtures('fresh_engine')
 
@@ -26,16 +27,6 @@ def tokens(batch, seq, vocab, seed=0):
 
 
 # -- each op's gradient against central finite differences (float64) ---------------------------
-
-def analytic_gradients(f, values, projection):
-    xs = [np.array(v) for v in values]
-    for x in xs:
-        x.attach_grad()
-    with autograd.record():
-        head = (f(*xs) * np.array(projection)).sum()
-    head.backward()
-    return [x.grad.asnumpy() for x in xs]
-
 
 def numeric_gradient(loss, value):
     """d loss / d value, one central difference per entry (`value` is shifted in place)."""
