@@ -78,10 +78,14 @@ def train_with_trainer(devices, optimizer, steps=5):
             if p.grad_req == 'write'}
 
 
+@pytest.mark.parametrize('devices', [1, 2, 4])
 @pytest.mark.parametrize('stage', [1, 2, 3])
-def test_zero_in_float16_keeps_float32_master_shards_and_trains_as_one_device(stage):
+@pytest.mark.parametrize('optimizer', OPTIMIZERS, ids=['sgd', 'momentum', 'adam'])
+def test_zero_in_float16_keeps_float32_master_shards_and_trains_as_one_device(
+        optimizer, stage, devices):
     """multi_precision under ZeRO: each device's optimizer keeps the float32 master of its own
-    chunk only (the key is the unit and the device); the float16 weights follow it."""
+    chunk only (the key is the unit and the device); the float16 weights follow it, to float16's
+    rounding (2^-11 of each weight) of sums taken in another order."""
     def run(devices, make):
         net = mlp(devices)
         net.cast('float16')
@@ -91,13 +95,13 @@ def test_zero_in_float16_keeps_float32_master_shards_and_trains_as_one_device(st
             strategy.step(lambda: [loss(net(a).astype('float32'), b)
                                    for a, b in zip(X_parts, y_parts)], 24)
         return strategy
-    adam = ('adam', {'learning_rate': 0.01, 'multi_precision': True})
-    one = run([d2l.cpu(1)], buckets(*adam)).weights()
-    sharded = run([d2l.cpu(i) for i in (1, 2, 3)], lambda net: Zero(net, stage, *adam))
+    name, settings = optimizer
+    mixed = (name, dict(settings, multi_precision=True))
+    one = run([d2l.cpu(1)], buckets(*mixed)).weights()
+    sharded = run([d2l.cpu(i + 1) for i in range(devices)], lambda net: Zero(net, stage, *mixed))
     many = sharded.weights()
     for key in one:
         assert many[key].dtype == numpy.float16
-        # float16 rounds each weight to 2^-11 of itself; the sums add in another order
         numpy.testing.assert_allclose(many[key], one[key], atol=2e-3, rtol=0)
     masters = sharded.optimizer.masters.values()
     assert all(m.dtype == numpy.float32 for m in masters)
