@@ -15,6 +15,9 @@ inside a single engine operation, on raw arrays, over nodes already in order.
 forward keeps no node inside the block, so only the inputs stay for backward, which runs the
 block again, recorded, and walks that graph before going on. `on_backward(array, callback)`
 is the walk's hook: a call made just before the backward pass of whatever computed `array`.
+`backward_together(heads)` walks several devices' backward passes side by side, one array of
+each in turn, so that a collective in the backward pass (`collective`, `reduce_in_backward`:
+tensor parallelism's all-reduces and all-gathers) finds every device's gradient at once.
 """
 import contextlib
 
