@@ -464,8 +464,9 @@ def torch_gpt_step_fn():
         return None
     import importlib.util
     import pathlib
-    spec = importlib.util.spec_from_file_location(
-        'test_gpt', pathlib.Path(__file__).parents[1] / 'tests' / 'test_gpt.py')
+    tests = pathlib.Path(__file__).parents[1] / 'tests'
+    sys.path.insert(0, str(tests))                      # test_gpt imports its neighbours
+    spec = importlib.util.spec_from_file_location('test_gpt', tests / 'test_gpt.py')
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     weights = {name: torch.tensor(p.data().asnumpy(), requires_grad=True)
