@@ -73,11 +73,18 @@ def fully_connected_infer(x, weight, bias):
     return x.shape[:-1] + weight.shape[:1], numpy.result_type(x.dtype, weight.dtype, bias.dtype)
 
 
+def fully_connected(xp, x, weight, bias):
+    """x @ weight.T + bias, every leading axis of x as rows of one product: NumPy's matmul of
+    a (batch, seq, features) array makes one small product a batch entry instead."""
+    rows = x.reshape(-1, x.shape[-1])
+    out = rounded(xp.matmul(rows, weight.T), x, weight)
+    return out.reshape(x.shape[:-1] + weight.shape[:1]) + bias
+
+
 def fully_connected_vjp(xp, g, out, x, weight, bias):
     g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
-    return xp.matmul(g, weight), xp.matmul(g2.T, x2), g2.sum(axis=0)
+    return xp.matmul(g2, weight).reshape(x.shape), xp.matmul(g2.T, x2), g2.sum(axis=0)
 
 
-defop('fully_connected',
-      lambda xp, x, weight, bias: rounded(xp.matmul(x, weight.T), x, weight) + bias,
-      fully_connected_infer, fully_connected_vjp, kind='contraction')
+defop('fully_connected', fully_connected, fully_connected_infer, fully_connected_vjp,
+      kind='contraction')
