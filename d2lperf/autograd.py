@@ -286,13 +286,15 @@ def backward(head, head_grad=None, retain_graph=False, on_gradient=None):
             pass
 
 
-def backward_together(heads, on_gradient=None):
-    """The backward passes of several heads, one array of each in turn, as the devices of a
-    tensor-parallel layer run theirs side by side: a collective in the backward pass
-    (`Collective`) then finds every device's part at once. The heads' graphs are alike (one
-    network split over devices), so their walks reach each collective in the same turn."""
+def backward_together(heads, on_gradient=None, head_grads=None):
+    """The backward passes of several heads (from `head_grads`, one a head, if given), one
+    array of each in turn, as the devices of a tensor-parallel layer run theirs side by side:
+    a collective in the backward pass (`Collective`) then finds every device's part at once.
+    The heads' graphs are alike (one network split over devices), so their walks reach each
+    collective in the same turn."""
+    head_grads = [None] * len(heads) if head_grads is None else head_grads
     with pause():
-        walks = [walk(head, None, False, on_gradient) for head in heads]
+        walks = [walk(head, grad, False, on_gradient) for head, grad in zip(heads, head_grads)]
         while walks:
             walks = [w for w in walks if next(w, None) is not None]
 

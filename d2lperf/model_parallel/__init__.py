@@ -8,12 +8,14 @@
     tensor      Megatron-LM's split of each Transformer layer over devices: attention by
                 heads, the MLP by features, an allreduce after each block forward and before
                 it in backward.
+    layout      the three at once: data × tensor × pipeline on a grid of devices.
 
 Taught in "Model Parallelism".
 """
 from .schedules import Action, SCHEDULES, bubble, in_flight, schedule, simulate
 from .pipeline import Pipeline
 from .tensor import TensorParallelGPT, tensor_parallel
+from .layout import ParallelGPT, parallel_gpt
 
-__all__ = ['Action', 'SCHEDULES', 'Pipeline', 'TensorParallelGPT', 'bubble', 'in_flight',
-           'schedule', 'simulate', 'tensor_parallel']
+__all__ = ['Action', 'SCHEDULES', 'ParallelGPT', 'Pipeline', 'TensorParallelGPT', 'bubble',
+           'in_flight', 'parallel_gpt', 'schedule', 'simulate', 'tensor_parallel']

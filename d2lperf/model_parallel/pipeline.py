@@ -1,43 +1,56 @@
 """Pipeline parallelism: a net's layers cut into stages on devices, fed micro-batches in the
 order a schedule gives (`schedules.py`).
 
-Part k of the p·v parts lives on device k mod p (Megatron's layout: with v chunks, device s
-holds parts s, s + p, ...). A forward pass of a part runs under `autograd.record` from a copy of
-the part before's output, taken as a leaf, so that the part's backward stops at its own border
-and hands the gradient of that copy back to the part before. The copies between devices are
-engine operations like any other, so the engine runs a part as soon as its input has arrived.
-A stage holds a micro-batch's activations from its forward to its backward: the schedule
-decides how many at once. Taught in "Model Parallelism".
+Part k of the p·v parts lives on stage k mod p (Megatron's layout: with v chunks, stage s
+holds parts s, s + p, ...). A stage is one device, or a group of t devices that split each of
+its layers by tensor parallelism (`tensor.py`): a part then computes a list of t arrays, one a
+device, and every step below acts on each. A forward pass of a part runs under
+`autograd.record` from a copy of the part before's output, taken as a leaf, so that the part's
+backward stops at its own border and hands the gradient of that copy back to the part before.
+The copies between stages are engine operations like any other, so the engine runs a part as
+soon as its input has arrived. A stage holds a micro-batch's activations from its forward to
+its backward: the schedule decides how many at once. Taught in "Model Parallelism".
 """
 from __future__ import annotations
 
+import collections
 from typing import Sequence
 
 import numpy
 
 from .. import autograd
-from ..device import Device
+from ..device import Device, label
 from ..nn.block import Block
 from ..np.multiarray import NDArray
 from .schedules import schedule, simulate
+from .tensor import TensorParallelGPT
 
 
 class Pipeline:
-    """`net`'s children cut into `len(devices) · chunks` consecutive parts, each part's
-    parameters moved to its device, trained by the schedule `name` ('gpipe', '1f1b' or
-    'interleaved'). `sizes` gives the number of layers in each part (default: as even as
-    they come), for stages of unequal cost."""
+    """`net`'s children cut into `len(devices) · chunks` consecutive parts, trained by the
+    schedule `name` ('gpipe', '1f1b' or 'interleaved'). `sizes` gives the number of layers in
+    each part (default: as even as they come), for stages of unequal cost.
 
-    def __init__(self, net: Block, devices: Sequence[Device], name: str = '1f1b',
-                 chunks: int = 1, sizes: Sequence[int] | None = None):
+    `devices[s]` is stage s: a Device, whose parts' layers are moved there (the net itself is
+    split), or a list of t Devices, whose parts are tensor-parallel copies of a GPT's layers
+    (the net is left as it is)."""
+
+    def __init__(self, net: Block, devices: Sequence[Device | Sequence[Device]],
+                 name: str = '1f1b', chunks: int = 1, sizes: Sequence[int] | None = None,
+                 algorithm: str = 'ring'):
         self.devices, self.name, self.chunks = list(devices), name, chunks
-        self.parts = cut(net.children(), len(self.devices) * chunks, sizes)
-        for k, part in enumerate(self.parts):
-            for layer in part:
-                layer.reset_device(self.device_of(k))
-
-    def device_of(self, part):
-        return self.devices[part % len(self.devices)]
+        self.sent = collections.Counter()      # bytes each device sent to another stage
+        spans = cut(len(net.children()), len(self.devices) * chunks, sizes)
+        if all(isinstance(stage, Device) for stage in self.devices):
+            self.parts = [Part(net.children()[span], self.devices[k % len(self.devices)])
+                          for k, span in enumerate(spans)]
+        elif all(isinstance(stage, (list, tuple)) for stage in self.devices):
+            self.parts = [TensorParallelGPT(net, self.devices[k % len(self.devices)],
+                                            algorithm, units=span)
+                          for k, span in enumerate(spans)]
+        else:
+            raise ValueError('each stage is a Device, or each is a list of Devices (a tensor-'
+                             f'parallel group), not a mix: {self.devices}')
 
     def order(self, microbatches):
         """Every (stage, action) of the schedule, in an order that meets every dependency: by
@@ -50,72 +63,104 @@ class Pipeline:
     def forward_backward(self, inputs: Sequence[NDArray], labels: Sequence[NDArray], loss):
         """Forward and backward of every micro-batch (`inputs[i]`, `labels[i]`), by the schedule;
         each parameter's `.grad` becomes the sum over the micro-batches. Returns the losses
-        (each summed over its micro-batch), on the last part's device."""
-        m, p = len(inputs), len(self.devices)
-        outputs, borders, grads_in, losses = {}, {}, {}, [None] * m
-        totals = {}
+        (each summed over its micro-batch), on the last part's (first) device."""
+        m, p, last = len(inputs), len(self.devices), len(self.parts) - 1
+        outputs, borders, grads_in, losses, totals = {}, {}, {}, [None] * m, {}
         for _, stage, action in self.order(m):
-            part = stage + action.chunk * p
+            part, mb = stage + action.chunk * p, action.microbatch
             if action.kind == 'F':
-                source = inputs[action.microbatch] if part == 0 else \
-                    outputs[action.microbatch, part - 1]
-                border = self.arrive(source, part)
-                borders[action.microbatch, part] = border
+                source = inputs[mb] if part == 0 else outputs[mb, part - 1]
+                borders[mb, part] = border = self.arrive(source, part, leaf=part > 0,
+                                                         count=part > 0)
                 with autograd.record():
-                    out = self.run(part, border)
-                    if part == len(self.parts) - 1:
-                        out = loss(out, labels[action.microbatch].copyto(out.device)).sum()
-                        losses[action.microbatch] = out
-                outputs[action.microbatch, part] = out
+                    outs = self.parts[part](border)
+                    if part == last:
+                        outs = [loss(out, labels[mb].copyto(out.device)).sum() for out in outs]
+                        losses[mb] = outs[0]
+                outputs[mb, part] = outs
             else:
-                out = outputs.pop((action.microbatch, part))
-                head = None if part == len(self.parts) - 1 else \
-                    self.arrive(grads_in.pop((action.microbatch, part + 1)), part, leaf=False)
-                out.backward(head)
-                self.add_gradients(part, totals)
-                border = borders.pop((action.microbatch, part))
+                outs = outputs.pop((mb, part))
+                heads = None if part == last else \
+                    self.arrive(grads_in.pop((mb, part + 1)), part, leaf=False)
+                self.parts[part].backward(outs, heads)
+                add_gradients(self.parts[part], totals)
+                border = borders.pop((mb, part))
                 if part > 0:
-                    grads_in[action.microbatch, part] = border.grad
-        for param, total in totals.items():
-            param.data().grad = total
+                    grads_in[mb, part] = [x.grad for x in border]
+        for param, total in totals.items():          # a sum made here is gradients too
+            param.data().grad = label(total, 'gradients')
         return losses
 
-    def arrive(self, array, part, leaf=True):
-        """`array` copied to part's device (an engine operation), outside the tape; a leaf
-        with a gradient buffer where the part's backward must hand one back."""
+    def arrive(self, arrays, part, leaf=True, count=True):
+        """`arrays` copied to part's devices, one each (an array given alone goes to all), as
+        engine operations outside the tape; leaves with a gradient buffer where the part's
+        backward must hand one back. What crosses between devices is added to `sent` (the
+        micro-batches' inputs, from the host, are not: `count` False)."""
+        devices = self.parts[part].devices
+        arrays = arrays if isinstance(arrays, list) else [arrays] * len(devices)
+        for x, device in zip(arrays, devices):
+            if count and x.device != device:
+                self.sent[x.device] += x.size * x.dtype.itemsize
         with autograd.pause():
-            here = array.copyto(self.device_of(part)) if array.device != \
-                self.device_of(part) else array.copy()
-        if leaf and part > 0 and here.dtype.kind == 'f':
-            here.attach_grad()
+            here = [x.copyto(device) if x.device != device else x.copy()
+                    for x, device in zip(arrays, devices)]
+        for x in here:
+            if leaf and x.dtype.kind == 'f':
+                x.attach_grad()
         return here
 
-    def run(self, part, x):
-        for layer in self.parts[part]:
+    def params(self):
+        """Every part's parameters, in order, each where it lives."""
+        return [param for part in self.parts for param in part.params()]
+
+
+class Part:
+    """Consecutive layers on one device: a pipeline part of any net, moved there in place."""
+
+    def __init__(self, layers, device):
+        self.layers, self.devices = layers, [device]
+        for layer in layers:
+            layer.reset_device(device)
+
+    def __len__(self):
+        return len(self.layers)
+
+    def __iter__(self):
+        return iter(self.layers)
+
+    def __call__(self, xs):
+        x = xs[0]
+        for layer in self.layers:
             x = layer(x)
-        return x
+        return [x]
 
-    def add_gradients(self, part, totals):
-        """Each parameter's gradient of this micro-batch, added to the step's."""
-        for layer in self.parts[part]:
-            for param in layer.collect_params().values():
-                if param.grad_req != 'write':
-                    continue
-                grad = param.data().grad
-                totals[param] = grad if param not in totals else totals[param] + grad
+    def backward(self, outs, heads):
+        outs[0].backward(None if heads is None else heads[0])
+
+    def params(self):
+        return [p for layer in self.layers for p in layer.collect_params().values()]
 
 
-def cut(layers, count, sizes=None):
-    """`layers` into `count` consecutive parts of `sizes` layers (default: as even as they
-    come, the first parts one longer); a clear error where they do not split."""
+def add_gradients(part, totals):
+    """Each parameter's gradient of this micro-batch, added to the step's."""
+    for param in part.params():
+        if param.grad_req != 'write':
+            continue
+        grad = param.data().grad
+        totals[param] = grad if param not in totals else totals[param] + grad
+
+
+def cut(length, count, sizes=None):
+    """`length` layers into `count` slices of consecutive layers, `sizes` long (default: as
+    even as they come, the first one longer); a clear error where they do not split."""
     if sizes is None:
-        if len(layers) < count:
-            raise ValueError(f'{len(layers)} layers do not split into {count} parts (devices '
+        if length < count:
+            raise ValueError(f'{length} layers do not split into {count} parts (devices '
                              f'× chunks): use fewer devices or chunks, or a deeper net')
-        sizes = [len(part) for part in numpy.array_split(numpy.arange(len(layers)), count)]
+        sizes = [len(part) for part in numpy.array_split(numpy.arange(length), count)]
     sizes = list(sizes)
-    if len(sizes) != count or sum(sizes) != len(layers) or min(sizes) < 1:
+    if len(sizes) != count or sum(sizes) != length or min(sizes) < 1:
         raise ValueError(f'sizes {sizes} must give each of the {count} parts at least one of '
-                         f'the {len(layers)} layers, all of them in all')
-    bounds = numpy.cumsum([0] + sizes)
-    return [layers[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+                         f'the {length} layers, all of them in all')
+    bounds = numpy.cumsum([0] + sizes).tolist()
+    return [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]

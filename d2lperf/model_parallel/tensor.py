@@ -48,7 +48,7 @@ class TensorParallelGPT:
     runs every device's backward pass at once; `collect_params()` has every device's
     parameters (each on one device: a Trainer updates each where it lives)."""
 
-    def __init__(self, net, devices, algorithm='ring', sequence=False):
+    def __init__(self, net, devices, algorithm='ring', sequence=False, units=slice(None)):
         self.devices, self.algorithm, self.sequence = list(devices), algorithm, sequence
         t = len(self.devices)
         first = net[1]
@@ -56,24 +56,37 @@ class TensorParallelGPT:
         if heads % t:
             raise ValueError(f'{heads} attention heads do not split among {t} devices: use a '
                              f'number of devices that divides {heads}')
-        self.ranks = [Rank(net, rank, t, device) for rank, device in enumerate(self.devices)]
+        if sequence and units != slice(None):
+            raise ValueError('sequence parallelism splits the whole GPT only (a pipeline '
+                             'stage would need the batch shape of its first stage): use '
+                             'sequence=False in a pipeline')
+        self.ranks = [Rank(net, rank, t, device, units)
+                      for rank, device in enumerate(self.devices)]
         self.hidden = hidden
 
-    def __call__(self, tokens: NDArray) -> list[NDArray]:
-        xs = [rank.embedding(tokens.copyto(rank.device)) for rank in self.ranks]
+    def __call__(self, x: NDArray | list[NDArray]) -> list[NDArray]:
+        """The tokens (one array, or a copy on each device) through the embedding, the layers
+        and the head, or, for a pipeline part holding some of them, what reaches that part
+        (one array on each device) through those it holds."""
+        ranks = self.ranks
+        xs = x if isinstance(x, list) else [x.copyto(rank.device) for rank in ranks]
+        if ranks[0].embedding is not None:
+            xs = [rank.embedding(tokens) for rank, tokens in zip(ranks, xs)]
         shape = xs[0].shape
         if self.sequence:
             xs = self.my_tokens(xs)
-        for depth in range(len(self.ranks[0].layers)):
-            layers = [rank.layers[depth] for rank in self.ranks]
+        for depth in range(len(ranks[0].layers)):
+            layers = [rank.layers[depth] for rank in ranks]
             xs = self.block(xs, [layer.attention_norm for layer in layers],
                             [layer.attention for layer in layers], shape)
             xs = self.block(xs, [layer.mlp_norm for layer in layers],
                             [layer.mlp for layer in layers], shape)
-        normed = [rank.head.norm(x) for rank, x in zip(self.ranks, xs)]
+        if ranks[0].head is None:
+            return xs
+        normed = [rank.head.norm(x) for rank, x in zip(ranks, xs)]
         if self.sequence:             # each device's head is whole: its gradient is too
             normed = self.gather_tokens(normed, shape, summed=False)
-        return [rank.head.output(x) for rank, x in zip(self.ranks, normed)]
+        return [rank.head.output(x) for rank, x in zip(ranks, normed)]
 
     def block(self, xs, norms, parts, shape):
         """x + g(part(f(norm(x)))) on every device: one residual block of a layer."""
@@ -136,13 +149,19 @@ class TensorParallelGPT:
         outs = [part.copy() for part in parts]
         return self.allreduce(outs)
 
-    def backward(self, losses: Sequence[NDArray]) -> None:
-        """Every device's backward pass side by side; with sequence parallelism, then the
-        gradients of the whole copies that saw a device's tokens only, summed."""
-        autograd.backward_together(losses)
+    def backward(self, losses: Sequence[NDArray],
+                 head_grads: Sequence[NDArray] | None = None) -> None:
+        """Every device's backward pass side by side (from `head_grads`, one a device, for a
+        pipeline part's outputs); with sequence parallelism, then the gradients of the whole
+        copies that saw a device's tokens only, summed."""
+        autograd.backward_together(losses, head_grads=head_grads)
         if self.sequence:
             for copies in zip(*(rank.token_params() for rank in self.ranks)):
                 self.allreduce([param.grad() for param in copies])
+
+    def params(self):
+        """Every device's parameters, in order, each where it lives."""
+        return list(self.collect_params().values())
 
     def collect_params(self):
         return {f'rank{r}.{name}': param for r, rank in enumerate(self.ranks)
@@ -153,14 +172,20 @@ class Rank:
     """Device `rank`'s part of the GPT: whole copies of the embedding, the norms and the head,
     and 1/t of each layer's attention heads and MLP features, with the weights of `net`."""
 
-    def __init__(self, net, rank, t, device):
+    def __init__(self, net, rank, t, device, units=slice(None)):
         self.device = device
-        embedding, head = net[0], net[-1]
+        children = net.children()
+        mine = range(len(children))[units]
+        embedding, head = children[0], children[-1]
         vocab, hidden = embedding.token.weight.shape
-        self.embedding = copied(GPTEmbedding(vocab, hidden, embedding.position.shape[0]),
-                                embedding, device)
-        self.head = copied(LanguageModelHead(hidden, vocab), head, device)
-        self.layers = [split_layer(layer, rank, t, device) for layer in net[1:-1]]
+        self.embedding = self.head = None
+        if 0 in mine:
+            self.embedding = copied(GPTEmbedding(vocab, hidden, embedding.position.shape[0]),
+                                    embedding, device)
+        if len(children) - 1 in mine:
+            self.head = copied(LanguageModelHead(hidden, vocab), head, device)
+        self.layers = [split_layer(children[k], rank, t, device) for k in mine
+                       if 0 < k < len(children) - 1]
 
     def token_params(self):
         """The whole copies that see only this device's tokens under sequence parallelism:
@@ -170,10 +195,12 @@ class Rank:
         return [p for block in blocks for p in block.collect_params().values()]
 
     def collect_params(self):
+        named = [('embedding', self.embedding), ('head', self.head)] + [
+            (f'layer{i}', layer) for i, layer in enumerate(self.layers)]
         params = {}
-        for name, block in [('embedding', self.embedding), ('head', self.head)] + [
-                (f'layer{i}', layer) for i, layer in enumerate(self.layers)]:
-            params.update(block.collect_params(f'{name}.'))
+        for name, block in named:
+            if block is not None:
+                params.update(block.collect_params(f'{name}.'))
         return params
 
 

@@ -1,0 +1,86 @@
+"""Data, tensor and pipeline parallelism at once (Narayanan et al., 2021, "3D parallelism"):
+d·t·p devices as a grid, each of d replicas a pipeline of p stages, each stage t devices that
+split its layers by tensor parallelism.
+
+Megatron-LM orders the grid with t fastest, then d, then p: the t devices of a stage are
+neighbours (one machine's NVLink carries tensor parallelism's four allreduces a layer), a
+stage's d replicas come next (data parallelism sums gradients once a step), and the stages
+are farthest apart (a pipeline sends one micro-batch's activations a boundary). Each replica
+trains on 1/d of the batch; after every replica's pipeline has run its micro-batches, each
+parameter's gradient is summed over the d copies of it, as the data-parallel chapters do.
+Taught in "Parallelism in Three Dimensions".
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+
+from .. import comm
+from ..device import Device
+from ..nn.transformer import GPT
+from ..np.multiarray import NDArray
+from .pipeline import Pipeline
+
+
+def parallel_gpt(net: GPT, devices: Sequence[Device], data: int = 1, tensor: int = 1,
+                 pipeline: int = 1, schedule: str = '1f1b', chunks: int = 1,
+                 algorithm: str = 'ring') -> ParallelGPT:
+    """A copy of the GPT `net` on `data · tensor · pipeline` devices (the net is left as it
+    is), trained with `schedule` over its pipeline stages."""
+    return ParallelGPT(net, devices, data, tensor, pipeline, schedule, chunks, algorithm)
+
+
+class ParallelGPT:
+    """`replicas[r]` is replica r's Pipeline; `grid[s][r][i]` the device of stage s, replica r,
+    tensor rank i."""
+
+    def __init__(self, net, devices, data=1, tensor=1, pipeline=1, schedule='1f1b', chunks=1,
+                 algorithm='ring'):
+        devices = list(devices)
+        if len(devices) != data * tensor * pipeline:
+            raise ValueError(f'{len(devices)} devices do not make a grid of data {data} × '
+                             f'tensor {tensor} × pipeline {pipeline}: give '
+                             f'{data * tensor * pipeline} devices, or other sizes')
+        self.data, self.tensor, self.pipeline, self.algorithm = data, tensor, pipeline, algorithm
+        self.grid = [[devices[(s * data + r) * tensor:(s * data + r + 1) * tensor]
+                      for r in range(data)] for s in range(pipeline)]
+        self.replicas = [Pipeline(net, [self.grid[s][r] for s in range(pipeline)], schedule,
+                                  chunks, algorithm=algorithm) for r in range(data)]
+
+    def forward_backward(self, tokens: NDArray, labels: NDArray, loss,
+                         microbatches: int) -> list[NDArray]:
+        """One step's forward and backward of the batch (`tokens`, `labels`): 1/d of it a
+        replica, in `microbatches` micro-batches; then every gradient summed over the replicas.
+        Returns the losses, each summed over its micro-batch, replica by replica."""
+        batch = tokens.shape[0]
+        if batch % (self.data * microbatches):
+            raise ValueError(f'a batch of {batch} does not split into {self.data} replicas × '
+                             f'{microbatches} micro-batches: use a batch that '
+                             f'{self.data * microbatches} divides')
+        pieces = self.data * microbatches
+        xs, ys = split(tokens, pieces), split(labels, pieces)
+        losses = []
+        for r, replica in enumerate(self.replicas):
+            mine = slice(r * microbatches, (r + 1) * microbatches)
+            losses += replica.forward_backward(xs[mine], ys[mine], loss)
+        self.sum_gradients()
+        return losses
+
+    def sum_gradients(self):
+        """Each parameter's gradient summed over its d copies (one allreduce each, in place)."""
+        if self.data == 1:
+            return
+        for copies in zip(*(replica.params() for replica in self.replicas)):
+            if copies[0].grad_req == 'write':
+                comm.allreduce([param.grad() for param in copies], self.algorithm)
+
+    def collect_params(self):
+        """Every device's parameters, each where it lives (a Trainer updates each there)."""
+        return {f'replica{r}.{k}': param for r, replica in enumerate(self.replicas)
+                for k, param in enumerate(replica.params())}
+
+
+def split(array, pieces):
+    """`array` cut into `pieces` equal slices along the batch (views: no copy)."""
+    each = array.shape[0] // pieces
+    return [array[i * each:(i + 1) * each] for i in range(pieces)]

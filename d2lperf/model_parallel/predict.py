@@ -1,0 +1,187 @@
+"""Predict, then run: what each device of a data × tensor × pipeline layout of a GPT holds,
+sends and leaves idle, from the model's sizes and the layout alone.
+
+Two calculators share the counting. `device_plan` counts this package's small GPT to the
+byte (float32, its tape's activations, its split that keeps each split layer's output biases
+on every device), so that a run on virtual devices can be checked against it. `layout_costs`
+prices a real model on a real cluster with the papers' counts (Megatron-LM's 16-bit values,
+Korthikanti et al.'s activations, mixed-precision Adam's 16 bytes a parameter) and the α-β
+links of `comm.cost`, to choose a layout before renting the machines.
+Taught in "Parallelism in Three Dimensions".
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+from ..comm import cost
+from ..data_parallel.predict import STATE_VALUES, transformer_layer_activations
+from .pipeline import cut
+from .schedules import schedule
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTSizes:
+    """A GPT's sizes: its units are the embedding (0), `layers` Transformer layers, the head."""
+    vocab: int
+    layers: int
+    hidden: int
+    heads: int
+    seq: int
+
+    @classmethod
+    def of(cls, net):
+        embedding, layer = net[0], net[1]
+        vocab, hidden = embedding.token.weight.shape
+        return cls(vocab, len(net.children()) - 2, hidden, layer.attention.num_heads,
+                   embedding.position.shape[0])
+
+    def params(self):
+        """Every parameter of the whole model, unsplit."""
+        return sum(unit_values(self, unit, 1) for unit in range(self.layers + 2))
+
+
+def unit_values(sizes, unit, t, trained=False, rank=0):
+    """Values one of t devices holds of a unit (its trained ones, if `trained`): a layer's
+    products 1/t each, with their biases (12h² + 7h), whole norms (4h), and the two output
+    biases whole on every device, trained on the first only."""
+    h, vocab = sizes.hidden, sizes.vocab
+    if unit == 0:
+        return (vocab + sizes.seq) * h
+    if unit == sizes.layers + 1:
+        return 2 * h + h * vocab + vocab
+    output_biases = 0 if trained and rank > 0 else 2 * h
+    return (12 * h * h + 7 * h) // t + 4 * h + output_biases
+
+
+def stage_units(sizes, pipeline, chunks, stage, unit_sizes=None):
+    """[[units of a part], ...]: the parts stage `stage` holds, in chunk order."""
+    spans = cut(sizes.layers + 2, pipeline * chunks, unit_sizes)
+    units = range(sizes.layers + 2)
+    return [list(units[spans[stage + c * pipeline]]) for c in range(chunks)]
+
+
+def unit_activations(sizes, unit, batch, t):
+    """Bytes of a unit's activations that one of t devices keeps from a micro-batch's forward
+    to its backward: a layer s·b·h·(8 + 12/t) + 3·a·s²·b/t float32 values (the paper's
+    16sbh + as²b, and what this tape keeps more, `sec-memory`); the embedding its output and
+    the tokens; the head and the loss their inputs, the logits and the probabilities, the
+    labels and each token's loss."""
+    sbh, bs = sizes.seq * batch * sizes.hidden, sizes.seq * batch
+    if unit == 0:
+        return 4 * sbh + 8 * bs
+    if unit == sizes.layers + 1:
+        return 8 * sbh + 8 * bs * sizes.vocab + 16 * bs
+    as2b = sizes.heads * sizes.seq ** 2 * batch
+    return 4 * (8 * sbh + (12 * sbh + 3 * as2b) // t)
+
+
+def peak_activations(sizes, t, pipeline, stage, name, microbatches, batch, chunks=1):
+    """The most activation bytes the stage holds at once as its schedule runs: each forward
+    adds its part's, each backward frees them (what the naive engine does, freeing at once)."""
+    parts = stage_units(sizes, pipeline, chunks, stage)
+    each = [sum(unit_activations(sizes, u, batch, t) for u in part) for part in parts]
+    held = peak = 0
+    for action in schedule(name, pipeline, microbatches, chunks)[stage]:
+        held += each[action.chunk] if action.kind == 'F' else -each[action.chunk]
+        peak = max(peak, held)
+    return peak
+
+
+def device_plan(sizes, data, tensor, pipeline, stage, rank, name, microbatches, batch,
+                chunks=1, optimizer='adam'):
+    """{kind: bytes} that device (stage, rank) of the layout holds (weights, gradients,
+    optimizer state and its peak of activations) and sends in one step (tensor, pipeline and
+    data), for a global batch of `batch` sequences in float32."""
+    parts = stage_units(sizes, pipeline, chunks, stage)
+    units = [u for part in parts for u in part]
+    weights = 4 * sum(unit_values(sizes, u, tensor) for u in units)
+    trained = 4 * sum(unit_values(sizes, u, tensor, True, rank) for u in units)
+    micro = batch // (data * microbatches)
+    boundary = 4 * micro * sizes.seq * sizes.hidden
+    layers = sum(0 < u <= sizes.layers for u in units)
+    last = pipeline * chunks - 1
+    crossings = sum((k < last) + (k > 0) for k in range(stage, last + 1, pipeline))
+    return {'weights': weights, 'gradients': trained,
+            'optimizer state': STATE_VALUES[optimizer] * trained,
+            'activations': peak_activations(sizes, tensor, pipeline, stage, name,
+                                            microbatches, micro, chunks),
+            'tensor': layers * microbatches * 4 * 2 * (tensor - 1) / tensor * boundary,
+            'pipeline': microbatches * boundary * crossings if pipeline > 1 else 0,
+            'data': 2 * (data - 1) / data * trained}
+
+
+def bubble(pipeline, microbatches, chunks=1):
+    """The share of a step the stages idle, when every pass takes as long: (p - 1)/(v·m + p - 1),
+    GPipe's (p - 1)/(m + p - 1) for one chunk."""
+    return (pipeline - 1) / (chunks * microbatches + pipeline - 1)
+
+
+# -- a real model on a real cluster ----------------------------------------------------------
+
+GPT3 = GPTSizes(vocab=50257, layers=96, hidden=12288, heads=96, seq=2048)   # Brown et al., 2020
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    """Machines of `per_machine` devices of `memory` bytes that each compute `flops` a second
+    (what a step achieves, not the peak), joined inside a machine by NVLink at `nvlink` bytes/s
+    a device and direction, and between machines at `network` bytes/s a device."""
+    machines: int
+    per_machine: int
+    memory: float
+    flops: float
+    nvlink: float
+    network: float
+    alpha: float = 5e-6
+
+    @property
+    def devices(self):
+        return self.machines * self.per_machine
+
+
+def layout_costs(sizes, cluster, data, tensor, pipeline, batch, micro=1, sequence=True):
+    """{what: value} for one layout of `sizes` on `cluster`: bytes a device holds (16 a
+    parameter of its 1/(t·p), and the first stage's activations: 1F1B keeps p micro-batches
+    of its L/p layers, Korthikanti et al.'s count with sequence parallelism), and the seconds
+    of a step: compute, the bubble, and tensor, pipeline and data parallelism's
+    communication, none of it hidden (an upper bound)."""
+    microbatches = batch // (data * micro)
+    states = 16 * sizes.params() / (tensor * pipeline)
+    layer = transformer_layer_activations(sizes.seq, micro, sizes.hidden, sizes.heads)
+    layer = layer / tensor if sequence else layer       # the 10sbh whole part split too
+    activations = sizes.layers * layer
+    compute = 6 * sizes.params() * batch * sizes.seq / (cluster.devices * cluster.flops)
+    boundary = 2 * micro * sizes.seq * sizes.hidden
+    nvlink = cost.Topology('NVLink', tensor, cluster.nvlink, cluster.nvlink, None, cluster.alpha)
+    network = cost.Topology('network', data, cluster.network, cluster.network, None,
+                            cluster.alpha)
+    layers_here = sizes.layers / pipeline
+    seconds = {
+        'compute': compute,
+        'bubble': compute * (pipeline - 1) / microbatches,
+        'tensor': 0 if tensor == 1 else 4 * layers_here * microbatches * cost.allreduce_time(
+            'ring', boundary, nvlink),
+        'pipeline': 0 if pipeline == 1 else 2 * microbatches * (
+            cluster.alpha + boundary / cluster.network),
+        'data': 0 if data == 1 else cost.allreduce_time(
+            'ring', 2 * sizes.params() / (tensor * pipeline), network)}
+    held = states + activations
+    return {'held': held, 'fits': held <= cluster.memory, 'states': states,
+            'activations': activations, **seconds, 'step': sum(seconds.values())}
+
+
+def layouts(sizes, cluster, batch, micro=1):
+    """Every (d, t, p) that uses all of the cluster's devices, keeps t inside a machine and
+    divides the heads, splits the layers into whole stages and the batch into micro-batches,
+    with its `layout_costs`, fastest first among those that fit."""
+    rows = []
+    for tensor, pipeline in itertools.product(range(1, cluster.per_machine + 1),
+                                              range(1, sizes.layers + 1)):
+        data, rest = divmod(cluster.devices, tensor * pipeline)
+        if rest or cluster.per_machine % tensor or sizes.heads % tensor or \
+                sizes.layers % pipeline or batch % (data * micro):
+            continue
+        rows.append(((data, tensor, pipeline),
+                     layout_costs(sizes, cluster, data, tensor, pipeline, batch, micro)))
+    return sorted(rows, key=lambda row: (not row[1]['fits'], row[1]['step']))

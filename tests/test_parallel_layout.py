@@ -1,0 +1,159 @@
+"""Data × tensor × pipeline parallelism on virtual devices: every layout trains as one device
+does, and each device holds and sends, to the byte, what the calculator predicts."""
+import collections
+import gc
+
+import numpy
+import pytest
+
+import d2lperf as d2l
+from d2lperf import autograd, comm, nn, np
+from d2lperf.model_parallel import Pipeline, parallel_gpt, predict, schedule, simulate
+from d2lperf.model_parallel import bubble as simulated_bubble
+
+pytestmark = pytest.mark.chapter('parallel_layouts')
+
+VOCAB, LAYERS, HIDDEN, HEADS, SEQ, BATCH = 20, 4, 16, 4, 8, 8
+LOSS = d2l.SoftmaxCrossEntropyLoss()
+rng = numpy.random.default_rng(0)
+TOKENS = rng.integers(0, VOCAB, (BATCH, SEQ))
+LABELS = rng.integers(0, VOCAB, (BATCH, SEQ))
+# (data, tensor, pipeline, schedule, chunks, micro-batches)
+LAYOUTS = [(2, 2, 2, '1f1b', 1, 2), (1, 2, 2, 'interleaved', 2, 4), (2, 1, 4, 'gpipe', 1, 2),
+           (4, 2, 1, '1f1b', 1, 1), (1, 1, 3, '1f1b', 1, 4), (8, 1, 1, '1f1b', 1, 1)]
+
+
+def gpt():
+    np.random.seed(0)
+    net = nn.GPT(VOCAB, LAYERS, HIDDEN, HEADS, SEQ)
+    net.initialize(device=d2l.cpu(0))
+    return net
+
+
+def devices(count):
+    return [d2l.cpu(i + 1) for i in range(count)]
+
+
+def one_device_losses(steps):
+    net = gpt()
+    trainer = d2l.Trainer(net.collect_params(), 'adam', {'learning_rate': 0.01}, kvstore=None)
+    losses = []
+    for _ in range(steps):
+        with autograd.record():
+            loss = LOSS(net(np.array(TOKENS)), np.array(LABELS)).sum()
+        loss.backward()
+        trainer.step(BATCH)
+        losses.append(loss.item())
+    return losses
+
+
+def layout(d, t, p, name, v):
+    split = parallel_gpt(gpt(), devices(d * t * p), d, t, p, name, v)
+    return split, d2l.Trainer(split.collect_params(), 'adam', {'learning_rate': 0.01},
+                              kvstore=None)
+
+
+@pytest.mark.parametrize('d, t, p, name, v, m', LAYOUTS)
+def test_every_layout_trains_as_one_device(d, t, p, name, v, m):
+    steps = 3
+    split, trainer = layout(d, t, p, name, v)
+    losses = []
+    for _ in range(steps):
+        parts = split.forward_backward(np.array(TOKENS), np.array(LABELS), LOSS, m)
+        trainer.step(BATCH)
+        assert len(parts) == d * m
+        losses.append(sum(part.item() for part in parts))
+    one = one_device_losses(steps)
+    numpy.testing.assert_allclose(losses, one, rtol=1e-5)
+    assert one[-1] < one[0]
+
+
+def measured(split, d, t, p, m):
+    """Each device's bytes by kind after a step on the naive engine (which frees at once):
+    held, the gradients before the update, the peak of activations, and what it sent."""
+    d2l.engine.use('naive')
+    try:
+        gc.collect()
+        for device in devices(d * t * p):
+            d2l.device.reset_peak(device)
+        for replica in split.replicas:
+            replica.sent.clear()
+        with d2l.profiler.profile() as records:
+            split.forward_backward(np.array(TOKENS), np.array(LABELS), LOSS, m)
+        gc.collect()
+        memory = {dev: d2l.device.memory(dev) for dev in devices(d * t * p)}
+    finally:
+        d2l.engine.use('threaded')
+    piped = collections.Counter()
+    for replica in split.replicas:
+        piped.update(replica.sent)
+    sends = [x for x in comm.transfers_in(records) if x['action'] == 'send']
+    table = {}
+    for s, r in numpy.ndindex(p, d):
+        group = split.grid[s][r]
+        for i, dev in enumerate(group):
+            mine = [x for x in sends if x['source'] == dev]
+            table[s, r, i] = {
+                'weights': memory[dev].by_kind['weights'],
+                'gradients': memory[dev].by_kind['gradients'],
+                'activations': memory[dev].peak_by_kind['activations'],
+                'tensor': sum(x['bytes'] for x in mine if x['target'] in group),
+                'data': sum(x['bytes'] for x in mine if x['target'] not in group),
+                'pipeline': piped[dev]}
+    return table
+
+
+@pytest.mark.parametrize('d, t, p, name, v, m', LAYOUTS[:3])
+def test_each_device_holds_and_sends_what_the_calculator_predicts(d, t, p, name, v, m):
+    split, trainer = layout(d, t, p, name, v)
+    split.forward_backward(np.array(TOKENS), np.array(LABELS), LOSS, m)     # allocate
+    trainer.step(BATCH)
+    sizes = predict.GPTSizes.of(gpt())
+    for (s, r, i), seen in measured(split, d, t, p, m).items():
+        plan = predict.device_plan(sizes, d, t, p, s, i, name, m, BATCH, v)
+        assert seen == {kind: plan[kind] for kind in seen}, (s, r, i)
+
+
+def test_the_calculator_counts_the_small_gpts_parameters():
+    net = gpt()
+    assert predict.GPTSizes.of(net).params() == sum(
+        p.data().size for p in net.collect_params().values())
+
+
+@pytest.mark.parametrize('p, m, v', [(2, 2, 1), (4, 8, 1), (3, 5, 1), (2, 4, 2), (4, 8, 2)])
+def test_the_bubble_formula_is_the_simulated_schedules(p, m, v):
+    name = 'interleaved' if v > 1 else 'gpipe'
+    idle, _ = simulated_bubble(simulate(schedule(name, p, m, v)))
+    assert idle == pytest.approx(predict.bubble(p, m, v))
+
+
+def test_gpt3_on_a_cluster_fits_only_with_model_parallelism():
+    """175 billion parameters (Brown et al., 2020); 512 devices of 80 GB: data parallelism
+    alone holds 16 bytes of each parameter on every device, 2.8 TB, and no layout that does
+    not split the model by at least 16 fits."""
+    assert predict.GPT3.params() == pytest.approx(175e9, rel=0.01)
+    cluster = predict.Cluster(64, 8, 80e9, 150e12, 300e9, 25e9)
+    rows = dict(predict.layouts(predict.GPT3, cluster, batch=1536))
+    assert rows[512, 1, 1]['states'] == pytest.approx(16 * predict.GPT3.params())
+    assert not rows[512, 1, 1]['fits']
+    assert all(t * p >= 16 for (d, t, p), row in rows.items() if row['fits'])
+    assert all(cluster.per_machine % t == 0 for d, t, p in rows)
+    best = predict.layouts(predict.GPT3, cluster, batch=1536)[0]
+    assert best[1]['fits']
+
+
+def test_bad_layouts_are_named():
+    with pytest.raises(ValueError, match='7 devices do not make a grid of data 2 × tensor 2'):
+        parallel_gpt(gpt(), devices(7), 2, 2, 2)
+    with pytest.raises(ValueError, match='4 attention heads do not split among 3 devices'):
+        parallel_gpt(gpt(), devices(3), 1, 3, 1)
+    with pytest.raises(ValueError, match='6 layers do not split into 8 parts'):
+        parallel_gpt(gpt(), devices(8), 1, 1, 8)
+    split, _ = layout(2, 1, 2, '1f1b', 1)
+    with pytest.raises(ValueError, match='a batch of 8 does not split into 2 replicas × 3'):
+        split.forward_backward(np.array(TOKENS), np.array(LABELS), LOSS, 3)
+    with pytest.raises(ValueError, match='not a mix'):
+        Pipeline(gpt(), [d2l.cpu(1), [d2l.cpu(2)]])
+    with pytest.raises(ValueError, match='use sequence=False in a pipeline'):
+        d2l.model_parallel.TensorParallelGPT(gpt(), devices(2), sequence=True,
+                                             units=slice(0, 3))
