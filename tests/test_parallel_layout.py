@@ -96,6 +96,7 @@ def measured(split, d, t, p, m):
             table[s, r, i] = {
                 'weights': memory[dev].by_kind['weights'],
                 'gradients': memory[dev].by_kind['gradients'],
+                'optimizer state': memory[dev].by_kind['optimizer state'],
                 'activations': memory[dev].peak_by_kind['activations'],
                 'tensor': sum(x['bytes'] for x in mine if x['target'] in group),
                 'data': sum(x['bytes'] for x in mine if x['target'] not in group),
