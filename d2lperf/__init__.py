@@ -49,7 +49,10 @@ Training on Multiple GPUs, Concise Implementation for Multiple GPUs
                   at Scale", buckets, ZeRO's stages 1-3 and the calculator that predicts what
                   a step holds and moves.
     model_parallel/  the model itself split over devices: pipeline schedules as data (GPipe,
-                  1F1B, interleaved), their bubble and the activations a stage holds.
+                  1F1B, interleaved), their bubble and the activations a stage holds;
+                  Megatron-LM's tensor and sequence parallelism; the three parallelisms at
+                  once on a grid of devices (layout), and the calculator that predicts what
+                  each device of a layout holds and sends (predict).
 Parameter Servers
     optimizer/    the update rules (SGD with momentum and weight decay, Adam) that a trainer
                   or a key-value store applies, with their states as plain arrays (rules.py),
