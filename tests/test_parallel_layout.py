@@ -1,5 +1,6 @@
-"""Data × tensor × pipeline parallelism on virtual devices: every layout trains as one device
-does, and each device holds and sends, to the byte, what the calculator predicts."""
+"""Data × tensor × pipeline parallelism on virtual devices, with and without sequence
+parallelism: every layout trains as one device does, and each device holds and sends, to the
+byte, what the calculator predicts."""
 import collections
 import gc
 
@@ -18,9 +19,13 @@ LOSS = d2l.SoftmaxCrossEntropyLoss()
 rng = numpy.random.default_rng(0)
 TOKENS = rng.integers(0, VOCAB, (BATCH, SEQ))
 LABELS = rng.integers(0, VOCAB, (BATCH, SEQ))
-# (data, tensor, pipeline, schedule, chunks, micro-batches)
-LAYOUTS = [(2, 2, 2, '1f1b', 1, 2), (1, 2, 2, 'interleaved', 2, 4), (2, 1, 4, 'gpipe', 1, 2),
-           (4, 2, 1, '1f1b', 1, 1), (1, 1, 3, '1f1b', 1, 4), (8, 1, 1, '1f1b', 1, 1)]
+# (data, tensor, pipeline, schedule, chunks, micro-batches, sequence parallelism)
+LAYOUTS = [(2, 2, 2, '1f1b', 1, 2, False), (1, 2, 2, 'interleaved', 2, 4, False),
+           (2, 1, 4, 'gpipe', 1, 2, False), (4, 2, 1, '1f1b', 1, 1, False),
+           (1, 1, 3, '1f1b', 1, 4, False), (8, 1, 1, '1f1b', 1, 1, False),
+           (2, 2, 2, '1f1b', 1, 2, True), (1, 4, 3, 'gpipe', 1, 2, True),
+           (1, 2, 2, 'interleaved', 2, 2, True)]
+PLANNED = LAYOUTS[:3] + LAYOUTS[6:]
 
 
 def gpt():
@@ -47,16 +52,16 @@ def one_device_losses(steps):
     return losses
 
 
-def layout(d, t, p, name, v):
-    split = parallel_gpt(gpt(), devices(d * t * p), d, t, p, name, v)
+def layout(d, t, p, name, v, sequence=False):
+    split = parallel_gpt(gpt(), devices(d * t * p), d, t, p, name, v, sequence=sequence)
     return split, d2l.Trainer(split.collect_params(), 'adam', {'learning_rate': 0.01},
                               kvstore=None)
 
 
-@pytest.mark.parametrize('d, t, p, name, v, m', LAYOUTS)
-def test_every_layout_trains_as_one_device(d, t, p, name, v, m):
+@pytest.mark.parametrize('d, t, p, name, v, m, sequence', LAYOUTS)
+def test_every_layout_trains_as_one_device(d, t, p, name, v, m, sequence):
     steps = 3
-    split, trainer = layout(d, t, p, name, v)
+    split, trainer = layout(d, t, p, name, v, sequence)
     losses = []
     for _ in range(steps):
         parts = split.forward_backward(np.array(TOKENS), np.array(LABELS), LOSS, m)
@@ -104,14 +109,16 @@ def measured(split, d, t, p, m):
     return table
 
 
-@pytest.mark.parametrize('d, t, p, name, v, m', LAYOUTS[:3])
-def test_each_device_holds_and_sends_what_the_calculator_predicts(d, t, p, name, v, m):
-    split, trainer = layout(d, t, p, name, v)
+@pytest.mark.parametrize('d, t, p, name, v, m, sequence', PLANNED)
+def test_each_device_holds_and_sends_what_the_calculator_predicts(d, t, p, name, v, m,
+                                                                  sequence):
+    split, trainer = layout(d, t, p, name, v, sequence)
     split.forward_backward(np.array(TOKENS), np.array(LABELS), LOSS, m)     # allocate
     trainer.step(BATCH)
     sizes = predict.GPTSizes.of(gpt())
     for (s, r, i), seen in measured(split, d, t, p, m).items():
-        plan = predict.device_plan(sizes, d, t, p, s, i, name, m, BATCH, v)
+        plan = predict.device_plan(sizes, d, t, p, s, i, name, m, BATCH, v,
+                                   sequence=sequence)
         assert seen == {kind: plan[kind] for kind in seen}, (s, r, i)
 
 
@@ -155,6 +162,3 @@ def test_bad_layouts_are_named():
         split.forward_backward(np.array(TOKENS), np.array(LABELS), LOSS, 3)
     with pytest.raises(ValueError, match='not a mix'):
         Pipeline(gpt(), [d2l.cpu(1), [d2l.cpu(2)]])
-    with pytest.raises(ValueError, match='use sequence=False in a pipeline'):
-        d2l.model_parallel.TensorParallelGPT(gpt(), devices(2), sequence=True,
-                                             units=slice(0, 3))

@@ -24,10 +24,12 @@ from .pipeline import Pipeline
 
 def parallel_gpt(net: GPT, devices: Sequence[Device], data: int = 1, tensor: int = 1,
                  pipeline: int = 1, schedule: str = '1f1b', chunks: int = 1,
-                 algorithm: str = 'ring') -> ParallelGPT:
+                 algorithm: str = 'ring', sequence: bool = False) -> ParallelGPT:
     """A copy of the GPT `net` on `data · tensor · pipeline` devices (the net is left as it
-    is), trained with `schedule` over its pipeline stages."""
-    return ParallelGPT(net, devices, data, tensor, pipeline, schedule, chunks, algorithm)
+    is), trained with `schedule` over its pipeline stages; `sequence=True` adds sequence
+    parallelism to the tensor-parallel groups."""
+    return ParallelGPT(net, devices, data, tensor, pipeline, schedule, chunks, algorithm,
+                       sequence)
 
 
 class ParallelGPT:
@@ -35,7 +37,7 @@ class ParallelGPT:
     tensor rank i."""
 
     def __init__(self, net, devices, data=1, tensor=1, pipeline=1, schedule='1f1b', chunks=1,
-                 algorithm='ring'):
+                 algorithm='ring', sequence=False):
         devices = list(devices)
         if len(devices) != data * tensor * pipeline:
             raise ValueError(f'{len(devices)} devices do not make a grid of data {data} × '
@@ -45,7 +47,8 @@ class ParallelGPT:
         self.grid = [[devices[(s * data + r) * tensor:(s * data + r + 1) * tensor]
                       for r in range(data)] for s in range(pipeline)]
         self.replicas = [Pipeline(net, [self.grid[s][r] for s in range(pipeline)], schedule,
-                                  chunks, algorithm=algorithm) for r in range(data)]
+                                  chunks, algorithm=algorithm, sequence=sequence)
+                         for r in range(data)]
 
     def forward_backward(self, tokens: NDArray, labels: NDArray, loss,
                          microbatches: int) -> list[NDArray]:

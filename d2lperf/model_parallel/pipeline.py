@@ -33,11 +33,12 @@ class Pipeline:
 
     `devices[s]` is stage s: a Device, whose parts' layers are moved there (the net itself is
     split), or a list of t Devices, whose parts are tensor-parallel copies of a GPT's layers
-    (the net is left as it is)."""
+    (the net is left as it is; `sequence=True` splits their residual stream by tokens too,
+    so that a stage sends each device's tokens only)."""
 
     def __init__(self, net: Block, devices: Sequence[Device | Sequence[Device]],
                  name: str = '1f1b', chunks: int = 1, sizes: Sequence[int] | None = None,
-                 algorithm: str = 'ring'):
+                 algorithm: str = 'ring', sequence: bool = False):
         self.devices, self.name, self.chunks = list(devices), name, chunks
         self.sent = collections.Counter()      # bytes each device sent to another stage
         spans = cut(len(net.children()), len(self.devices) * chunks, sizes)
@@ -46,7 +47,7 @@ class Pipeline:
                           for k, span in enumerate(spans)]
         elif all(isinstance(stage, (list, tuple)) for stage in self.devices):
             self.parts = [TensorParallelGPT(net, self.devices[k % len(self.devices)],
-                                            algorithm, units=span)
+                                            algorithm, sequence, span)
                           for k, span in enumerate(spans)]
         else:
             raise ValueError('each stage is a Device, or each is a list of Devices (a tensor-'
@@ -73,7 +74,7 @@ class Pipeline:
                 borders[mb, part] = border = self.arrive(source, part, leaf=part > 0,
                                                          count=part > 0)
                 with autograd.record():
-                    outs = self.parts[part](border)
+                    outs = self.parts[part](border, inputs[mb].shape)
                     if part == last:
                         outs = [loss(out, labels[mb].copyto(out.device)).sum() for out in outs]
                         losses[mb] = outs[0]
@@ -82,13 +83,15 @@ class Pipeline:
                 outs = outputs.pop((mb, part))
                 heads = None if part == last else \
                     self.arrive(grads_in.pop((mb, part + 1)), part, leaf=False)
-                self.parts[part].backward(outs, heads)
+                self.parts[part].walk_back(outs, heads)
                 add_gradients(self.parts[part], totals)
                 border = borders.pop((mb, part))
                 if part > 0:
                     grads_in[mb, part] = [x.grad for x in border]
         for param, total in totals.items():          # a sum made here is gradients too
             param.data().grad = label(total, 'gradients')
+        for part in self.parts:
+            part.finish_gradients()
         return losses
 
     def arrive(self, arrays, part, leaf=True, count=True):
@@ -128,14 +131,17 @@ class Part:
     def __iter__(self):
         return iter(self.layers)
 
-    def __call__(self, xs):
+    def __call__(self, xs, tokens_shape=None):
         x = xs[0]
         for layer in self.layers:
             x = layer(x)
         return [x]
 
-    def backward(self, outs, heads):
+    def walk_back(self, outs, heads):
         outs[0].backward(None if heads is None else heads[0])
+
+    def finish_gradients(self):
+        """Nothing to do once the micro-batches' gradients are summed."""
 
     def params(self):
         return [p for layer in self.layers for p in layer.collect_params().values()]

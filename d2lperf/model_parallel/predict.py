@@ -61,26 +61,42 @@ def stage_units(sizes, pipeline, chunks, stage, unit_sizes=None):
     return [list(units[spans[stage + c * pipeline]]) for c in range(chunks)]
 
 
-def unit_activations(sizes, unit, batch, t):
+def unit_activations(sizes, unit, batch, t, sequence=False):
     """Bytes of a unit's activations that one of t devices keeps from a micro-batch's forward
-    to its backward: a layer s·b·h·(8 + 12/t) + 3·a·s²·b/t float32 values (the paper's
-    16sbh + as²b, and what this tape keeps more, `sec-memory`); the embedding its output and
-    the tokens; the head and the loss their inputs, the logits and the probabilities, the
-    labels and each token's loss."""
+    to its backward, in float32.
+
+    A layer keeps s·b·h·(8 + 12/t) + 3·a·s²·b/t values: the paper's 16sbh + as²b, and what
+    this tape keeps more (`sec-memory`). The embedding keeps its lookup's output and the
+    tokens; the head and the loss their inputs, the logits and the probabilities, the labels
+    and each token's loss. With sequence parallelism (`sec-tensor-parallelism`) a layer keeps
+    sbh·(4 + 18/t) values; the embedding's sum stays whole, where the first layer counted
+    its 1/t; and the head's norm and gather keep 1/t of their inputs."""
     sbh, bs = sizes.seq * batch * sizes.hidden, sizes.seq * batch
     if unit == 0:
-        return 4 * sbh + 8 * bs
+        return 4 * sbh + 8 * bs + (4 * sbh * (t - 1) // t if sequence else 0)
     if unit == sizes.layers + 1:
-        return 8 * sbh + 8 * bs * sizes.vocab + 16 * bs
+        inputs = 4 * sbh * (1 + 2 / t) if sequence else 8 * sbh
+        return inputs + 8 * bs * sizes.vocab + 16 * bs
     as2b = sizes.heads * sizes.seq ** 2 * batch
+    if sequence:
+        return 4 * (4 * sbh + (18 * sbh + 3 * as2b) // t)
     return 4 * (8 * sbh + (12 * sbh + 3 * as2b) // t)
 
 
-def peak_activations(sizes, t, pipeline, stage, name, microbatches, batch, chunks=1):
+def token_values(sizes, unit):
+    """Values of a unit's whole copies that see a device's tokens only under sequence
+    parallelism (the embeddings and the norms), whose gradients are summed after a step."""
+    if unit == 0:
+        return (sizes.vocab + sizes.seq) * sizes.hidden
+    return 2 * sizes.hidden if unit == sizes.layers + 1 else 4 * sizes.hidden
+
+
+def peak_activations(sizes, t, pipeline, stage, name, microbatches, batch, chunks=1,
+                     sequence=False):
     """The most activation bytes the stage holds at once as its schedule runs: each forward
     adds its part's, each backward frees them (what the naive engine does, freeing at once)."""
     parts = stage_units(sizes, pipeline, chunks, stage)
-    each = [sum(unit_activations(sizes, u, batch, t) for u in part) for part in parts]
+    each = [sum(unit_activations(sizes, u, batch, t, sequence) for u in part) for part in parts]
     held = peak = 0
     for action in schedule(name, pipeline, microbatches, chunks)[stage]:
         held += each[action.chunk] if action.kind == 'F' else -each[action.chunk]
@@ -89,25 +105,29 @@ def peak_activations(sizes, t, pipeline, stage, name, microbatches, batch, chunk
 
 
 def device_plan(sizes, data, tensor, pipeline, stage, rank, name, microbatches, batch,
-                chunks=1, optimizer='adam'):
+                chunks=1, optimizer='adam', sequence=False):
     """{kind: bytes} that device (stage, rank) of the layout holds (weights, gradients,
     optimizer state and its peak of activations) and sends in one step (tensor, pipeline and
     data), for a global batch of `batch` sequences in float32."""
-    parts = stage_units(sizes, pipeline, chunks, stage)
-    units = [u for part in parts for u in part]
+    units = [u for part in stage_units(sizes, pipeline, chunks, stage) for u in part]
     weights = 4 * sum(unit_values(sizes, u, tensor) for u in units)
     trained = 4 * sum(unit_values(sizes, u, tensor, True, rank) for u in units)
     micro = batch // (data * microbatches)
     boundary = 4 * micro * sizes.seq * sizes.hidden
+    share = (tensor - 1) / tensor              # of each collective's bytes a device sends
     layers = sum(0 < u <= sizes.layers for u in units)
+    tensor_sent = layers * microbatches * 4 * 2 * share * boundary
+    if sequence:       # the head's gather, and the sums of the copies that saw 1/t of tokens
+        tensor_sent += (sizes.layers + 1 in units) * microbatches * share * boundary
+        tensor_sent += 2 * share * 4 * sum(token_values(sizes, u) for u in units)
     last = pipeline * chunks - 1
     crossings = sum((k < last) + (k > 0) for k in range(stage, last + 1, pipeline))
     return {'weights': weights, 'gradients': trained,
             'optimizer state': STATE_VALUES[optimizer] * trained,
             'activations': peak_activations(sizes, tensor, pipeline, stage, name,
-                                            microbatches, micro, chunks),
-            'tensor': layers * microbatches * 4 * 2 * (tensor - 1) / tensor * boundary,
-            'pipeline': microbatches * boundary * crossings if pipeline > 1 else 0,
+                                            microbatches, micro, chunks, sequence),
+            'tensor': tensor_sent,
+            'pipeline': microbatches * boundary * crossings // (tensor if sequence else 1),
             'data': 2 * (data - 1) / data * trained}
 
 

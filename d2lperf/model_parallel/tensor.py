@@ -49,6 +49,8 @@ class TensorParallelGPT:
     parameters (each on one device: a Trainer updates each where it lives)."""
 
     def __init__(self, net, devices, algorithm='ring', sequence=False, units=slice(None)):
+        """`units`: the slice of `net`'s children this holds (a pipeline part), all by
+        default."""
         self.devices, self.algorithm, self.sequence = list(devices), algorithm, sequence
         t = len(self.devices)
         first = net[1]
@@ -56,25 +58,24 @@ class TensorParallelGPT:
         if heads % t:
             raise ValueError(f'{heads} attention heads do not split among {t} devices: use a '
                              f'number of devices that divides {heads}')
-        if sequence and units != slice(None):
-            raise ValueError('sequence parallelism splits the whole GPT only (a pipeline '
-                             'stage would need the batch shape of its first stage): use '
-                             'sequence=False in a pipeline')
         self.ranks = [Rank(net, rank, t, device, units)
                       for rank, device in enumerate(self.devices)]
         self.hidden = hidden
 
-    def __call__(self, x: NDArray | list[NDArray]) -> list[NDArray]:
+    def __call__(self, x: NDArray | list[NDArray], tokens_shape=None) -> list[NDArray]:
         """The tokens (one array, or a copy on each device) through the embedding, the layers
         and the head, or, for a pipeline part holding some of them, what reaches that part
-        (one array on each device) through those it holds."""
+        (one array on each device: with sequence parallelism, each device's tokens of the
+        micro-batch whose tokens have `tokens_shape`) through those it holds."""
         ranks = self.ranks
         xs = x if isinstance(x, list) else [x.copyto(rank.device) for rank in ranks]
         if ranks[0].embedding is not None:
             xs = [rank.embedding(tokens) for rank, tokens in zip(ranks, xs)]
-        shape = xs[0].shape
-        if self.sequence:
-            xs = self.my_tokens(xs)
+            shape = xs[0].shape
+            if self.sequence:
+                xs = self.my_tokens(xs)
+        else:
+            shape = tuple(tokens_shape) + (self.hidden,)
         for depth in range(len(ranks[0].layers)):
             layers = [rank.layers[depth] for rank in ranks]
             xs = self.block(xs, [layer.attention_norm for layer in layers],
@@ -152,9 +153,18 @@ class TensorParallelGPT:
     def backward(self, losses: Sequence[NDArray],
                  head_grads: Sequence[NDArray] | None = None) -> None:
         """Every device's backward pass side by side (from `head_grads`, one a device, for a
-        pipeline part's outputs); with sequence parallelism, then the gradients of the whole
-        copies that saw a device's tokens only, summed."""
-        autograd.backward_together(losses, head_grads=head_grads)
+        pipeline part's outputs), then `finish_gradients`."""
+        self.walk_back(losses, head_grads)
+        self.finish_gradients()
+
+    def walk_back(self, outs, heads):
+        """A pipeline part's backward of one micro-batch, from `heads` (None at the loss)."""
+        autograd.backward_together(outs, head_grads=heads)
+
+    def finish_gradients(self):
+        """With sequence parallelism, the gradients of the whole copies that saw a device's
+        tokens only, summed over the devices (a pipeline does it once, after the step's last
+        micro-batch)."""
         if self.sequence:
             for copies in zip(*(rank.token_params() for rank in self.ranks)):
                 self.allreduce([param.grad() for param in copies])
@@ -190,9 +200,10 @@ class Rank:
     def token_params(self):
         """The whole copies that see only this device's tokens under sequence parallelism:
         the embeddings and every norm."""
-        blocks = [self.embedding, self.head.norm] + [
+        blocks = [self.embedding, self.head and self.head.norm] + [
             norm for layer in self.layers for norm in (layer.attention_norm, layer.mlp_norm)]
-        return [p for block in blocks for p in block.collect_params().values()]
+        return [p for block in blocks if block is not None
+                for p in block.collect_params().values()]
 
     def collect_params(self):
         named = [('embedding', self.embedding), ('head', self.head)] + [
