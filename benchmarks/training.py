@@ -25,11 +25,13 @@ Rows, all measured side by side in this run:
   against the same model in PyTorch eager at equal threads (skipped without torch); and on
   four virtual devices, split by a 1F1B pipeline, by tensor parallelism (t = 2, 4) and with
   sequence parallelism, each with its peak memory on the first device beside its time.
-* ResNet-18 (the chapter's variant), seconds per step at batch 16, against the same network
-  in PyTorch eager with the same threads.
+* ResNet-18 (the chapter's variant), seconds per step at batch 16, imperative and hybridized,
+  against the same network in PyTorch eager with the same threads, at one thread and at every
+  core; the header names the BLAS kernels, which decide most of it.
 * GPU rows with CuPy, where a GPU is present.
 Each figure is the best of several interleaved repeats.
 """
+import os
 import platform
 import sys
 
@@ -38,7 +40,7 @@ import sys
 import d2lperf as d2l
 import numpy
 from numpy.lib.stride_tricks import sliding_window_view
-from threadpoolctl import threadpool_limits
+from threadpoolctl import threadpool_info, threadpool_limits
 
 from d2lperf import autograd, engine, np, npx
 from d2lperf.device import available_cores
@@ -543,7 +545,7 @@ def parallel_gpt_rows():
 
 def gpt_section(cores):
     sizes = ', '.join(f'{k} {v}' for k, v in GPT_SIZES.items())
-    print(f'\nThe small GPT ({sizes}), batch {GPT_BATCH}, one Adam step')
+    print(f'\nThe small GPT ({sizes}), batch {GPT_BATCH}, one Adam step; {load_average()}')
     rows = gpt_rows(cores)
     torch_seconds = {threads: seconds for name, threads, seconds in rows
                      if name == 'PyTorch eager'}
@@ -563,9 +565,11 @@ def gpt_section(cores):
 RESNET_BATCH = 16
 
 
-def resnet_step_fn():
+def resnet_step_fn(hybridize=False):
     net = d2l.resnet18(10)
     net.initialize(d2l.nn.init.Normal(0.01))
+    if hybridize:
+        net.hybridize()
     trainer = d2l.Trainer(net.collect_params(), 'sgd', {'learning_rate': LR})
     x = np.random.uniform(size=(RESNET_BATCH, 1, 28, 28))
     y = np.array(numpy.arange(RESNET_BATCH) % 10)
@@ -617,15 +621,40 @@ def torch_resnet_step_fn():
 
 
 def resnet_rows(cores):
-    """Seconds per step of ResNet-18 at batch 16, d2lperf and PyTorch, at every core."""
-    steps = d2l.workload(3, 1)
-    rows = [('d2lperf (Gluon layers)', cores,
-             with_threads(cores, resnet_step_fn(), steps=steps))]
+    """(what, threads, seconds a step) of ResNet-18 at batch 16, d2lperf imperative and
+    hybridized and PyTorch eager, at one thread and at every core."""
+    steps = {'d2lperf, imperative (Gluon layers)': resnet_step_fn(),
+             'd2lperf, hybridized': resnet_step_fn(hybridize=True)}
     torch_step = torch_resnet_step_fn()
-    if torch_step is not None:
-        rows.append(('PyTorch eager', cores,
-                     with_threads(cores, torch_step[0], torch_step[1], steps=steps)))
+    rows = []
+    for threads in sorted({1, cores}):
+        for name, step in steps.items():
+            rows.append((name, threads, with_threads(threads, step, steps=d2l.workload(3, 1))))
+        if torch_step is not None:
+            rows.append(('PyTorch eager', threads, with_threads(
+                threads, torch_step[0], torch_step[1], steps=d2l.workload(3, 1))))
     return rows
+
+
+def load_average():
+    """Other programs on the cores change every ratio here: PyTorch's threads wait for a core
+    another program holds, where d2lperf's engine gives BLAS only the free ones."""
+    return 'load average before: {:.2f}'.format(os.getloadavg()[0])
+
+
+def blas_kernels():
+    """Which kernels do the products: a ResNet step is almost all products, and OpenBLAS
+    picks its kernels by CPU unless OPENBLAS_CORETYPE names others (this VM's environment sets
+    Haswell's AVX2 ones on an AVX-512 CPU, where PyTorch's oneDNN uses AVX-512)."""
+    found = ', '.join(f"{lib['internal_api']} {lib.get('architecture')}"
+                      for lib in threadpool_info() if lib['user_api'] == 'blas')
+    forced = os.environ.get('OPENBLAS_CORETYPE')
+    try:
+        import torch
+        theirs = f'; PyTorch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}'
+    except ImportError:
+        theirs = ''
+    return f'NumPy: {found}' + (f' (OPENBLAS_CORETYPE={forced})' if forced else '') + theirs
 
 
 def gpu_rows():
@@ -683,12 +712,14 @@ def memory_section(cores):
 
 
 def resnet_section(cores):
-    print(f'\nResNet-18 (28x28, batch {RESNET_BATCH}), one training step')
+    print(f'\nResNet-18 (28x28, batch {RESNET_BATCH}), one training step; {blas_kernels()}; '
+          f'{load_average()}')
     rows = resnet_rows(cores)
+    torch_seconds = {threads: seconds for name, threads, seconds in rows
+                     if name == 'PyTorch eager'}
     print('| what | threads | ms per step | img/s | × PyTorch |\n|---|--:|--:|--:|--:|')
-    torch_seconds = dict((name, seconds) for name, _, seconds in rows).get('PyTorch eager')
     for name, threads, seconds in rows:
-        vs_torch = f'{torch_seconds / seconds:.2f}' if torch_seconds else '-'
+        vs_torch = f'{torch_seconds[threads] / seconds:.2f}' if threads in torch_seconds else '-'
         print(f'| {name} | {threads} | {seconds * 1e3:.0f} | {RESNET_BATCH / seconds:.1f} | '
               f'{vs_torch} |')
 
