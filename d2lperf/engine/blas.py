@@ -128,7 +128,7 @@ class SharedCores:
 
     def fit(self):
         """Before an operation: the count that fits the free cores, read again when stale."""
-        if self.sampled_recently():
+        if time.perf_counter() - self.last_sampled < SAMPLE_SECONDS:     # nearly always
             return
         with self.lock:
             # Another lane may have read the load while this one waited for the lock: a

@@ -33,7 +33,8 @@ class Var:
 
     def __init__(self):
         self.id = next(_var_ids)
-        self.pending = collections.deque()   # (operation, is_write) not yet granted
+        self.pending = None                  # (operation, is_write) not yet granted: a deque
+                                             # made by the first that waits (most never do)
         self.num_reading = 0                 # granted reads still running
         self.writing = False                 # a granted write still running
         self.writer = None                   # the last pushed write, until it completes
@@ -70,7 +71,7 @@ def append_read(var, op):
     if not var.writing and not var.pending:
         var.num_reading += 1
         return True
-    var.pending.append((op, False))
+    wait_in_line(var, op, False)
     return False
 
 
@@ -79,8 +80,16 @@ def append_write(var, op):
     if not var.writing and not var.num_reading and not var.pending:
         var.writing = True
         return True
-    var.pending.append((op, True))
+    wait_in_line(var, op, True)
     return False
+
+
+def wait_in_line(var, op, is_write):
+    """Queue `op` on `var`, making the queue first: most variables never need one."""
+    pending = var.pending
+    if pending is None:
+        pending = var.pending = collections.deque()
+    pending.append((op, is_write))
 
 
 def complete_read(var, granted):
