@@ -218,3 +218,39 @@ def test_arrays_waited_for_one_by_one_give_the_values_of_numpy():
 def test_the_naive_engine_has_nothing_to_help():
     engine.use('naive')
     assert engine.set_helping(True) is False
+
+
+# -- push_short: an operation shorter than a hand-off runs on the caller where the lane idles --
+
+def test_a_short_operation_runs_on_the_calling_thread_where_its_lane_is_idle():
+    var, log = engine.Var(), []
+    engine.push(lambda: None, [], [], CPU1, 'start the lane')
+    engine.wait_all()
+    records = engine.start_recording()
+    engine.push_short(logged(log, 'short'), [], [var], CPU1, 'short')
+    assert log == [('short', threading.current_thread().name, CPU1)]   # done on return
+    assert var.writer is None
+    engine.stop_recording()
+    record, = [r for r in records if r.name == 'short']
+    assert record.helped == threading.current_thread().name
+
+
+def test_a_short_operation_waits_its_turn_behind_queued_work_and_dependencies():
+    first, second, log = engine.Var(), engine.Var(), []
+    with lane_asleep(CPU1):
+        engine.push(logged(log, 'queued'), [], [first], CPU1, 'queued')
+        engine.push_short(logged(log, 'short'), [first], [second], CPU1, 'short')
+        assert log == []                      # not ready, and the lane has work: both wait
+    engine.wait_for(second)
+    assert [name for name, *_ in log] == ['queued', 'short']
+
+
+def test_a_short_operation_goes_to_the_lane_with_helping_off():
+    var, log = engine.Var(), []
+    old = engine.set_helping(False)
+    try:
+        engine.push_short(logged(log, 'short'), [], [var], CPU1, 'short')
+        engine.wait_for(var)
+    finally:
+        engine.set_helping(old)
+    assert log[0][1] == 'd2lperf-cpu(1) compute'

@@ -85,6 +85,15 @@ def push(fn: Callable[[], None], reads: Sequence[Var], writes: Sequence[Var],
     (_engine or current()).push(fn, reads, writes, device, name, lane)  # once built: no call
 
 
+def push_short(fn: Callable[[], None], reads: Sequence[Var], writes: Sequence[Var],
+               device: Device | None, name: str) -> None:
+    """`push` an operation that takes less than a thread hand-off (a compiled forward at batch
+    1): where it is ready and its device's compute lane idle, it runs on this thread at once,
+    rather than wake the lane's thread for the caller to wait for it
+    (`ThreadedEngine.push_short`)."""
+    (_engine or current()).push_short(fn, reads, writes, device, name)
+
+
 def wait_for(var: Var) -> None:
     (_engine or current()).wait_for(var)
 

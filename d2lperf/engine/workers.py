@@ -225,6 +225,34 @@ class Worker:
                 ctrl_c.release()           # raises KeyboardInterrupt if Ctrl-C came meanwhile
         return ran
 
+    def run_here_if_idle(self, op):
+        """Run the ready `op` on the calling thread if this CPU lane has nothing queued and
+        nobody running it (its thread then sleeps on, never woken); False if it does not.
+
+        The caller holds the lane's `runner` meanwhile, as a helping waiter does
+        (`run_here_until`), and Ctrl-C waits until the operation has completed. Work queued
+        on the lane meanwhile, by other threads, is left to the lane's thread, woken after.
+        Where devices divide the BLAS threads, the lane's thread counts its device busy: it
+        runs the operation."""
+        if (self.device.kind != 'cpu' or self.queued or self.cores is not None and
+                self.cores.active or not self.runner.acquire(False)):
+            return False
+        held = ctrl_c.hold()
+        caller = getattr(running, 'device', None)
+        running.device = self.device
+        if op.record is not None:
+            op.record.helped = threading.current_thread().name
+        try:
+            self.run(op, self)
+        finally:
+            running.device = caller
+            self.runner.release()
+            if self.queued:
+                self.wakeups.put(WAKE)
+            if held:
+                ctrl_c.release()           # raises KeyboardInterrupt if Ctrl-C came meanwhile
+        return True
+
     def stop(self):
         """End the thread once the operations queued before this call have run."""
         self.wakeups.put(STOP)
@@ -293,9 +321,10 @@ class CtrlC:
         """Hold Ctrl-C back if this is the main thread and SIGINT has a Python handler (not
         ignored, nor the default that ends the process) that is not this one already (an
         operation the main thread helps with may wait in turn); True if it now does."""
+        if threading.get_ident() != MAIN_THREAD:
+            return False
         handler = getsignal(SIGINT)
-        if (not callable(handler) or handler is self
-                or threading.current_thread() is not threading.main_thread()):
+        if not callable(handler) or handler is self:
             return False
         self.handler, self.noted = handler, False
         set_signal_handler(SIGINT, self)      # a SIGINT already pending raises first
@@ -316,6 +345,7 @@ class CtrlC:
 
 
 ctrl_c = CtrlC()           # one is enough: only the main thread holds it
+MAIN_THREAD = threading.main_thread().ident    # compared on every help: a call, not two
 
 
 class Workers:
@@ -333,6 +363,11 @@ class Workers:
         """Queue a ready operation on its device's lane."""
         worker = self.lanes.get((op.device, op.lane)) or self.start(op.device, op.lane)
         worker.submit(op)
+
+    def run_here_if_idle(self, op):
+        """See `Worker.run_here_if_idle`: False where `op`'s lane is busy."""
+        worker = self.lanes.get((op.device, op.lane)) or self.start(op.device, op.lane)
+        return worker.run_here_if_idle(op)
 
     def run_lane_until(self, op, finished):
         """Run, on the calling thread, the ready operations queued on `op`'s lane until

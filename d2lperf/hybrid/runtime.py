@@ -9,6 +9,8 @@ backward runs the graph's own gradient rules. Whether it records, and whether la
 are part of the signature: dropout traces to a different graph in training. Taught in
 "Compilers and Interpreters".
 """
+import time
+
 from .. import engine
 from ..np.multiarray import NDArray
 from ..ops import REGISTRY, Op
@@ -18,6 +20,11 @@ from .graph import Node, evaluate, gradients
 from .memory_plan import aliased_outputs, plan_memory
 from .passes import fuse_elementwise, simplify
 from .trace import trace
+
+
+# Below a thread hand-off on the course's 2-core VM: benchmarks/engine.py's round trip
+# through a queue to a worker and back measured 20 to 60 µs there, depending on the load.
+SHORT_SECONDS = 50e-6
 
 
 def build_program(graph, plan, device):
@@ -45,6 +52,7 @@ class Executable:
             self.program = build_program(self.graph, self.plan, device)
             self.runner = self.program.runner
         self.workspace = engine.Var()           # orders the calls that share its buffers
+        self.seconds = float('inf')             # the last run's time: unknown until it runs
         self.output_types = [(n.shape, n.dtype) for n in self.simplified.outputs]
         self._params, self._param_vars, self._written_vars = None, [], []
         self.written = updated_params(self.simplified)
@@ -65,26 +73,40 @@ class Executable:
 
     def run_one(self, args):
         """The hot path: one output array, one engine push for the whole program."""
-        arrays, run_program = args + self.params(), self.runner
-        out = NDArray(self.output_types[0][0], self.output_types[0][1], self.device)
+        arrays, out = args + self.params(), NDArray(*self.output_types[0], self.device)
 
         def run():
-            out.data = run_program(*[a.data for a in arrays])[0]
-        engine.push(run, [a.var for a in args] + self._param_vars,
-                    [out.var, self.workspace] + self._written_vars, self.device, self.name)
+            out.data = self.timed_run(arrays)[0]
+        self.push(run, [a.var for a in args] + self._param_vars,
+                  [out.var, self.workspace] + self._written_vars)
         return out
 
     def run_many(self, args):
-        arrays, run_program = args + self.params(), self.runner
+        arrays = args + self.params()
         outs = [NDArray(s, d, self.device) for s, d in self.output_types]
 
         def run():
-            for out, value in zip(outs, run_program(*[a.data for a in arrays])):
+            for out, value in zip(outs, self.timed_run(arrays)):
                 out.data = value
-        engine.push(run, [a.var for a in args] + self._param_vars,
-                    [o.var for o in outs] + [self.workspace] + self._written_vars, self.device,
-                    self.name)
+        self.push(run, [a.var for a in args] + self._param_vars,
+                  [o.var for o in outs] + [self.workspace] + self._written_vars)
         return self.pack(outs)
+
+    def timed_run(self, arrays):
+        """The program's outputs, and how long it took, for `push` to choose by."""
+        start = time.perf_counter()
+        outputs = self.runner(*[a.data for a in arrays])
+        self.seconds = time.perf_counter() - start
+        return outputs
+
+    def push(self, run, reads, writes):
+        """One engine operation for the call. A program that took less than a thread hand-off
+        last time runs on the caller's thread where the lane is idle (`engine.push_short`):
+        at batch 1 the caller waits for it next (an inference loop), and waking the lane's
+        thread would cost more than the program. A longer one (a large batch, with BLAS
+        threads of its own) is handed to the lane, and the caller goes on meanwhile."""
+        push = engine.push_short if self.seconds < SHORT_SECONDS else engine.push
+        push(run, reads, writes, self.device, self.name)
 
     def run_recorded(self, args):
         """Forward through the reference interpreter, keeping every value for backward."""
