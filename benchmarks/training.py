@@ -485,6 +485,21 @@ def torch_gpt_step_fn():
     return step, torch
 
 
+def d2lperf_seconds(threads, step, steps=STEPS):
+    """`with_threads` for a d2lperf step, and a note for the row's name where the engine gave
+    BLAS fewer threads than asked, because other programs held a core (`blas.SharedCores`):
+    PyTorch's row then still ran on all of them."""
+    used = []
+
+    def step_noting_threads():
+        step()
+        used.append(engine.current().threads_per_operation())
+    seconds = with_threads(threads, step_noting_threads, steps=steps)
+    fewest = min(used)
+    return seconds, (f' (BLAS on {fewest} of {threads} threads at times: other programs held '
+                     'a core)' if fewest < threads else '')
+
+
 def gpt_rows(cores):
     """(what, threads, seconds a step) for one device."""
     steps = {'d2lperf, imperative': gpt_step_fn(False),
@@ -493,7 +508,8 @@ def gpt_rows(cores):
     rows = []
     for threads in sorted({1, 2, cores}):
         for name, step in steps.items():
-            rows.append((name, threads, with_threads(threads, step)))
+            seconds, note = d2lperf_seconds(threads, step)
+            rows.append((name + note, threads, seconds))
         if torch_step is not None:
             rows.append(('PyTorch eager', threads,
                          with_threads(threads, torch_step[0], torch_step[1])))
@@ -629,7 +645,8 @@ def resnet_rows(cores):
     rows = []
     for threads in sorted({1, cores}):
         for name, step in steps.items():
-            rows.append((name, threads, with_threads(threads, step, steps=d2l.workload(3, 1))))
+            seconds, note = d2lperf_seconds(threads, step, steps=d2l.workload(3, 1))
+            rows.append((name + note, threads, seconds))
         if torch_step is not None:
             rows.append(('PyTorch eager', threads, with_threads(
                 threads, torch_step[0], torch_step[1], steps=d2l.workload(3, 1))))
