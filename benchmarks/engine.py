@@ -2,6 +2,7 @@
 
     python benchmarks/engine.py            # full sizes
     D2LPERF_QUICK=1 python benchmarks/engine.py
+    python benchmarks/engine.py --compare /tmp/old .   # async per op: two trees, alternating
 
 Rows: µs per tiny operation (`x + 1` on a 1×2 float32 array) for plain NumPy (the floor:
 no engine at all), one Python thread round trip (queue to a worker and back: the floor of
@@ -122,6 +123,77 @@ def bookkeeping_us(count=OPS):
     return push / count * 1e6, complete / count * 1e6
 
 
+def memory_counter_us(count=OPS):
+    """µs an array's memory counter adds (`device.Held`: its bytes on the ledger when made,
+    off when freed, and the ledger's adding up), as the variable of an array made and freed
+    against a plain engine variable."""
+    from d2lperf.np.multiarray import HeldVar
+    device = d2l.cpu()
+
+    def made_and_freed(make):
+        def run():
+            for _ in range(count):
+                make()
+        return median_seconds(run, REPEATS, min_seconds=0) / count * 1e6
+    return made_and_freed(lambda: HeldVar(device, 8)) - made_and_freed(engine.Var)
+
+
+def garbage_collector_us():
+    """µs per operation that Python's garbage collector takes in the asynchronous loop, and
+    the objects one operation in flight keeps: the collector walks every object that survives
+    a collection, and thousands of operations are in flight when the caller pushes faster than
+    the lane runs them."""
+    engine.use('threaded')
+    x = np.ones((1, 2))
+    x.wait_to_read()
+    spent, started = [0.0], [0.0]
+
+    def note(phase, info):
+        if phase == 'start':
+            started[0] = time.perf_counter()
+        else:
+            spent[0] += time.perf_counter() - started[0]
+    gc.callbacks.append(note)
+    try:
+        for _ in range(OPS):
+            x + 1
+        npx.waitall()
+    finally:
+        gc.callbacks.remove(note)
+    return spent[0] / OPS * 1e6, objects_per_operation(x)
+
+
+def objects_per_operation(x, count=100):
+    """Objects the garbage collector tracks that one pushed operation keeps until it has run."""
+    keep = []
+    gc.collect()
+    gc.disable()
+    try:
+        before = gc.get_count()[0]
+        with engine_paused():
+            for _ in range(count):
+                keep.append(x + 1)
+            kept = (gc.get_count()[0] - before) / count
+    finally:
+        gc.enable()
+    return kept
+
+
+class engine_paused:
+    """Ready operations are held back from the lane inside, and handed over on the way out."""
+
+    def __enter__(self):
+        self.workers = engine.current().workers
+        self.held = []
+        self.workers.submit = self.held.append
+
+    def __exit__(self, *exc):
+        del self.workers.submit
+        for op in self.held:
+            self.workers.submit(op)
+        npx.waitall()
+
+
 def issue_over_finish(n=d2l.workload(1000, 400)):
     a = np.random.normal(size=(n, n))
     npx.waitall()
@@ -138,7 +210,59 @@ def issue_over_finish(n=d2l.workload(1000, 400)):
     return n, issued, finished
 
 
+# Run in a fresh interpreter on another tree of d2lperf (an older commit's): only the calls
+# every version has, so that a change in the per-op cost is measured side by side.
+ASYNC_ONLY = """
+import statistics, time
+import d2lperf as d2l
+from d2lperf import np, npx
+x = np.ones((1, 2)); x.wait_to_read()
+def run():
+    for _ in range({ops}):
+        y = x + 1
+    npx.waitall()
+run()
+times = []
+for _ in range({repeats}):
+    start = time.perf_counter(); run(); times.append(time.perf_counter() - start)
+print(statistics.median(times) / {ops} * 1e6)
+"""
+
+
+def compare_trees(trees, rounds=3):
+    """µs per asynchronous `x + 1` (the median of REPEATS), for each source tree in turn
+    (PYTHONPATH=tree), `rounds` times alternating: a list of figures per tree."""
+    import os
+    import subprocess
+    import sys
+    code = ASYNC_ONLY.format(ops=OPS, repeats=REPEATS)
+    figures = {tree: [] for tree in trees}
+    for _ in range(rounds):
+        for tree in trees:
+            env = dict(os.environ, PYTHONPATH=tree)
+            done = subprocess.run([sys.executable, '-c', code], env=env, capture_output=True,
+                                  text=True, check=True, cwd=tree)
+            figures[tree].append(float(done.stdout.split()[-1]))
+    return figures
+
+
+def print_comparison(trees, rounds):
+    figures = compare_trees(trees, rounds)
+    floor = figures[trees[0]]
+    print(f'asynchronous x + 1, µs per op, {rounds} alternations (median of {REPEATS} each); '
+          f'ratio to {trees[0]} in the same alternation')
+    for tree, values in figures.items():
+        ratios = [value / base for value, base in zip(values, floor)]
+        print(f'{tree}: ' + ', '.join(f'{v:.2f}' for v in values) +
+              f'; × first: ' + ', '.join(f'{r:.2f}' for r in ratios) +
+              f' (median {sorted(ratios)[len(ratios) // 2]:.2f})')
+
+
 def main():
+    import sys
+    if sys.argv[1:2] == ['--compare']:       # python benchmarks/engine.py --compare OLD NEW
+        print_comparison(sys.argv[2:], rounds=7)
+        return
     floor = numpy_floor()
     rows = [('NumPy, no engine (floor)', floor),
             ('thread round trip, queue to worker and back', thread_round_trip()),
@@ -162,6 +286,10 @@ def main():
     push, complete = bookkeeping_us()
     print(f'the threaded engine\'s own Python per operation, on one thread: push {push:.2f} µs, '
           f'execute + complete {complete:.2f} µs')
+    collector, kept = garbage_collector_us()
+    print(f'the memory counter per array: {memory_counter_us():.2f} µs; the garbage collector '
+          f'in the asynchronous loop: {collector:.2f} µs per operation, {kept:.0f} objects '
+          'kept per operation in flight')
     n, issued, finished = issue_over_finish()
     print(f'\nissuing 10 products of {n}x{n}: {issued * 1e3:.3f} ms; finishing them: '
           f'{finished * 1e3:.1f} ms; issue / finish = {100 * issued / finished:.2f}%')
