@@ -42,7 +42,7 @@ import numpy
 from numpy.lib.stride_tricks import sliding_window_view
 from threadpoolctl import threadpool_info, threadpool_limits
 
-from d2lperf import autograd, engine, np, npx
+from d2lperf import autograd, engine, nn, np, npx
 from d2lperf.device import available_cores
 from d2lperf.engine import pieces
 
@@ -307,6 +307,36 @@ def data_parallel_rows(cores):
             ('one device, every core, no operation cut into pieces', cores,
              BATCH / whole_seconds),
             ('two virtual devices, BLAS threads divided', cores, BATCH / two_seconds)]
+
+
+def trainer_step_fn(devices, x_host, y_host):
+    """One step of `nn.lenet()` through the Trainer (kvstore 'device') on `devices`: the global
+    batch, on cpu(0), split over them each step, as the chapters train."""
+    net = nn.lenet()
+    net.initialize(init=nn.init.Normal(0.01), device=devices)
+    trainer = d2l.Trainer(net.collect_params(), 'sgd', {'learning_rate': LR}, kvstore='device')
+    x, y = np.array(x_host), np.array(y_host)
+
+    def step():
+        xs, ys = d2l.split_and_load(x, devices), d2l.split_and_load(y, devices)
+        with autograd.record():
+            losses = [LOSS(net(a), b) for a, b in zip(xs, ys)]
+        for loss in losses:
+            loss.backward()
+        trainer.step(len(x_host))
+        npx.waitall()
+    return step
+
+
+def more_devices_than_cores_rows(counts=(1, 2, 4)):
+    """Seconds a step of LeNet at global batch 256 through the Trainer on 1, 2 and 4 virtual
+    devices (`try_devices`), timed round robin: the same work on the same cores, so each should
+    take about one device's time however many devices share it."""
+    x, y = batch()
+    steps = {n: trainer_step_fn(d2l.try_devices(n), x, y) for n in counts}
+    for step in steps.values():
+        step()                                   # the first step allocates what later reuse
+    return d2l.median_seconds(steps, repeats=3 * REPEATS, min_seconds=0)
 
 
 def sharded_rows():
@@ -705,6 +735,12 @@ def data_parallel_section(cores):
     print(f'| what | cores | img/s | × one device |\n|---|--:|--:|--:|')
     for name, threads, ips in rows:
         print(f'| {name} | {threads} | {ips:.0f} | {ips / rows[0][2]:.2f} |')
+    seconds = more_devices_than_cores_rows()
+    print(f'\nLeNet through the Trainer at global batch {BATCH} on {cores} cores, median of '
+          f'{3 * REPEATS} round-robin steps ({load_average()})')
+    print('| virtual devices | ms a step | × one device |\n|--:|--:|--:|')
+    for count, step in seconds.items():
+        print(f'| {count} | {step * 1e3:.1f} | {step / seconds[1]:.2f} |')
 
 
 def sharded_section(cores):
