@@ -145,8 +145,9 @@ def gelu(xp, a):
 
 
 def tanh_argument(xp, a):
-    """sqrt(2/pi) (a + 0.044715 a^3), written as a (c a² + s): a new array and three passes."""
-    y = a * a
+    """sqrt(2/pi) (a + 0.044715 a^3), written as a (c a² + s): a new array and three passes
+    (`out=`, so that a 0-d `a` gives an array, not a NumPy scalar)."""
+    y = xp.multiply(a, a, out=xp.empty_like(a))
     y *= GELU_SCALE * GELU_CUBIC
     y += GELU_SCALE
     y *= a
@@ -161,7 +162,7 @@ def gelu_vjp(xp, g, out, a):
     t = tanh_argument(xp, a)
     xp.tanh(t, out=t)
     xp.subtract(1, t, out=t)                 # 1 - t
-    d = a * a
+    d = xp.multiply(a, a, out=xp.empty_like(a))
     d *= 3 * GELU_SCALE * GELU_CUBIC
     d += GELU_SCALE
     d *= a                                   # a · slope
