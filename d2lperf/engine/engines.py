@@ -80,26 +80,10 @@ class ThreadedEngine(Engine):
             self.limit = limit
             self.room.notify_all()
 
-    def push(self, fn, reads, writes, device, name, lane=COMPUTE):
-        """Queue `fn` to run on `device`'s `lane` once `reads` and `writes` allow it."""
+    def push(self, fn, reads, writes, device, name, lane=COMPUTE, short=False):
+        """Queue `fn` to run on `device`'s `lane` once `reads` and `writes` allow it; a
+        `short` one may run here at once (`push_short`)."""
         op = Operation(fn, reads, writes, device, name, lane, self.recording)
-        if self.track(op):
-            self._dispatch(op)
-
-    def push_short(self, fn, reads, writes, device, name):
-        """`push` an operation too short to gain from another thread: where it is ready and
-        its device's compute lane idle, it runs on this thread before the call returns.
-
-        Handing it to the lane would cost a wake-up of the lane's thread, and the caller, who
-        usually waits for the result next, its own wait: more than the operation itself. With
-        work queued before it, or with helping off, it is pushed as any other."""
-        op = Operation(fn, reads, writes, device, name, COMPUTE, self.recording)
-        if self.track(op) and not (self.helping and self.workers.run_here_if_idle(op)):
-            self._dispatch(op)
-
-    def track(self, op):
-        """Count `op` in flight and queue it on its variables; True if it may run now."""
-        device = op.device
         with self.lock:
             if device is not None:
                 while self.limit and self.in_flight >= self.limit:
@@ -112,7 +96,18 @@ class ThreadedEngine(Engine):
                 granted += append_write(var, op)
                 var.writer = op
             op.waiting -= granted
-            return not op.waiting
+            ready = not op.waiting
+        if ready and not (short and self.helping and self.workers.run_here_if_idle(op)):
+            self._dispatch(op)
+
+    def push_short(self, fn, reads, writes, device, name):
+        """`push` an operation too short to gain from another thread: where it is ready and
+        its device's compute lane idle, it runs on this thread before the call returns.
+
+        Handing it to the lane would cost a wake-up of the lane's thread, and the caller, who
+        usually waits for the result next, its own wait: more than the operation itself. With
+        work queued before it, or with helping off, it is pushed as any other."""
+        self.push(fn, reads, writes, device, name, COMPUTE, True)
 
     def _dispatch(self, op):
         if op.device is None:                            # a waiter: no worker needed
