@@ -90,7 +90,8 @@ def push_short(fn: Callable[[], None], reads: Sequence[Var], writes: Sequence[Va
     """`push` an operation that takes less than a thread hand-off (a compiled forward at batch
     1): where it is ready and its device's compute lane idle, it runs on this thread at once,
     rather than wake the lane's thread for the caller to wait for it
-    (`ThreadedEngine.push_short`)."""
+    (`ThreadedEngine.push_short`). It runs holding the engine's lock, so `fn` must neither
+    push nor wait."""
     (_engine or current()).push_short(fn, reads, writes, device, name)
 
 

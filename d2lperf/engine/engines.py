@@ -10,9 +10,9 @@ interface of `Engine`. Taught in "Asynchronous Computation" and "Automatic Paral
 """
 import threading
 
-from .tracking import (Operation, append_read, append_write, complete_read, complete_write,
-                       execute)
-from .workers import COMPUTE, PoliteLock, RunNow, Workers, synchronize
+from .tracking import (Operation, append_read, append_write, can_read, can_write,
+                       complete_read, complete_write, execute)
+from .workers import COMPUTE, PoliteLock, RunNow, Workers, ctrl_c, synchronize
 
 
 class Engine:
@@ -84,6 +84,8 @@ class ThreadedEngine(Engine):
         """Queue `fn` to run on `device`'s `lane` once `reads` and `writes` allow it; a
         `short` one may run here at once (`push_short`)."""
         op = Operation(fn, reads, writes, device, name, lane, self.recording)
+        if short and self.helping and self.run_short_here(op):
+            return
         with self.lock:
             if device is not None:
                 while self.limit and self.in_flight >= self.limit:
@@ -97,7 +99,7 @@ class ThreadedEngine(Engine):
                 var.writer = op
             op.waiting -= granted
             ready = not op.waiting
-        if ready and not (short and self.helping and self.workers.run_here_if_idle(op)):
+        if ready:
             self._dispatch(op)
 
     def push_short(self, fn, reads, writes, device, name):
@@ -108,6 +110,33 @@ class ThreadedEngine(Engine):
         usually waits for the result next, its own wait: more than the operation itself. With
         work queued before it, or with helping off, it is pushed as any other."""
         self.push(fn, reads, writes, device, name, COMPUTE, True)
+
+    def run_short_here(self, op):
+        """Run `op` on this thread, at once, if nothing it reads or writes is in use and its
+        lane is idle; False, with nothing done, if it must wait its turn.
+
+        The engine's lock stays held while it runs: no other push or completion can touch its
+        variables meanwhile, so it takes no grants and gives none back (0.1 µs a variable,
+        nine for a compiled MLP), is never counted in flight, and takes the lock once. Only an
+        operation shorter than a thread hand-off may keep the other threads waiting so long.
+        Ctrl-C is held back from before the lock is taken until after it is let go."""
+        held = ctrl_c.hold()
+        try:
+            with self.lock:
+                return (all(map(can_read, op.reads)) and all(map(can_write, op.writes)) and
+                        self.workers.run_here_if_idle(op, self.run_locked))
+        finally:
+            if held:
+                ctrl_c.release()          # raises KeyboardInterrupt if Ctrl-C came meanwhile
+
+    def run_locked(self, op, worker):
+        """Execute `op` under the engine's lock (`run_short_here`): it granted nothing, so
+        only its failure, if any, is left to keep."""
+        error, own = execute(op, worker.name, worker.launch)
+        for var in op.writes:
+            var.error = error
+        if own:
+            self.errors.append(error)
 
     def _dispatch(self, op):
         if op.device is None:                            # a waiter: no worker needed

@@ -84,6 +84,16 @@ def append_write(var, op):
     return False
 
 
+def can_read(var):
+    """Whether a read of `var` would be granted now (`append_read`'s test)."""
+    return not var.writing and not var.pending
+
+
+def can_write(var):
+    """Whether a write of `var` would be granted now (`append_write`'s test)."""
+    return not var.writing and not var.num_reading and not var.pending
+
+
 def wait_in_line(var, op, is_write):
     """Queue `op` on `var`, making the queue first: most variables never need one."""
     pending = var.pending

@@ -225,32 +225,29 @@ class Worker:
                 ctrl_c.release()           # raises KeyboardInterrupt if Ctrl-C came meanwhile
         return ran
 
-    def run_here_if_idle(self, op):
-        """Run the ready `op` on the calling thread if this CPU lane has nothing queued and
+    def run_here_if_idle(self, op, run):
+        """`run(op, self)` on the calling thread if this CPU lane has nothing queued and
         nobody running it (its thread then sleeps on, never woken); False if it does not.
 
         The caller holds the lane's `runner` meanwhile, as a helping waiter does
-        (`run_here_until`), and Ctrl-C waits until the operation has completed. Work queued
-        on the lane meanwhile, by other threads, is left to the lane's thread, woken after.
-        Where devices divide the BLAS threads, the lane's thread counts its device busy: it
-        runs the operation."""
+        (`run_here_until`), and holds Ctrl-C back (`ThreadedEngine.run_short_here`). Work
+        queued on the lane meanwhile, by other threads, is left to the lane's thread, woken
+        after. Where devices divide the BLAS threads, the lane's thread counts its device
+        busy: it runs the operation."""
         if (self.device.kind != 'cpu' or self.queued or self.cores is not None and
                 self.cores.active or not self.runner.acquire(False)):
             return False
-        held = ctrl_c.hold()
         caller = getattr(running, 'device', None)
         running.device = self.device
         if op.record is not None:
             op.record.helped = threading.current_thread().name
         try:
-            self.run(op, self)
+            run(op, self)
         finally:
             running.device = caller
             self.runner.release()
             if self.queued:
                 self.wakeups.put(WAKE)
-            if held:
-                ctrl_c.release()           # raises KeyboardInterrupt if Ctrl-C came meanwhile
         return True
 
     def stop(self):
@@ -364,10 +361,10 @@ class Workers:
         worker = self.lanes.get((op.device, op.lane)) or self.start(op.device, op.lane)
         worker.submit(op)
 
-    def run_here_if_idle(self, op):
+    def run_here_if_idle(self, op, run):
         """See `Worker.run_here_if_idle`: False where `op`'s lane is busy."""
         worker = self.lanes.get((op.device, op.lane)) or self.start(op.device, op.lane)
-        return worker.run_here_if_idle(op)
+        return worker.run_here_if_idle(op, run)
 
     def run_lane_until(self, op, finished):
         """Run, on the calling thread, the ready operations queued on `op`'s lane until
