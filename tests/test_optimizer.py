@@ -202,3 +202,24 @@ def test_the_trainer_runs_adam_on_every_copy():
     numpy.testing.assert_array_equal(copies[0], copies[1])
     # Adam's first step moves every weight by the learning rate, whatever its gradient
     numpy.testing.assert_allclose(copies[0], 0.5 - 0.1, rtol=1e-5)
+
+
+@pytest.mark.parametrize('name, params, op', [
+    ('sgd', {'learning_rate': 0.1}, 'sgd_update'),
+    ('sgd', {'learning_rate': 0.1, 'momentum': 0.9, 'wd': 1e-3}, 'sgd_update'),
+    ('adam', {'learning_rate': 0.1, 'wd': 1e-3}, 'adam_update')])
+def test_a_step_is_one_operation_a_parameter(name, params, op):
+    """MXNet's fused update operators: the rule runs as one engine operation on each weight,
+    not a push for each of its terms (a dozen for Adam)."""
+    net = d2l.nn.Dense(2, in_units=3)
+    net.initialize(d2l.nn.init.Constant(0.5))
+    trainer = d2l.Trainer(net.collect_params(), name, params, kvstore=None)
+    with d2l.autograd.record():
+        loss = net(np.ones((4, 3))).sum()
+    loss.backward()
+    trainer.step(4)                          # the first step makes the states
+    d2l.npx.waitall()
+    with d2l.profiler.profile() as records:
+        trainer.step(4)
+        d2l.npx.waitall()
+    assert [r.name for r in records] == [op, op]        # the weight's and the bias's

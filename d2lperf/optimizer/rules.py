@@ -10,12 +10,13 @@ weight gets a float32 master copy inside the optimizer, the update runs on the m
 float32, and the weight is the master rounded down. An update smaller than half a float16 step
 (1e-4 on a weight of 1) would vanish in float16; the master keeps it.
 """
+import functools
 import math
 
 import ml_dtypes
 import numpy
 
-from .. import np
+from .. import engine, np
 from ..device import label
 
 LOW_PRECISION = (numpy.dtype(numpy.float16), numpy.dtype(ml_dtypes.bfloat16))
@@ -90,21 +91,13 @@ class SGD(Optimizer):
         self.wd = float(wd)
 
     def step(self, key, weight, grad):
-        if not self.momentum and not self.wd:          # the common case: two operations
-            weight -= (self.learning_rate * self.rescale_grad) * grad
-            return
-        g = grad * self.rescale_grad if self.rescale_grad != 1 else grad
-        if self.wd:
-            g = g + self.wd * weight
-        if not self.momentum:
-            weight -= self.learning_rate * g
-            return
-        velocity = self.states.get(key)
-        if velocity is None:
-            velocity = self.states[key] = new_state(weight)
-        velocity *= self.momentum
-        velocity -= self.learning_rate * g
-        weight += velocity
+        velocity = None
+        if self.momentum:
+            velocity = self.states.get(key)
+            if velocity is None:
+                velocity = self.states[key] = new_state(weight)
+        settings = (self.learning_rate, self.momentum, self.wd, self.rescale_grad)
+        fused('sgd_update', sgd_rule, settings, grad, weight, velocity)
 
     def state_of(self, weight):
         """(shape, dtype) of the state `get_states` gives for `weight`: its momentum's, or,
@@ -183,17 +176,10 @@ class Adam(Optimizer):
         state = self.states.get(key)
         if state is None:
             state = self.states[key] = (new_state(weight), new_state(weight))
-        mean, var = state
         t = self.counts[key] = self.counts.get(key, 0) + 1
         rate = self.learning_rate * math.sqrt(1 - self.beta2 ** t) / (1 - self.beta1 ** t)
-        g = grad * self.rescale_grad if self.rescale_grad != 1 else grad
-        if self.wd:
-            g = g + self.wd * weight
-        mean *= self.beta1
-        mean += (1 - self.beta1) * g
-        var *= self.beta2
-        var += (1 - self.beta2) * (g * g)
-        weight -= rate * mean / (np.sqrt(var) + self.epsilon)
+        settings = (rate, self.beta1, self.beta2, self.epsilon, self.wd, self.rescale_grad)
+        fused('adam_update', adam_rule, settings, grad, weight, *state)
 
     def state_of(self, weight):
         """(shape, dtype) of the state `get_states` gives for `weight`."""
@@ -240,6 +226,51 @@ class Adam(Optimizer):
                                  for v in (flat[1:1 + n], flat[1 + n:1 + 2 * n]))
         if self.keeps_master(weight):
             self.restore_master(key, weight, flat[1 + 2 * n:], device)
+
+
+def fused(name, rule, settings, grad, weight, *states):
+    """One engine operation that reads `grad` and updates `weight` and its `states` in place
+    by `rule`, as MXNet's fused update operators do (sgd_mom_update, adam_update). Written as
+    array operations, Adam is a dozen pushes a parameter, each a hand-off to a worker and a
+    temporary array; as one, a step's cost is its arithmetic."""
+    updated = [weight] + [state for state in states if state is not None]
+    reads = [grad.var] if all(grad.var is not array.var for array in updated) else []
+    run = functools.partial(run_rule, rule, weight.device.xp, settings, grad, states, weight)
+    engine.push(run, reads, [array.var for array in updated], weight.device, name)
+
+
+def run_rule(rule, xp, settings, grad, states, weight):
+    """The rule on the arrays' data, read when the operation runs (their producers have)."""
+    rule(xp, *settings, grad.data, weight.data,
+         *(None if state is None else state.data for state in states))
+
+
+def sgd_rule(xp, learning_rate, momentum, wd, rescale_grad, grad, weight, velocity):
+    """MXNet's SGD on NumPy or CuPy arrays, in place, in the order the text writes it."""
+    if velocity is None and not wd:                    # the common case: one product
+        weight -= (learning_rate * rescale_grad) * grad
+        return
+    g = grad * rescale_grad if rescale_grad != 1 else grad
+    if wd:
+        g = g + wd * weight
+    if velocity is None:
+        weight -= learning_rate * g
+        return
+    velocity *= momentum
+    velocity -= learning_rate * g
+    weight += velocity
+
+
+def adam_rule(xp, rate, beta1, beta2, epsilon, wd, rescale_grad, grad, weight, mean, var):
+    """MXNet's Adam on NumPy or CuPy arrays, in place, with the bias correction in `rate`."""
+    g = grad * rescale_grad if rescale_grad != 1 else grad
+    if wd:
+        g = g + wd * weight
+    mean *= beta1
+    mean += (1 - beta1) * g
+    var *= beta2
+    var += (1 - beta2) * (g * g)
+    weight -= rate * mean / (xp.sqrt(var) + epsilon)
 
 
 def label_master(array):
