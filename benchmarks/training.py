@@ -548,7 +548,7 @@ def gpt_rows(cores):
 
 def parallel_gpt_rows():
     """(what, seconds a step, peak bytes on cpu(1)) for the GPT split over virtual devices."""
-    from d2lperf.model_parallel import Pipeline, tensor_parallel
+    from d2lperf.model_parallel import Pipeline, parallel_gpt, tensor_parallel
     devices = [d2l.cpu(i) for i in range(1, 5)]
     tokens, labels = gpt_data()
     loss = d2l.SoftmaxCrossEntropyLoss()
@@ -581,9 +581,25 @@ def parallel_gpt_rows():
             trainer.step(1)
             npx.waitall()
         return step
-    ways = {'one device': gpt_step_fn(False, devices[0]), '1F1B pipeline, 4 stages, 4 micro-batches': pipeline(),
+
+    def layout(d, t, p, microbatches=2):
+        split = parallel_gpt(small_gpt(devices[0]), devices, d, t, p, '1f1b')
+        trainer = d2l.Trainer(split.collect_params(), 'adam', {'learning_rate': 1e-3})
+        x, y = np.array(tokens), np.array(labels)
+
+        def step():
+            split.forward_backward(x, y, loss, microbatches)
+            trainer.step(1)
+            npx.waitall()
+        return step
+    ways = {'one device': gpt_step_fn(False, devices[0]),
+            '1F1B pipeline, 4 stages, 4 micro-batches': pipeline(),
             'tensor parallel, t = 2': tensor(2), 'tensor parallel, t = 4': tensor(4),
-            'tensor and sequence parallel, t = 4': tensor(4, True)}
+            'tensor and sequence parallel, t = 4': tensor(4, True),
+            'data parallel, 4 replicas (4 × 1 × 1)': layout(4, 1, 1, 1),
+            'data × tensor, 2 × 2 × 1': layout(2, 2, 1, 1),
+            'tensor × pipeline, 1 × 2 × 2, 2 micro-batches': layout(1, 2, 2),
+            'data × pipeline, 2 × 1 × 2, 2 micro-batches': layout(2, 1, 2)}
     peaks = {name: peak_of(step, devices[0]) for name, step in ways.items()}
     seconds = d2l.utils.median_seconds(ways, repeats=REPEATS, min_seconds=0)
     return [(name, seconds[name], peaks[name]) for name in ways]
