@@ -254,3 +254,23 @@ def test_a_short_operation_goes_to_the_lane_with_helping_off():
     finally:
         engine.set_helping(old)
     assert log[0][1] == 'd2lperf-cpu(1) compute'
+
+
+def test_a_short_operation_run_on_the_caller_keeps_its_failure_for_the_wait():
+    """Run under the engine's lock, it takes no grants: its failure still lands on what it
+    writes, `wait_all` still reports it once, and the engine goes on."""
+    var, after = engine.Var(), engine.Var()
+    engine.push(lambda: None, [], [], CPU1, 'start the lane')
+    engine.wait_all()
+
+    def fail():
+        raise ValueError('short and wrong')
+    engine.push_short(fail, [], [var], CPU1, 'short')
+    assert var.writer is None and isinstance(var.error, engine.OperationError)
+    with pytest.raises(engine.OperationError, match='short and wrong'):
+        engine.wait_for(var)
+    with pytest.raises(engine.OperationError):
+        engine.wait_all()
+    engine.push_short(lambda: None, [], [after], CPU1, 'short again')
+    engine.wait_for(after)
+    engine.wait_all()

@@ -329,6 +329,26 @@ def test_reinitialized_parameters_are_picked_up():
     numpy.testing.assert_allclose(net(x).asnumpy(), after, rtol=1e-6)
 
 
+@pytest.mark.parametrize('replace', ['set_copies', 'set_data', 'cast'])
+def test_parameters_given_new_arrays_or_values_are_seen_by_the_next_call(replace):
+    """Compiled code keeps the arrays it read until a parameter gets new ones
+    (`Parameter.replacements`); values written in place need no new read at all."""
+    net, x = mlp_and_input()
+    net.hybridize()
+    net(x).wait_to_read()
+    weight = net[0].weight
+    if replace == 'set_copies':
+        weight.set_copies([weight.data() * 2])
+    elif replace == 'set_data':
+        weight.set_data(weight.data() * 2)
+    else:
+        net.cast('float64')
+        x = x.astype('float64')
+    compiled = net(x).asnumpy()
+    net.hybridize(False)
+    numpy.testing.assert_allclose(compiled, net(x).asnumpy(), rtol=1e-6)
+
+
 class TwoInTwoOut(nn.HybridBlock):
     def __init__(self):
         super().__init__()

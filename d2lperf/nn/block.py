@@ -7,7 +7,6 @@ on asynchronous arrays ("imperative"). A HybridBlock can also be compiled: after
 generated program as one engine operation ("Compilers and Interpreters").
 """
 import collections
-import operator
 
 from .. import autograd, hybrid, np
 from ..np import extension as npx
@@ -121,25 +120,21 @@ class HookHandle:
 
 
 class CurrentArrays:
-    """Some parameters' arrays on one device, read again only when one gets new arrays.
+    """Some parameters' arrays on one device, read again only when a parameter has been given
+    new arrays (`Parameter.replacements`): compiled code runs on every call, so it keeps the
+    arrays instead of asking each parameter for them."""
 
-    Compiled code runs on every call, so it keeps the arrays instead of asking each
-    parameter for them; `initialize(force_reinit=True)` gives a parameter a new dict."""
-
-    __slots__ = ('params', 'device', 'stores', 'arrays')
+    __slots__ = ('params', 'device', 'seen', 'arrays')
 
     def __init__(self, params, device):
-        self.params, self.device, self.stores, self.arrays = params, device, None, ()
+        self.params, self.device, self.seen, self.arrays = params, device, None, ()
 
     def __call__(self):
-        if self.stores is None or not all(map(operator.is_, map(_copies_of, self.params),
-                                              self.stores)):
+        replacements = Parameter.replacements    # before reading: a change after reads again
+        if self.seen != replacements:
             self.arrays = tuple(p.data(self.device) for p in self.params)
-            self.stores = list(map(_copies_of, self.params))
+            self.seen = replacements
         return self.arrays
-
-
-_copies_of = operator.attrgetter('copies')
 
 
 class HybridBlock(Block):
@@ -160,12 +155,14 @@ class HybridBlock(Block):
     def __call__(self, *args):
         if self._hooks is not None:
             return self._call_hooked(self._run, args)
+        compiled = self._compiled             # the hot path of a compiled call: no other frame
+        if compiled is not None and len(args) == 1 and type(args[0]) is NDArray:
+            return compiled(args)
         return self._run(*args)
 
     def _run(self, *args):
         compiled = self._compiled
-        if compiled is not None and args and (type(args[0]) is NDArray if len(args) == 1 else
-                                              all(type(x) is NDArray for x in args)):
+        if compiled is not None and args and all(type(x) is NDArray for x in args):
             return compiled(args)
         return self.forward(*args)          # imperative, or inside a parent's trace
 

@@ -10,7 +10,12 @@ class DeferredInitializationError(RuntimeError):
 
 
 class Parameter:
-    """A learnable array. A 0 in `shape` is unknown until the first forward pass fills it in."""
+    """A learnable array. A 0 in `shape` is unknown until the first forward pass fills it in.
+
+    `replacements` counts, over every parameter, the times one was given new arrays (drawn,
+    cast, moved, set by ZeRO): compiled code keeps the arrays it read until it changes."""
+
+    replacements = 0
 
     def __init__(self, name, shape, init=None, grad_req='write'):
         if grad_req not in ('write', 'null'):
@@ -26,7 +31,7 @@ class Parameter:
             return
         self._devices = _device_list(device)
         self._init = self.init or init or default_init or initializers.Uniform()
-        self._data = None
+        self._replace(None)
         if 0 not in self.shape:
             self._finish()
 
@@ -49,7 +54,11 @@ class Parameter:
             label(array, 'weights')
             if self.grad_req == 'write':
                 array.attach_grad()
+        self._replace(copies)
+
+    def _replace(self, copies):
         self._data = copies
+        Parameter.replacements += 1
 
     def cast(self, dtype):
         """Every copy (and its gradient) in `dtype`, as Gluon's Parameter.cast: float16
@@ -70,7 +79,7 @@ class Parameter:
     @property
     def copies(self):
         """{device: NDArray}: one copy per device; None until initialized, a new dict after
-        each initialization (compiled code watches it to know when to read arrays again)."""
+        each initialization."""
         return self._data
 
     def set_copies(self, arrays):
@@ -84,7 +93,7 @@ class Parameter:
                 raise ValueError(f"parameter '{self.name}' lives on {self.list_device()}, and "
                                  f'the arrays given are on {devices}')
             arrays = dict(zip(devices, arrays))
-        self._data = arrays
+        self._replace(arrays)
 
     def data(self, device=None):
         """The copy on `device`. With one device, None means that one; with several, cpu(0)."""
