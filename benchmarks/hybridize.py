@@ -7,7 +7,9 @@ engine's helping waits on and off), and PyTorch eager,
 torch.jit.trace and torch.compile when PyTorch is installed. On a GPU, also hybridized with
 CUDA-graph replay against eager CuPy and PyTorch eager on the same GPU.
 
-    python benchmarks/hybridize.py [--calls 1000] [--repeats 7] [--batches 1 256]
+    python benchmarks/hybridize.py [--calls 1000] [--repeats 7] [--batches 1 256] [--breakdown]
+
+`--breakdown` adds where the time of one waited call at batch 1 goes, each piece timed alone.
 
 Every mode is timed `repeats` times, round-robin, and the median is reported; PyTorch runs
 after the others (see `main_rows`).
@@ -198,6 +200,7 @@ def main():
     parser.add_argument('--calls', type=int, default=d2l.workload(1000, 200))
     parser.add_argument('--repeats', type=int, default=d2l.workload(7, 3))
     parser.add_argument('--batches', type=int, nargs='+', default=[1, 256])
+    parser.add_argument('--breakdown', action='store_true')
     args = parser.parse_args()
     try:
         import torch
@@ -210,6 +213,8 @@ def main():
           f'{args.repeats}\n')
     print(table(main_rows(args.batches, args.calls, args.repeats)))
     print(naive_engine_line(args.calls, args.repeats))
+    if args.breakdown:
+        print(breakdown(args.calls, args.repeats))
 
 
 def naive_engine_line(calls, repeats):
@@ -227,6 +232,42 @@ def naive_engine_line(calls, repeats):
     return (f'\nnaive engine, batch 1, each call waited for: {times["naive"] * 1e6:.1f} µs, '
             f'{times["naive"] / times["floor"]:.2f}× the floor ({times["floor"] * 1e6:.1f} µs) '
             'in the same round')
+
+
+def breakdown(calls, repeats):
+    """Where a waited call at batch 1 goes beyond the floor: each piece timed alone, in one
+    round. 'without the engine' runs the program where `push_short` is called, so the rows
+    above it less that one are the engine's part."""
+    net, x = get_net(d2l.cpu()), np.random.normal(size=(1, FEATURES))
+    net.hybridize()
+    net(x).asnumpy()
+    executable = net._compiled.last
+    data = [a.data for a in (x,) + executable.params()]
+    reads, writes = [x.var] + executable._param_vars, [engine.Var(), engine.Var()]
+    threaded = engine.current()
+
+    def without_engine():
+        threaded.push_short = lambda fn, *_: fn()
+        try:
+            net(x).asnumpy()
+        finally:
+            del threaded.push_short
+
+    def engine_alone():
+        engine.push_short(noop, reads, writes, x.device, 'noop')
+        engine.wait_for(writes[0])
+    from d2lperf.engine.workers import ctrl_c
+    pieces = {'floor': numpy_by_hand(weights(net), 1)[0],
+              'the generated program': lambda: executable.runner(*data),
+              'hybridized, each call waited for': lambda: net(x).asnumpy(),
+              'the same without the engine': without_engine,
+              'the engine alone: push_short of a no-op reading 7, writing 2, and its wait':
+                  engine_alone,
+              '... of which holding Ctrl-C back': lambda: ctrl_c.release() if ctrl_c.hold() else 0,
+              'an output NDArray (made and freed)':
+                  lambda: np.multiarray.NDArray((1, 2), numpy.dtype('float32'), x.device)}
+    times = time_modes({name: (fn, noop) for name, fn in pieces.items()}, calls, repeats)
+    return '\n' + '\n'.join(f'{seconds * 1e6:6.2f} µs  {name}' for name, seconds in times.items())
 
 
 if __name__ == '__main__':
