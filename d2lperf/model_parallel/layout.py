@@ -7,15 +7,17 @@ neighbours (one machine's NVLink carries tensor parallelism's four allreduces a 
 stage's d replicas come next (data parallelism sums gradients once a step), and the stages
 are farthest apart (a pipeline sends one micro-batch's activations a boundary). Each replica
 trains on 1/d of the batch; after every replica's pipeline has run its micro-batches, each
-parameter's gradient is summed over the d copies of it, as the data-parallel chapters do.
+parameter's gradient is summed over the d copies of it, a device's gradients packed into one
+buffer, as the data-parallel chapters do.
 Taught in "Parallelism in Three Dimensions".
 """
 from __future__ import annotations
 
+import collections
 from typing import Sequence
 
-
-from .. import comm
+from .. import comm, np
+from ..data_parallel import buckets
 from ..device import Device
 from ..nn.transformer import GPT
 from ..np.multiarray import NDArray
@@ -70,12 +72,25 @@ class ParallelGPT:
         return losses
 
     def sum_gradients(self):
-        """Each parameter's gradient summed over its d copies (one allreduce each, in place)."""
+        """Each gradient summed over its d copies. The gradients a device holds are packed
+        into one flat buffer, as DDP's buckets do, so that a device's copies take one
+        allreduce rather than one a parameter (`data_parallel.buckets`)."""
         if self.data == 1:
             return
-        for copies in zip(*(replica.params() for replica in self.replicas)):
-            if copies[0].grad_req == 'write':
-                comm.allreduce([param.grad() for param in copies], self.algorithm)
+        per_replica = [[p for p in replica.params() if p.grad_req == 'write']
+                       for replica in self.replicas]
+        on_device = collections.defaultdict(list)    # a device of replica 0 -> its params' k
+        for k, param in enumerate(per_replica[0]):
+            on_device[param.data().device].append(k)
+        for index, ks in enumerate(on_device.values()):
+            grads = [[params[k].grad() for k in ks] for params in per_replica]
+            size = sum(grad.size for grad in grads[0])
+            buffers = [np.zeros((size,), group[0].dtype, group[0].device) for group in grads]
+            for buffer, group in zip(buffers, grads):
+                buckets.pack(buffer, group, index)
+            comm.allreduce(buffers, self.algorithm)
+            for buffer, group in zip(buffers, grads):
+                buckets.unpack(buffer, group, index)
 
     def collect_params(self):
         """Every device's parameters, each where it lives (a Trainer updates each there)."""
