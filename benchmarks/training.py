@@ -605,16 +605,23 @@ def parallel_gpt_rows():
     return [(name, seconds[name], peaks[name]) for name in ways]
 
 
+def against_torch(rows):
+    """(threads, seconds) -> PyTorch eager's seconds at those threads over these, as text
+    ('-' where PyTorch is not installed), from the same run's (name, threads, seconds) rows."""
+    torch_seconds = {threads: seconds for name, threads, seconds in rows
+                     if name == 'PyTorch eager'}
+    return lambda threads, seconds: (f'{torch_seconds[threads] / seconds:.2f}'
+                                     if threads in torch_seconds else '-')
+
+
 def gpt_section(cores):
     sizes = ', '.join(f'{k} {v}' for k, v in GPT_SIZES.items())
     print(f'\nThe small GPT ({sizes}), batch {GPT_BATCH}, one Adam step; {load_average()}')
     rows = gpt_rows(cores)
-    torch_seconds = {threads: seconds for name, threads, seconds in rows
-                     if name == 'PyTorch eager'}
+    ratio = against_torch(rows)
     print('| what | threads | ms per step | × PyTorch |\n|---|--:|--:|--:|')
     for name, threads, seconds in rows:
-        vs_torch = f'{torch_seconds[threads] / seconds:.2f}' if threads in torch_seconds else '-'
-        print(f'| {name} | {threads} | {seconds * 1e3:.1f} | {vs_torch} |')
+        print(f'| {name} | {threads} | {seconds * 1e3:.1f} | {ratio(threads, seconds)} |')
     print('\nThe same GPT split over four virtual devices, and its peak memory (naive engine)')
     rows = parallel_gpt_rows()
     print('| what | ms per step | × one device | peak on cpu(1), KiB | × one device |\n'
@@ -784,13 +791,11 @@ def resnet_section(cores):
     print(f'\nResNet-18 (28x28, batch {RESNET_BATCH}), one training step; {blas_kernels()}; '
           f'{load_average()}')
     rows = resnet_rows(cores)
-    torch_seconds = {threads: seconds for name, threads, seconds in rows
-                     if name == 'PyTorch eager'}
+    ratio = against_torch(rows)
     print('| what | threads | ms per step | img/s | × PyTorch |\n|---|--:|--:|--:|--:|')
     for name, threads, seconds in rows:
-        vs_torch = f'{torch_seconds[threads] / seconds:.2f}' if threads in torch_seconds else '-'
         print(f'| {name} | {threads} | {seconds * 1e3:.0f} | {RESNET_BATCH / seconds:.1f} | '
-              f'{vs_torch} |')
+              f'{ratio(threads, seconds)} |')
 
 
 def gpu_section(cores):
