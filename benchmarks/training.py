@@ -623,12 +623,7 @@ def gpt_section(cores):
     for name, threads, seconds in rows:
         print(f'| {name} | {threads} | {seconds * 1e3:.1f} | {ratio(threads, seconds)} |')
     print('\nThe same GPT split over four virtual devices, and its peak memory (naive engine)')
-    rows = parallel_gpt_rows()
-    print('| what | ms per step | × one device | peak on cpu(1), KiB | × one device |\n'
-          '|---|--:|--:|--:|--:|')
-    for name, seconds, peak in rows:
-        print(f'| {name} | {seconds * 1e3:.1f} | {rows[0][1] / seconds:.2f} | '
-              f'{peak / 1024:.0f} | {peak / rows[0][2]:.2f} |')
+    print_time_and_peak(parallel_gpt_rows(), 'one device')
 
 
 RESNET_BATCH = 16
@@ -766,15 +761,19 @@ def data_parallel_section(cores):
         print(f'| {count} | {step * 1e3:.1f} | {step / seconds[1]:.2f} |')
 
 
-def sharded_section(cores):
-    print('\nLeNet with Adam on four virtual devices: how the gradients are summed, and the '
-          "step's peak memory (naive engine)")
-    rows = sharded_rows()
-    print('| what | ms per step | × the first | peak on cpu(1), KiB | × the first |\n'
+def print_time_and_peak(rows, first):
+    """A table of (what, seconds a step, peak bytes on cpu(1)) rows, each beside the first's."""
+    print(f'| what | ms per step | × {first} | peak on cpu(1), KiB | × {first} |\n'
           '|---|--:|--:|--:|--:|')
     for name, seconds, peak in rows:
         print(f'| {name} | {seconds * 1e3:.1f} | {rows[0][1] / seconds:.2f} | '
               f'{peak / 1024:.0f} | {peak / rows[0][2]:.2f} |')
+
+
+def sharded_section(cores):
+    print('\nLeNet with Adam on four virtual devices: how the gradients are summed, and the '
+          "step's peak memory (naive engine)")
+    print_time_and_peak(sharded_rows(), 'the first')
 
 
 def memory_section(cores):
