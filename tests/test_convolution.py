@@ -50,6 +50,45 @@ def conv_cases(draw):
     return shape, filters, kernel, stride, pad, seed
 
 
+@st.composite
+def winograd_cases(draw):
+    """3×3 kernels at stride 1 whose output has even sides of at least 8: Winograd's road."""
+    pad = (draw(st.integers(0, 2)), draw(st.integers(0, 2)))
+    out = (2 * draw(st.integers(4, 6)), 2 * draw(st.integers(4, 6)))
+    shape = (draw(st.integers(1, 3)), draw(st.integers(1, 3)), out[0] + 2 - 2 * pad[0],
+             out[1] + 2 - 2 * pad[1])
+    return shape, draw(st.integers(1, 4)), pad, draw(st.integers(0, 2**16))
+
+
+@settings(max_examples=25, deadline=None)
+@given(winograd_cases())
+def test_winograd_matches_the_definition_and_its_gradients_are_adjoints(case):
+    """The forward against the loops; the gradients by the adjoint identity: for a function
+    linear in x, <dx, x'> = <r, conv(x', w)> for any x', and the same for the weight."""
+    from d2lperf.ops import winograd
+    shape, filters, pad, seed = case
+    rng = numpy.random.default_rng(seed)
+    x, w = rng.normal(size=shape), rng.normal(size=(filters, shape[1], 3, 3))
+    b = rng.normal(size=filters)
+    want = loop_convolution(x, w, b, (1, 1), pad)
+    assert winograd.applies((3, 3), (1, 1), pad, want.shape[2:])
+    x_nd, w_nd = np.array(x), np.array(w)
+    x_nd.attach_grad()
+    w_nd.attach_grad()
+    r = rng.normal(size=want.shape)
+    with autograd.record():
+        y = npx.convolution(x_nd, w_nd, np.array(b), kernel=(3, 3), pad=pad, num_filter=filters)
+        (y * np.array(r)).sum().backward()
+    numpy.testing.assert_allclose(y.asnumpy(), want, rtol=1e-10, atol=1e-10)
+    other_x, other_w, no_bias = rng.normal(size=x.shape), rng.normal(size=w.shape), 0 * b
+    numpy.testing.assert_allclose((x_nd.grad.asnumpy() * other_x).sum(),
+                                  (r * loop_convolution(other_x, w, no_bias, (1, 1), pad)).sum(),
+                                  rtol=1e-9)
+    numpy.testing.assert_allclose((w_nd.grad.asnumpy() * other_w).sum(),
+                                  (r * loop_convolution(x, other_w, no_bias, (1, 1), pad)).sum(),
+                                  rtol=1e-9)
+
+
 @settings(max_examples=40, deadline=None)
 @given(conv_cases())
 def test_convolution_matches_the_definition(case):

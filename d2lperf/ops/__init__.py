@@ -14,6 +14,7 @@ means. Ops are registered with `defop` by family, one module each:
     transformer.py  embedding, add_position_embedding, layer_norm, gelu, causal_softmax
     random.py       one generator per device; dropout_mask
     convolution.py  convolution (im2col and one product), pooling, batch normalization
+    winograd.py     3×3 convolutions by Winograd's F(2×2, 3×3): fewer multiplications
 
 Adding an op is one `defop` call in its family's module: every frontend (`np`, `npx`),
 autograd and the compiler find it in REGISTRY.
