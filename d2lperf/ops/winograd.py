@@ -1,4 +1,4 @@
-"""Winograd's minimal filtering, F(2×2, 3×3): 3×3 convolutions with 2.25 times fewer multiplications.
+"""Winograd's minimal filtering, F(2×2, 3×3): 3×3 convolutions with 2.25× fewer multiplications.
 
 im2col computes each output pixel with 9·C multiply-adds. Lavin and Gray ("Fast Algorithms for
 Convolutional Neural Networks", 2016) compute a 2×2 tile of outputs from a 4×4 tile of input
