@@ -247,37 +247,50 @@ def batch_norm_train(xp, data, gamma, beta, running_mean, running_var, eps, mome
 
     Each channel's statistics are sums along its own contiguous row, so they do not depend on
     how many channels are computed together: a large batch is done in blocks of channels at
-    once (`pieces`), with the values of the whole, bit for bit."""
+    once (`pieces`), with the values of the whole, bit for bit. The output's rows hold the
+    centred input first, then are scaled in place: five passes over memory, no temporaries."""
     rows, n = channel_rows(xp, data), data.size // data.shape[1]
     out = xp.empty_like(rows)
 
     def channels(start, stop):
         block, c = rows[start:stop], slice(start, stop)
-        mean, var = block.mean(axis=1), block.var(axis=1)
+        mean, centred = block.mean(axis=1), out[c]
+        xp.subtract(block, mean[:, None], out=centred)
+        var = row_dots(xp, centred, centred) / n
         running_mean[c] *= momentum
         running_mean[c] += (1 - momentum) * mean
         running_var[c] *= momentum
         running_var[c] += (1 - momentum) * var * (n / max(n - 1, 1))   # unbiased, as MXNet's
-        scale = gamma[c] / xp.sqrt(var + eps)
-        xp.multiply(block, scale[:, None], out=out[c])
-        out[c] += (beta[c] - mean * scale)[:, None]
+        centred *= (gamma[c] / xp.sqrt(var + eps))[:, None]
+        centred += beta[c, None]
     pieces.over_axis(xp, len(rows), data.nbytes, channels)
     return from_rows(out, data.shape)
 
 
+def row_dots(xp, a, b):
+    """Each row of a dotted with the same row of b, in one pass and no temporary."""
+    return xp.einsum('ij,ij->i', a, b)
+
+
 def batch_norm_train_vjp(xp, g, out, data, gamma, beta, running_mean, running_var, eps,
                          momentum):
+    """dx = k·g − (k/n)·(x̂·dγ + dβ), with k = γ/σ, built in place in the rows that first
+    hold x̂."""
     rows, g_rows, n = channel_rows(xp, data), channel_rows(xp, g), data.size // data.shape[1]
     d_rows = xp.empty(rows.shape, xp.result_type(g, data))
     d_gamma, d_beta = (xp.empty(len(rows), d_rows.dtype) for _ in range(2))
 
     def channels(start, stop):
         block, g_block, c = rows[start:stop], g_rows[start:stop], slice(start, stop)
-        mean, inv_std = block.mean(axis=1), 1 / xp.sqrt(block.var(axis=1) + eps)
-        x_hat = (block - mean[:, None]) * inv_std[:, None]
-        d_beta[c], d_gamma[c] = g_block.sum(axis=1), (g_block * x_hat).sum(axis=1)
-        xp.multiply((gamma[c] * inv_std / n)[:, None],
-                    n * g_block - d_beta[c, None] - x_hat * d_gamma[c, None], out=d_rows[c])
+        x_hat = d_rows[c]
+        xp.subtract(block, block.mean(axis=1)[:, None], out=x_hat)
+        inv_std = 1 / xp.sqrt(row_dots(xp, x_hat, x_hat) / n + eps)
+        x_hat *= inv_std[:, None]
+        d_beta[c], d_gamma[c] = g_block.sum(axis=1), row_dots(xp, g_block, x_hat)
+        k = gamma[c] * inv_std
+        x_hat *= (-k / n * d_gamma[c])[:, None]
+        x_hat -= (k / n * d_beta[c])[:, None]
+        x_hat += g_block * k[:, None]
     pieces.over_axis(xp, len(rows), data.nbytes, channels)
     return from_rows(d_rows, data.shape), d_gamma, d_beta, None, None
 
