@@ -69,24 +69,52 @@ def test_winograd_matches_the_definition_and_its_gradients_are_adjoints(case):
     shape, filters, pad, seed = case
     rng = numpy.random.default_rng(seed)
     x, w = rng.normal(size=shape), rng.normal(size=(filters, shape[1], 3, 3))
-    b = rng.normal(size=filters)
-    want = loop_convolution(x, w, b, (1, 1), pad)
-    assert winograd.applies((3, 3), (1, 1), pad, want.shape[2:])
+    no_bias = numpy.zeros(filters)
+    want = loop_convolution(x, w, no_bias, (1, 1), pad)
+    got = winograd.convolution(numpy, x, w, pad).transpose(3, 0, 1, 2)
+    numpy.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-10)
+    r = rng.normal(size=want.shape)
+    d_x, d_w = winograd.convolution_vjp(numpy, r.transpose(1, 2, 3, 0), x, w, pad, True)
+    other_x, other_w = rng.normal(size=x.shape), rng.normal(size=w.shape)
+    numpy.testing.assert_allclose((d_x * other_x).sum(),
+                                  (r * loop_convolution(other_x, w, no_bias, (1, 1), pad)).sum(),
+                                  rtol=1e-9)
+    numpy.testing.assert_allclose((d_w * other_w).sum(),
+                                  (r * loop_convolution(x, other_w, no_bias, (1, 1), pad)).sum(),
+                                  rtol=1e-9)
+
+
+def test_wide_3x3_layers_take_winograds_road_and_narrow_ones_im2col(monkeypatch):
+    from d2lperf.ops import convolution, winograd
+    taken = []
+    for name in ('convolution', 'convolution_vjp'):
+        road = getattr(winograd, name)
+        monkeypatch.setattr(winograd, name,
+                            lambda *args, road=road, name=name: taken.append(name) or road(*args))
+    assert winograd.applies((64, 64, 3, 3), (1, 1), (1, 1), (8, 8))
+    assert not winograd.applies((64, 1, 3, 3), (1, 1), (1, 1), (28, 28))     # a first layer
+    assert not winograd.applies((64, 64, 3, 3), (2, 2), (1, 1), (8, 8))
+    assert not winograd.applies((64, 64, 3, 3), (1, 1), (1, 1), (7, 7))
+    rng = numpy.random.default_rng(0)
+    x, w, b = rng.normal(size=(2, 64, 8, 8)), rng.normal(size=(64, 64, 3, 3)), rng.normal(size=64)
     x_nd, w_nd = np.array(x), np.array(w)
     x_nd.attach_grad()
     w_nd.attach_grad()
-    r = rng.normal(size=want.shape)
     with autograd.record():
-        y = npx.convolution(x_nd, w_nd, np.array(b), kernel=(3, 3), pad=pad, num_filter=filters)
-        (y * np.array(r)).sum().backward()
-    numpy.testing.assert_allclose(y.asnumpy(), want, rtol=1e-10, atol=1e-10)
-    other_x, other_w, no_bias = rng.normal(size=x.shape), rng.normal(size=w.shape), 0 * b
-    numpy.testing.assert_allclose((x_nd.grad.asnumpy() * other_x).sum(),
-                                  (r * loop_convolution(other_x, w, no_bias, (1, 1), pad)).sum(),
-                                  rtol=1e-9)
-    numpy.testing.assert_allclose((w_nd.grad.asnumpy() * other_w).sum(),
-                                  (r * loop_convolution(x, other_w, no_bias, (1, 1), pad)).sum(),
-                                  rtol=1e-9)
+        y = npx.convolution(x_nd, w_nd, np.array(b), kernel=(3, 3), pad=(1, 1), num_filter=64)
+    y.backward()
+    columns = convolution.im2col(numpy, x, (3, 3), (1, 1), (1, 1))
+    by_im2col = (w.reshape(64, -1) @ columns).reshape(64, 8, 8, 2).transpose(3, 0, 1, 2)
+    numpy.testing.assert_allclose(y.asnumpy(), by_im2col + b[:, None, None], rtol=1e-10)
+    ones = numpy.ones((64, 8 * 8 * 2))
+    numpy.testing.assert_allclose(w_nd.grad.asnumpy(), (ones @ columns.T).reshape(w.shape),
+                                  rtol=1e-10)
+    numpy.testing.assert_allclose(
+        x_nd.grad.asnumpy(),
+        convolution.col2im(numpy, w.reshape(64, -1).T @ ones, x.shape, (3, 3), (1, 1), (1, 1)),
+        rtol=1e-10)
+    # the input's gradient is itself a Winograd convolution, of g with the filters turned
+    assert taken == ['convolution', 'convolution_vjp', 'convolution']
 
 
 @settings(max_examples=40, deadline=None)

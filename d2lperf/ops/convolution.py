@@ -120,7 +120,7 @@ def convolution_infer(data, weight, bias, kernel, stride, pad, num_filter):
 def convolution(xp, data, weight, bias, kernel, stride, pad, num_filter):
     """A 3×3 layer at stride 1 by Winograd's F(2×2, 3×3) where it applies, else by im2col."""
     grid = tuple(out_size(n, k, s, p) for n, k, s, p in zip(data.shape[2:], kernel, stride, pad))
-    if winograd.applies(kernel, stride, pad, grid):
+    if winograd.applies(weight.shape, stride, pad, grid):
         out = winograd.convolution(xp, data, weight, pad)
     else:
         out = weight.reshape(num_filter, -1) @ im2col(xp, data, kernel, stride, pad)
@@ -136,7 +136,7 @@ def convolution_vjp(xp, g, out, data, weight, bias, kernel, stride, pad, num_fil
     the data."""
     g_image = batch_last(xp, g)                             # (F, OH, OW, N), as the product
     g_rows = g_image.reshape(num_filter, -1)
-    if winograd.applies(kernel, stride, pad, g.shape[2:]):
+    if winograd.applies(weight.shape, stride, pad, g.shape[2:]):
         d_data, d_weight = winograd.convolution_vjp(xp, g_image, data, weight, pad, needs[0])
     else:
         d_weight = (g_rows @ im2col(xp, data, kernel, stride, pad).T).reshape(weight.shape)
