@@ -57,43 +57,24 @@ def tile_columns(split, k, tiles):
     return split[..., k % 2, k // 2:k // 2 + tiles, :]
 
 
-def g_along_first(xp, w, out):
-    """G (4×3) along w's first axis, into out: rows w0, (w0 + w1 + w2)/2, (w0 − w1 + w2)/2,
-    w2."""
-    out[0], out[3] = w[0], w[2]
-    xp.add(w[0], w[2], out=out[1])
-    out[1] *= .5
-    xp.subtract(out[1], .5 * w[1], out=out[2])
-    out[1] += .5 * w[1]
+def filter_transform(xp, dtype):
+    """G ⊗ G (16×9): U = G g Gᵀ for a 3×3 filter g, flattened, is this matrix times g. G's rows
+    are (1, 0, 0), (½, ½, ½), (½, −½, ½), (0, 0, 1)."""
+    g = xp.asarray([[1, 0, 0], [.5, .5, .5], [.5, -.5, .5], [0, 0, 1]], dtype)
+    return xp.kron(g, g)
 
 
 def transform_filters(xp, weight):
-    """U = G g Gᵀ for every filter and channel: (16, F, C), one (F, C) matrix a position."""
+    """U for every filter and channel, (16, F, C): one product, (16×9) × (9, F·C)."""
     f, c = weight.shape[:2]
-    rows = xp.empty((4, 3, f, c), weight.dtype)
-    g_along_first(xp, weight.transpose(2, 3, 0, 1), rows)
-    u = xp.empty((4, 4, f, c), weight.dtype)
-    g_along_first(xp, rows.transpose(1, 0, 2, 3), u.transpose(1, 0, 2, 3))
-    return u.reshape(16, f, c)
-
-
-def gt_along_first(xp, d, out):
-    """Gᵀ (3×4) along d's first axis, into out: the adjoint of `g_along_first`."""
-    half = .5 * (d[1] + d[2])
-    xp.add(d[0], half, out=out[0])
-    xp.subtract(d[1], d[2], out=out[1])
-    out[1] *= .5
-    xp.add(half, d[3], out=out[2])
+    flat = weight.reshape(f * c, 9)
+    return (filter_transform(xp, weight.dtype) @ flat.T).reshape(16, f, c)
 
 
 def filters_gradient(xp, d_u, weight):
-    """The adjoint of `transform_filters`: Gᵀ dU G, as weight (F, C, 3, 3)."""
+    """The adjoint of `transform_filters`: dUᵀ (F·C, 16) × (G ⊗ G), as weight (F, C, 3, 3)."""
     f, c = weight.shape[:2]
-    rows = xp.empty((3, 4, f, c), weight.dtype)
-    gt_along_first(xp, d_u.reshape(4, 4, f, c), rows)
-    d_weight = xp.empty((f, c, 3, 3), weight.dtype)
-    gt_along_first(xp, rows.transpose(1, 0, 2, 3), d_weight.transpose(3, 2, 0, 1))
-    return d_weight
+    return (d_u.reshape(16, f * c).T @ filter_transform(xp, weight.dtype)).reshape(weight.shape)
 
 
 def bt_into(xp, out, d0, d1, d2, d3):
