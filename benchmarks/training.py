@@ -28,6 +28,9 @@ Rows, all measured side by side in this run:
 * ResNet-18 (the chapter's variant), seconds per step at batch 16, imperative and hybridized,
   against the same network in PyTorch eager with the same threads, at one thread and at every
   core; the header names the BLAS kernels, which decide most of it.
+* ResNet-18's convolutions one at a time on one thread, forward and backward: by im2col and
+  as the op runs them (Winograd's F(2×2, 3×3) where it applies), against a floor of every
+  product at the BLAS peak measured in the same run.
 * GPU rows with CuPy, where a GPU is present.
 Each figure is the best of several interleaved repeats.
 """
@@ -797,6 +800,69 @@ def resnet_section(cores):
               f'{ratio(threads, seconds)} |')
 
 
+# d2l.resnet18's convolutions on 28×28 images: (how many, in, out, input side, kernel, stride)
+RESNET_CONVOLUTIONS = [(1, 1, 64, 28, 3, 1), (4, 64, 64, 28, 3, 1), (1, 64, 128, 28, 3, 2),
+                       (1, 64, 128, 28, 1, 2), (3, 128, 128, 14, 3, 1), (1, 128, 256, 14, 3, 2),
+                       (1, 128, 256, 14, 1, 2), (3, 256, 256, 7, 3, 1), (1, 256, 512, 7, 3, 2),
+                       (1, 256, 512, 7, 1, 2), (3, 512, 512, 4, 3, 1)]
+
+
+def blas_peak_gflops(n=1024):
+    """A large float32 product's rate: what BLAS reaches on this machine now."""
+    a, b = numpy.ones((n, n), numpy.float32), numpy.ones((n, n), numpy.float32)
+    return 2 * n ** 3 / best_seconds(lambda: a @ b, steps=1) / 1e9
+
+
+def convolution_rows(threads):
+    """Each ResNet-18 convolution, forward and backward (input and weight gradients) at batch
+    16: by im2col, and as the op runs it (Winograd's road where `winograd.applies`)."""
+    from d2lperf.ops import convolution, winograd
+    rng = numpy.random.default_rng(0)
+    rows = []
+    for count, c, f, side, k, s in RESNET_CONVOLUTIONS:
+        pad, stride = (k // 2,) * 2, (s, s)
+        x = rng.standard_normal((c, side, side, RESNET_BATCH), numpy.float32).transpose(3, 0, 1, 2)
+        w = rng.standard_normal((f, c, k, k), numpy.float32)
+        out = convolution.by_columns(numpy, x, w, (k, k), stride, pad)
+        g = rng.standard_normal(out.shape, numpy.float32)
+        needs = (c > 1, True, True)                  # a first layer's input needs no gradient
+
+        def by_columns():
+            convolution.by_columns(numpy, x, w, (k, k), stride, pad)
+            convolution.by_columns_vjp(numpy, g, x, w, (k, k), stride, pad, needs[0])
+
+        def as_the_op_runs():
+            convolution.convolution(numpy, x, w, None, (k, k), stride, pad, f)
+            convolution.convolution_vjp(numpy, g.transpose(3, 0, 1, 2), None, x, w, None, (k, k),
+                                        stride, pad, f, needs)
+        flops = 2 * out.size * c * k * k * (3 if needs[0] else 2)
+        road = 'Winograd' if winograd.applies(w.shape, stride, pad, out.shape[1:3]) else 'im2col'
+        rows.append((f'{count} × {c}→{f}, {side}×{side}, {k}×{k}/{s}', count, flops, road,
+                     with_threads(threads, by_columns), with_threads(threads, as_the_op_runs)))
+    return rows
+
+
+def convolutions_section(cores):
+    print(f'\nResNet-18\'s convolutions (batch {RESNET_BATCH}, forward and backward, one thread); '
+          f'{blas_kernels()}; {load_average()}')
+    with threadpool_limits(1):
+        peak = blas_peak_gflops()
+    rows = convolution_rows(1)
+    print(f'floor: every product at the BLAS peak measured now, {peak:.0f} GFLOP/s on a '
+          '1024² float32 product (im2col\'s multiplications)')
+    print('| layer | road | im2col ms | the op ms | im2col / op | floor ms | op / floor |')
+    print('|---|---|--:|--:|--:|--:|--:|')
+    totals = numpy.zeros(3)
+    for name, count, flops, road, columns_s, op_s in rows:
+        floor_s = flops / peak / 1e9
+        totals += count * numpy.array([columns_s, op_s, floor_s])
+        print(f'| {name} | {road} | {columns_s * 1e3:.2f} | {op_s * 1e3:.2f} | '
+              f'{columns_s / op_s:.2f} | {floor_s * 1e3:.2f} | {op_s / floor_s:.2f} |')
+    columns_s, op_s, floor_s = totals
+    print(f'| all, a step | | {columns_s * 1e3:.0f} | {op_s * 1e3:.0f} | {columns_s / op_s:.2f} | '
+          f'{floor_s * 1e3:.0f} | {op_s / floor_s:.2f} |')
+
+
 def gpu_section(cores):
     for name, where, ips in gpu_rows():
         print(f'| {name} | {where} | {ips:.0f} img/s |')
@@ -804,7 +870,8 @@ def gpu_section(cores):
 
 SECTIONS = {'lenet': lenet_section, 'data_parallel': data_parallel_section,
             'sharded': sharded_section, 'memory': memory_section, 'gpt': gpt_section,
-            'resnet': resnet_section, 'gpu': gpu_section}
+            'resnet': resnet_section, 'convolutions': convolutions_section,
+            'gpu': gpu_section}
 
 
 def main(names=None):

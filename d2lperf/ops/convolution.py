@@ -117,14 +117,32 @@ def convolution_infer(data, weight, bias, kernel, stride, pad, num_filter):
     return (data.shape[0], f, oh, ow), numpy.result_type(data.dtype, weight.dtype)
 
 
+def by_columns(xp, data, weight, kernel, stride, pad):
+    """im2col's road: every patch a column, one product; (F, OH, OW, N), batch-last."""
+    grid = tuple(out_size(n, k, s, p) for n, k, s, p in zip(data.shape[2:], kernel, stride, pad))
+    out = weight.reshape(len(weight), -1) @ im2col(xp, data, kernel, stride, pad)
+    return out.reshape((len(weight),) + grid + data.shape[:1])
+
+
+def by_columns_vjp(xp, g_image, data, weight, kernel, stride, pad, needs_data):
+    """The same products transposed, from the output's gradient g_image (F, OH, OW, N); the
+    columns are built again rather than kept from the forward pass."""
+    g_rows = g_image.reshape(len(weight), -1)
+    d_weight = (g_rows @ im2col(xp, data, kernel, stride, pad).T).reshape(weight.shape)
+    d_data = None
+    if needs_data:
+        d_data = col2im(xp, weight.reshape(len(weight), -1).T @ g_rows, data.shape, kernel,
+                        stride, pad)
+    return d_data, d_weight
+
+
 def convolution(xp, data, weight, bias, kernel, stride, pad, num_filter):
-    """A 3×3 layer at stride 1 by Winograd's F(2×2, 3×3) where it applies, else by im2col."""
+    """A 3×3 layer at stride 1 by Winograd's F(2×2, 3×3) where it pays, else by im2col."""
     grid = tuple(out_size(n, k, s, p) for n, k, s, p in zip(data.shape[2:], kernel, stride, pad))
     if winograd.applies(weight.shape, stride, pad, grid):
         out = winograd.convolution(xp, data, weight, pad)
     else:
-        out = weight.reshape(num_filter, -1) @ im2col(xp, data, kernel, stride, pad)
-        out = out.reshape((num_filter,) + grid + data.shape[:1])
+        out = by_columns(xp, data, weight, kernel, stride, pad)
     if hasattr(bias, 'shape'):
         out += bias[:, None, None, None]
     return out.transpose(3, 0, 1, 2)
@@ -135,16 +153,12 @@ def convolution_vjp(xp, g, out, data, weight, bias, kernel, stride, pad, num_fil
     """The input's gradient only where it is needed: not for a first layer, whose input is
     the data."""
     g_image = batch_last(xp, g)                             # (F, OH, OW, N), as the product
-    g_rows = g_image.reshape(num_filter, -1)
     if winograd.applies(weight.shape, stride, pad, g.shape[2:]):
         d_data, d_weight = winograd.convolution_vjp(xp, g_image, data, weight, pad, needs[0])
     else:
-        d_weight = (g_rows @ im2col(xp, data, kernel, stride, pad).T).reshape(weight.shape)
-        d_data = None
-        if needs[0]:
-            d_data = col2im(xp, weight.reshape(num_filter, -1).T @ g_rows, data.shape, kernel,
-                            stride, pad)
-    d_bias = g_rows.sum(axis=1) if hasattr(bias, 'shape') else None
+        d_data, d_weight = by_columns_vjp(xp, g_image, data, weight, kernel, stride, pad,
+                                          needs[0])
+    d_bias = g_image.reshape(num_filter, -1).sum(axis=1) if hasattr(bias, 'shape') else None
     return d_data, d_weight, d_bias
 
 
