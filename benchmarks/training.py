@@ -836,7 +836,8 @@ def convolution_rows(threads):
             convolution.convolution_vjp(numpy, g.transpose(3, 0, 1, 2), None, x, w, None, (k, k),
                                         stride, pad, f, needs)
         flops = 2 * out.size * c * k * k * (3 if needs[0] else 2)
-        road = 'Winograd' if winograd.applies(w.shape, stride, pad, out.shape[1:3]) else 'im2col'
+        winograds = winograd.applies(numpy, w.shape, stride, pad, out.shape[1:3])
+        road = 'Winograd' if winograds else 'im2col'
         rows.append((f'{count} × {c}→{f}, {side}×{side}, {k}×{k}/{s}', count, flops, road,
                      with_threads(threads, by_columns), with_threads(threads, as_the_op_runs)))
     return rows

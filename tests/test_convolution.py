@@ -91,10 +91,10 @@ def test_wide_3x3_layers_take_winograds_road_and_narrow_ones_im2col(monkeypatch)
         road = getattr(winograd, name)
         monkeypatch.setattr(winograd, name,
                             lambda *args, road=road, name=name: taken.append(name) or road(*args))
-    assert winograd.applies((64, 64, 3, 3), (1, 1), (1, 1), (8, 8))
-    assert not winograd.applies((64, 1, 3, 3), (1, 1), (1, 1), (28, 28))     # a first layer
-    assert not winograd.applies((64, 64, 3, 3), (2, 2), (1, 1), (8, 8))
-    assert not winograd.applies((64, 64, 3, 3), (1, 1), (1, 1), (7, 7))
+    assert winograd.applies(numpy, (64, 64, 3, 3), (1, 1), (1, 1), (8, 8))
+    assert not winograd.applies(numpy, (64, 1, 3, 3), (1, 1), (1, 1), (28, 28))     # a first layer
+    assert not winograd.applies(numpy, (64, 64, 3, 3), (2, 2), (1, 1), (8, 8))
+    assert not winograd.applies(numpy, (64, 64, 3, 3), (1, 1), (1, 1), (7, 7))
     rng = numpy.random.default_rng(0)
     x, w, b = rng.normal(size=(2, 64, 8, 8)), rng.normal(size=(64, 64, 3, 3)), rng.normal(size=64)
     x_nd, w_nd = np.array(x), np.array(w)

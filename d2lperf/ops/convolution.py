@@ -139,7 +139,7 @@ def by_columns_vjp(xp, g_image, data, weight, kernel, stride, pad, needs_data):
 def convolution(xp, data, weight, bias, kernel, stride, pad, num_filter):
     """A 3×3 layer at stride 1 by Winograd's F(2×2, 3×3) where it pays, else by im2col."""
     grid = tuple(out_size(n, k, s, p) for n, k, s, p in zip(data.shape[2:], kernel, stride, pad))
-    if winograd.applies(weight.shape, stride, pad, grid):
+    if winograd.applies(xp, weight.shape, stride, pad, grid):
         out = winograd.convolution(xp, data, weight, pad)
     else:
         out = by_columns(xp, data, weight, kernel, stride, pad)
@@ -153,7 +153,7 @@ def convolution_vjp(xp, g, out, data, weight, bias, kernel, stride, pad, num_fil
     """The input's gradient only where it is needed: not for a first layer, whose input is
     the data."""
     g_image = batch_last(xp, g)                             # (F, OH, OW, N), as the product
-    if winograd.applies(weight.shape, stride, pad, g.shape[2:]):
+    if winograd.applies(xp, weight.shape, stride, pad, g.shape[2:]):
         d_data, d_weight = winograd.convolution_vjp(xp, g_image, data, weight, pad, needs[0])
     else:
         d_data, d_weight = by_columns_vjp(xp, g_image, data, weight, kernel, stride, pad,

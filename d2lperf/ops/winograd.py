@@ -18,24 +18,26 @@ of memory. The weight's gradient is the adjoint of each step in reverse order (1
 transposed); the input's is the convolution of the output's gradient with the filters turned
 around, again a 3×3 convolution at stride 1.
 
-Used by `convolution` for 3×3 kernels at stride 1 with at least 64 channels in and out, whose
-output's sides are even and at least 8 (`applies`); im2col keeps the others. Measured against
-im2col in "Concise Implementation for Multiple GPUs" (a layer of ResNet-18) and in
-benchmarks/RESULTS.md.
+Used by `convolution` on NumPy for 3×3 kernels at stride 1 with at least 64 channels in and
+out, whose output's sides are even and at least 8 (`applies`); im2col keeps the others.
+Measured against im2col in "Concise Implementation for Multiple GPUs" (a layer of ResNet-18)
+and in benchmarks/RESULTS.md.
 """
 from ..engine import pieces
 
 
 
-def applies(weight_shape, stride, pad, grid):
+def applies(xp, weight_shape, stride, pad, grid):
     """Whether F(2×2, 3×3) computes this convolution and its input's gradient faster: a 3×3
     kernel, stride 1, padding at most 2, an output that 2×2 tiles cover exactly, and enough
     work for the transforms to pay. Below 8 × 8 outputs, or 64 channels in or out, they cost
     more than the products save (measured on one core: a first layer with one input channel
-    took 4.4 ms this way against 0.2 ms by im2col)."""
+    took 4.4 ms this way against 0.2 ms by im2col). On NumPy only: on a GPU each of its
+    forty-odd passes is a kernel launch, and that trade has not been measured."""
     filters, channels, kh, kw = weight_shape
-    return ((kh, kw) == (3, 3) and tuple(stride) == (1, 1) and max(pad) <= 2
-            and min(filters, channels) >= 64 and all(n % 2 == 0 and n >= 8 for n in grid))
+    return (xp.__name__ == 'numpy' and (kh, kw) == (3, 3) and tuple(stride) == (1, 1)
+            and max(pad) <= 2 and min(filters, channels) >= 64
+            and all(n % 2 == 0 and n >= 8 for n in grid))
 
 
 def split_columns(xp, x, pad):
@@ -58,8 +60,8 @@ def tile_columns(split, k, tiles):
 
 
 def filter_transform(xp, dtype):
-    """G ⊗ G (16×9): U = G g Gᵀ for a 3×3 filter g, flattened, is this matrix times g. G's rows
-    are (1, 0, 0), (½, ½, ½), (½, −½, ½), (0, 0, 1)."""
+    """G ⊗ G (16×9): U = G g Gᵀ for a 3×3 filter g, flattened, is this matrix times g.
+    G's rows are (1, 0, 0), (½, ½, ½), (½, −½, ½), (0, 0, 1)."""
     g = xp.asarray([[1, 0, 0], [.5, .5, .5], [.5, -.5, .5], [0, 0, 1]], dtype)
     return xp.kron(g, g)
 
