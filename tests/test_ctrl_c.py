@@ -152,11 +152,11 @@ def lane_released(eng, worker, hook, monkeypatch):
 
 
 def engine_lock_taken(eng, worker, hook, monkeypatch):
-    monkeypatch.setattr(eng.lock, '_lock', HookedLock(eng.lock._lock, taken=hook))
+    monkeypatch.setattr(eng.lock, 'plain', HookedLock(eng.lock.plain, taken=hook))
 
 
 def engine_lock_released(eng, worker, hook, monkeypatch):
-    monkeypatch.setattr(eng.lock, '_lock', HookedLock(eng.lock._lock, releasing=hook))
+    monkeypatch.setattr(eng.lock, 'plain', HookedLock(eng.lock.plain, releasing=hook))
 
 
 def waking_the_lane(eng, worker, hook, monkeypatch):

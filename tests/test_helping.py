@@ -274,3 +274,61 @@ def test_a_short_operation_run_on_the_caller_keeps_its_failure_for_the_wait():
     engine.push_short(lambda: None, [], [after], CPU1, 'short again')
     engine.wait_for(after)
     engine.wait_all()
+
+
+def test_a_short_operation_waits_for_a_waiter_that_reads_its_variable():
+    """Nothing is in flight while a waiter (an operation on no device) runs on another thread,
+    yet it holds its read: a short write of that variable must not run before it is done."""
+    var, log, inside, leave = engine.Var(), [], threading.Event(), threading.Event()
+    engine.push(lambda: None, [], [], CPU1, 'start the lane')
+    engine.wait_all()
+
+    def reader():
+        inside.set()
+        leave.wait(10)
+        log.append('read')
+    thread = threading.Thread(target=engine.push, args=(reader, [var], [], None, 'reader'))
+    thread.start()
+    assert inside.wait(10) and engine.in_flight() == 0
+    engine.push_short(lambda: log.append('write'), [], [var], CPU1, 'short')
+    assert log == []                                  # the read is not done: not run here
+    leave.set()
+    thread.join(10)
+    engine.wait_for(var)
+    assert log == ['read', 'write']
+
+
+def test_a_short_operation_is_pushed_while_another_thread_holds_the_engine():
+    var, log, taken, leave = engine.Var(), [], threading.Event(), threading.Event()
+    engine.push(lambda: None, [], [], CPU1, 'start the lane')
+    engine.wait_all()
+    eng = engine.current()
+
+    def hold_the_engine():
+        with eng.lock:
+            taken.set()
+            leave.wait(EARLY)
+    thread = threading.Thread(target=hold_the_engine)
+    thread.start()
+    assert taken.wait(10)
+    engine.push_short(logged(log, 'short'), [], [var], CPU1, 'short')   # waits for the lock
+    thread.join(10)
+    engine.wait_for(var)
+    assert [name for name, *_ in log] == ['short'] and log[0][2] == CPU1
+
+
+def test_a_short_operation_after_a_failure_inherits_it_and_runs_on_the_caller():
+    """Once an operation has failed, a short one is executed as an `Operation`, so that it
+    inherits the failure of what it reads, still on the calling thread."""
+    failed, out, log = engine.Var(), engine.Var(), []
+    engine.push(lambda: None, [], [], CPU1, 'start the lane')
+    engine.wait_all()
+    engine.push_short(boom, [], [failed], CPU1, 'boom')
+    engine.push_short(logged(log, 'after'), [failed], [out], CPU1, 'after')
+    assert log == [] and out.writer is None
+    with pytest.raises(engine.OperationError, match='boom'):
+        engine.wait_for(out)
+    with pytest.raises(engine.OperationError):
+        engine.wait_all()
+    engine.push_short(logged(log, 'fine'), [], [engine.Var()], CPU1, 'fine')
+    assert log == [('fine', threading.current_thread().name, CPU1)]

@@ -4,6 +4,7 @@ import json
 import os
 import re
 import sys
+import time
 import zipfile
 from unittest import mock
 
@@ -283,6 +284,27 @@ def test_a_hybridized_call_is_one_engine_operation():
     with d2l.profiler.profile() as records:
         net(x)
     assert [r.name for r in records] == ['HybridSequential']
+
+
+def test_one_slow_run_does_not_send_the_next_call_to_the_lane():
+    """A program short in one of its last two runs runs on the caller (`push_short`): one run
+    slowed down by the machine changes nothing, two in a row send calls to the lane."""
+    net, x = mlp_and_input()
+    net.hybridize()
+    net(x).wait_to_read()
+    net(x).wait_to_read()
+    executable = net._compiled.last
+    short = hybrid.runtime.SHORT_SECONDS
+    assert executable.seconds < short
+    executable.last_seconds = 2 * short                 # as if the last run had stalled
+    net(x).wait_to_read()
+    assert executable.seconds < short
+    runner, pause = executable.runner, lambda *data: (time.sleep(2 * short), runner(*data))[1]
+    with mock.patch.object(executable, 'runner', pause):
+        net(x).wait_to_read()
+        assert executable.seconds < short             # one slow run
+        net(x).wait_to_read()
+    assert executable.seconds >= short                # two: the next call goes to the lane
 
 
 def test_naive_engine_runs_compiled_code_too():

@@ -21,7 +21,7 @@ from . import blas
 blas.spin_briefly()         # before the imports below load NumPy, and with it OpenBLAS
 from .tracking import OperationError, OpRecord, Var                      # noqa: F401
 from .engines import Engine, NaiveEngine, ThreadedEngine
-from .workers import COMPUTE, COPY_IN, COPY_OUT, copy_lane               # noqa: F401
+from .workers import COMPUTE, COPY_IN, COPY_OUT, copy_lane, gpu_lanes    # noqa: F401
 
 if TYPE_CHECKING:
     from ..device import Device
@@ -96,7 +96,12 @@ def push_short(fn: Callable[[], None], reads: Sequence[Var], writes: Sequence[Va
 
 
 def wait_for(var: Var) -> None:
-    (_engine or current()).wait_for(var)
+    """Block until the last write of `var` pushed so far is done; raise its failure, if any.
+
+    A write already done, on a CPU (the common case after a short push: `push_short`), leaves
+    nothing to wait for, whichever the engine: no call into it."""
+    if var.writer is not None or var.error is not None or gpu_lanes:
+        (_engine or current()).wait_for(var)
 
 
 def wait_all() -> None:

@@ -8,10 +8,12 @@ hand-offs. `NaiveEngine` runs each operation at once on the caller's thread, for
 (`D2LPERF_ENGINE=naive`): a failure then points at the line that caused it. Both keep the
 interface of `Engine`. Taught in "Asynchronous Computation" and "Automatic Parallelism".
 """
+import functools
 import threading
 
-from .tracking import (Operation, append_read, append_write, can_read, can_write,
-                       complete_read, complete_write, execute)
+from . import tracking
+from .tracking import (Operation, OpRecord, append_read, append_write, complete_read,
+                       complete_write, execute, failure, free_to_run)
 from .workers import COMPUTE, PoliteLock, RunNow, Workers, ctrl_c, synchronize
 
 
@@ -65,6 +67,7 @@ class ThreadedEngine(Engine):
         self.room = threading.Condition(self.lock)      # push sleeps here when the bound is hit
         self.workers = Workers(self.run)
         self.in_flight = 0
+        self.unfinished = 0         # pushed and not complete, waiters too: 0, no variable in use
         self.limit = max_in_flight
         self.errors = []
         self.waiting_all = 0                            # threads asleep in wait_all
@@ -80,18 +83,16 @@ class ThreadedEngine(Engine):
             self.limit = limit
             self.room.notify_all()
 
-    def push(self, fn, reads, writes, device, name, lane=COMPUTE, short=False):
-        """Queue `fn` to run on `device`'s `lane` once `reads` and `writes` allow it; a
-        `short` one may run here at once (`push_short`)."""
+    def push(self, fn, reads, writes, device, name, lane=COMPUTE):
+        """Queue `fn` to run on `device`'s `lane` once `reads` and `writes` allow it."""
         op = Operation(fn, reads, writes, device, name, lane, self.recording)
-        if short and self.helping and self.run_short_here(op):
-            return
         with self.lock:
             if device is not None:
                 while self.limit and self.in_flight >= self.limit:
                     self.room.wait()
                 self.in_flight += 1
             granted = 1                                  # the guard: push itself is done
+            self.unfinished += 1
             for var in op.reads:
                 granted += append_read(var, op)
             for var in op.writes:
@@ -103,40 +104,67 @@ class ThreadedEngine(Engine):
             self._dispatch(op)
 
     def push_short(self, fn, reads, writes, device, name):
-        """`push` an operation too short to gain from another thread: where it is ready and
-        its device's compute lane idle, it runs on this thread before the call returns.
+        """`push` an operation too short to gain from another thread: where nothing it reads
+        or writes is in use and its device's compute lane is idle, it runs on this thread
+        before the call returns.
 
         Handing it to the lane would cost a wake-up of the lane's thread, and the caller, who
-        usually waits for the result next, its own wait: more than the operation itself. With
-        work queued before it, or with helping off, it is pushed as any other."""
-        self.push(fn, reads, writes, device, name, COMPUTE, True)
-
-    def run_short_here(self, op):
-        """Run `op` on this thread, at once, if nothing it reads or writes is in use and its
-        lane is idle; False, with nothing done, if it must wait its turn.
-
-        The engine's lock stays held while it runs: no other push or completion can touch its
-        variables meanwhile, so it takes no grants and gives none back (0.1 µs a variable,
-        nine for a compiled MLP), is never counted in flight, and takes the lock once. Only an
-        operation shorter than a thread hand-off may keep the other threads waiting so long.
-        Ctrl-C is held back from before the lock is taken until after it is let go."""
+        usually waits for the result next, its own wait: more than the operation itself. It
+        runs holding the engine's lock, so no other push or completion can touch its
+        variables meanwhile: it takes no grants and gives none back (0.1 µs a variable, nine
+        for a compiled MLP), is never counted in flight, and needs no `Operation` unless the
+        engine records or an operation has failed (`run_locked`). With no pushed operation
+        unfinished, no variable can be in use, and none is looked at. Only an operation
+        shorter than a thread hand-off may keep the other threads waiting so long. Where
+        another thread holds the lock, the lane has work, or helping is off, it is pushed as
+        any other. Ctrl-C is held back from before the lock is taken until it is let go."""
+        lane = self.workers.lanes.get((device, COMPUTE)) if self.helping else None
+        if lane is None:
+            return self.push(fn, reads, writes, device, name)
+        run = fn
+        if self.recording is not None or tracking.an_operation_failed:
+            run = functools.partial(self.run_locked, Operation(fn, reads, writes, device, name),
+                                    lane)
         held = ctrl_c.hold()
+        lock = self.lock.plain                # tried once, never waited for: no convoy
         try:
-            with self.lock:
-                return (all(map(can_read, op.reads)) and all(map(can_write, op.writes)) and
-                        self.workers.run_here_if_idle(op, self.run_locked))
+            ran = lock.acquire(False)
+            if ran:
+                try:
+                    ran = ((not self.unfinished or free_to_run(reads, writes)) and
+                           lane.run_here_if_idle(run))
+                except (Exception, KeyboardInterrupt) as cause:  # noqa: BLE001 - for the wait
+                    ran = self.keep_failure(failure(name, cause), writes)
+                finally:
+                    lock.release()
         finally:
             if held:
-                ctrl_c.release()          # raises KeyboardInterrupt if Ctrl-C came meanwhile
+                ctrl_c.release()              # raises KeyboardInterrupt if Ctrl-C came meanwhile
+        if not ran:
+            self.push(fn, reads, writes, device, name)
 
-    def run_locked(self, op, worker):
-        """Execute `op` under the engine's lock (`run_short_here`): it granted nothing, so
-        only its failure, if any, is left to keep."""
-        error, own = execute(op, worker.name, worker.launch)
-        for var in op.writes:
-            var.error = error
+    def run_locked(self, op, lane):
+        """Execute `op` under the engine's lock (`push_short`), keeping its record (this
+        thread is named as the one that helped its lane) and the failure it inherits; it
+        granted nothing, so only its failure, if any, is left to keep."""
+        if self.recording is not None:
+            op.record = OpRecord(op)
+            op.record.helped = threading.current_thread().name
+            self.recording.append(op.record)
+        error, own = execute(op, lane.name, lane.launch)
         if own:
-            self.errors.append(error)
+            self.keep_failure(error, op.writes)
+        elif error is not None:
+            for var in op.writes:
+                var.error = error
+
+    def keep_failure(self, error, writes):
+        """A failure of an operation run under the lock: on what it writes, for the wait, and
+        once for `wait_all`. True: the operation has run."""
+        for var in writes:
+            var.error = error
+        self.errors.append(error)
+        return True
 
     def _dispatch(self, op):
         if op.device is None:                            # a waiter: no worker needed
@@ -170,6 +198,7 @@ class ThreadedEngine(Engine):
                     ready.append(other)
             if own:
                 self.errors.append(error)
+            self.unfinished -= 1
             if op.device is not None:
                 self.in_flight -= 1
                 if not self.in_flight and self.waiting_all:

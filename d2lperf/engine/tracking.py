@@ -84,14 +84,17 @@ def append_write(var, op):
     return False
 
 
-def can_read(var):
-    """Whether a read of `var` would be granted now (`append_read`'s test)."""
-    return not var.writing and not var.pending
-
-
-def can_write(var):
-    """Whether a write of `var` would be granted now (`append_write`'s test)."""
-    return not var.writing and not var.num_reading and not var.pending
+def free_to_run(reads, writes):
+    """Whether an operation reading `reads` and writing `writes` would be granted every one
+    now, with nothing queued on them (`append_read`'s and `append_write`'s tests, inlined:
+    a short push asks it for every variable of every call)."""
+    for var in reads:
+        if var.writing or var.pending:
+            return False
+    for var in writes:
+        if var.writing or var.num_reading or var.pending:
+            return False
+    return True
 
 
 def wait_in_line(var, op, is_write):
@@ -161,6 +164,14 @@ def inherited_error(op):
 an_operation_failed = False
 
 
+def failure(name, cause):
+    """The `OperationError` of operation `name`, which raised `cause`: from now on, operations
+    look for a failure to inherit (`execute`)."""
+    global an_operation_failed
+    an_operation_failed = True
+    return OperationError(name, cause)
+
+
 def execute(op, where, launch=None):
     """Run one operation as every engine does; return (its error or None, whether its own).
 
@@ -169,7 +180,6 @@ def execute(op, where, launch=None):
     A KeyboardInterrupt raised here fails the operation like any error, so that its lane goes
     on. On the threaded engine that is the operation's own doing, never Ctrl-C: a waiting main
     thread that runs operations holds Ctrl-C back until they are done (`workers.CtrlC`)."""
-    global an_operation_failed
     record = op.record
     if record is not None:
         record.worker, record.start = where, time.perf_counter()
@@ -182,8 +192,7 @@ def execute(op, where, launch=None):
             else:
                 launch(op)
         except (Exception, KeyboardInterrupt) as cause:  # noqa: BLE001 - any failure travels on
-            error = OperationError(op.name, cause)
-            an_operation_failed = True
+            error = failure(op.name, cause)
     if record is not None:
         record.end = time.perf_counter()
     return error, own and error is not None

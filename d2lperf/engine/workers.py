@@ -23,6 +23,7 @@ import weakref
 # The C functions behind `signal.signal` and `signal.getsignal`: the public wrappers convert
 # handlers to enums, which costs five times the system call, on every helped wait.
 from _signal import SIGINT, getsignal, signal as set_signal_handler
+from _thread import get_ident
 
 from .blas import SharedCores
 from ..device import cpu, slowdowns
@@ -225,24 +226,23 @@ class Worker:
                 ctrl_c.release()           # raises KeyboardInterrupt if Ctrl-C came meanwhile
         return ran
 
-    def run_here_if_idle(self, op, run):
-        """`run(op, self)` on the calling thread if this CPU lane has nothing queued and
-        nobody running it (its thread then sleeps on, never woken); False if it does not.
+    def run_here_if_idle(self, fn):
+        """Call `fn()` on the calling thread if this CPU lane has nothing queued and nobody
+        running it (its thread then sleeps on, never woken); False if it does not. What `fn`
+        raises goes to the caller.
 
         The caller holds the lane's `runner` meanwhile, as a helping waiter does
-        (`run_here_until`), and holds Ctrl-C back (`ThreadedEngine.run_short_here`). Work
+        (`run_here_until`), and holds Ctrl-C back (`ThreadedEngine.push_short`). Work
         queued on the lane meanwhile, by other threads, is left to the lane's thread, woken
-        after. Where devices divide the BLAS threads, the lane's thread counts its device
-        busy: it runs the operation."""
-        if (self.device.kind != 'cpu' or self.queued or self.cores is not None and
-                self.cores.active or not self.runner.acquire(False)):
+        after. Where devices divide the BLAS threads, or the device is slowed down, the lane's
+        own way of running counts: its thread (or a waiter that helps it) runs `fn`."""
+        if (self.pace is None or self.queued or self.cores.active or
+                self.device in slowdowns or not self.runner.acquire(False)):
             return False
         caller = getattr(running, 'device', None)
         running.device = self.device
-        if op.record is not None:
-            op.record.helped = threading.current_thread().name
         try:
-            run(op, self)
+            fn()
         finally:
             running.device = caller
             self.runner.release()
@@ -312,18 +312,20 @@ class CtrlC:
     __slots__ = ('handler', 'noted', 'frame')
 
     def __init__(self):
-        self.handler, self.noted, self.frame = None, False, None
+        self.handler, self.noted, self.frame = None, False, None     # noted: only while held
 
     def hold(self):
         """Hold Ctrl-C back if this is the main thread and SIGINT has a Python handler (not
         ignored, nor the default that ends the process) that is not this one already (an
-        operation the main thread helps with may wait in turn); True if it now does."""
-        if threading.get_ident() != MAIN_THREAD:
+        operation the main thread helps with may wait in turn); True if it now does. Every
+        short push asks (`ThreadedEngine.push_short`): the two system calls that swap the
+        handler are most of its cost, so nothing else is done."""
+        if get_ident() != MAIN_THREAD:
             return False
         handler = getsignal(SIGINT)
-        if not callable(handler) or handler is self:
+        if handler is self or not callable(handler):
             return False
-        self.handler, self.noted = handler, False
+        self.handler = handler
         set_signal_handler(SIGINT, self)      # a SIGINT already pending raises first
         return True
 
@@ -332,17 +334,18 @@ class CtrlC:
 
     def release(self):
         """Give SIGINT its handler back; call it if Ctrl-C came while it was held."""
-        handler, self.handler = self.handler, None
+        handler = self.handler
         try:
             set_signal_handler(SIGINT, handler)   # a SIGINT still pending is noted first
         finally:                # even if a new one raised at once: this one goes with it
-            noted, frame, self.noted, self.frame = self.noted, self.frame, False, None
+            noted, self.noted = self.noted, False
         if noted:
+            frame, self.frame = self.frame, None
             handler(SIGINT, frame)
 
 
 ctrl_c = CtrlC()           # one is enough: only the main thread holds it
-MAIN_THREAD = threading.main_thread().ident    # compared on every help: a call, not two
+MAIN_THREAD = threading.main_thread().ident    # compared on every help and short push
 
 
 class Workers:
@@ -360,11 +363,6 @@ class Workers:
         """Queue a ready operation on its device's lane."""
         worker = self.lanes.get((op.device, op.lane)) or self.start(op.device, op.lane)
         worker.submit(op)
-
-    def run_here_if_idle(self, op, run):
-        """See `Worker.run_here_if_idle`: False where `op`'s lane is busy."""
-        worker = self.lanes.get((op.device, op.lane)) or self.start(op.device, op.lane)
-        return worker.run_here_if_idle(op, run)
 
     def run_lane_until(self, op, finished):
         """Run, on the calling thread, the ready operations queued on `op`'s lane until
@@ -422,24 +420,24 @@ class PoliteLock:
     (a lock convoy). Trying without blocking, and yielding the GIL between tries, avoids it.
     """
 
-    __slots__ = ('_lock',)
+    __slots__ = ('plain',)
 
     def __init__(self):
-        self._lock = threading.Lock()
+        self.plain = threading.Lock()      # itself: a caller that only tries it may use it
 
     def acquire(self, blocking=True):
-        while not self._lock.acquire(False):
+        while not self.plain.acquire(False):
             if not blocking:
                 return False
             time.sleep(0)
         return True
 
     def release(self):
-        self._lock.release()
+        self.plain.release()
 
     def __enter__(self):
-        if not self._lock.acquire(False):
+        if not self.plain.acquire(False):
             self.acquire()
 
     def __exit__(self, *exc_info):
-        self._lock.release()
+        self.plain.release()

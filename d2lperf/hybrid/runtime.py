@@ -9,10 +9,12 @@ backward runs the graph's own gradient rules. Whether it records, and whether la
 are part of the signature: dropout traces to a different graph in training. Taught in
 "Compilers and Interpreters".
 """
-import time
+import math
+import operator
+from time import perf_counter
 
 from .. import engine
-from ..np.multiarray import NDArray
+from ..np.multiarray import HeldVar, NDArray
 from ..ops import REGISTRY, Op
 from ..np.tape import TAPE, TapeNode
 from .codegen import generate
@@ -25,6 +27,7 @@ from .trace import trace
 # Below a thread hand-off on the course's 2-core VM: benchmarks/engine.py's round trip
 # through a queue to a worker and back measured 20 to 60 µs there, depending on the load.
 SHORT_SECONDS = 50e-6
+DATA, VAR = operator.attrgetter('data'), operator.attrgetter('var')   # no frame per array
 
 
 def build_program(graph, plan, device):
@@ -52,8 +55,13 @@ class Executable:
             self.program = build_program(self.graph, self.plan, device)
             self.runner = self.program.runner
         self.workspace = engine.Var()           # orders the calls that share its buffers
-        self.seconds = float('inf')             # the last run's time: unknown until it runs
+        # The shorter of the last two runs' times (unknown until it runs), for `push` to
+        # choose by: one run slowed down by the machine (a page fault, the garbage collector,
+        # another process) does not send the next call to the lane's thread.
+        self.seconds = self.last_seconds = float('inf')
         self.output_types = [(n.shape, n.dtype) for n in self.simplified.outputs]
+        self.output_bytes = [(shape, dtype, math.prod(shape) * dtype.itemsize)
+                             for shape, dtype in self.output_types]      # counted once, here
         self._params, self._param_vars, self._written_vars = None, [], []
         self.written = updated_params(self.simplified)
         single = len(self.output_types) == 1 and not traced.returns_tuple
@@ -72,20 +80,29 @@ class Executable:
         return tuple(outputs) if self.traced.returns_tuple else outputs[0]
 
     def run_one(self, args):
-        """The hot path: one output array, one engine push for the whole program (`push`
-        inlined: at batch 1 a call costs about twice the program, and every frame shows)."""
-        arrays, out = args + self.params(), NDArray(*self.output_types[0], self.device)
+        """The hot path: one output array, one engine push for the whole program, every step
+        inlined (at batch 1 a call costs about 1.5 times the program, and every frame shows:
+        `params` and `timed_run` are written out here, and the output's bytes were counted
+        once, at compile time)."""
+        params = self.param_arrays()
+        arrays, runner = args + (params if params is self._params else self.params()), self.runner
+        shape, dtype, nbytes = self.output_bytes[0]
+        out = NDArray(shape, dtype, self.device, HeldVar(self.device, nbytes))
 
         def run():
-            out.data = self.timed_run(arrays)[0]
+            start = perf_counter()
+            out.data = runner(*map(DATA, arrays))[0]
+            seconds = perf_counter() - start
+            self.seconds, self.last_seconds = min(seconds, self.last_seconds), seconds
         push = engine.push_short if self.seconds < SHORT_SECONDS else engine.push
-        push(run, [a.var for a in args] + self._param_vars,
-             [out.var, self.workspace] + self._written_vars, self.device, self.name)
+        push(run, [*map(VAR, args), *self._param_vars],
+             [out.var, self.workspace, *self._written_vars], self.device, self.name)
         return out
 
     def run_many(self, args):
         arrays = args + self.params()
-        outs = [NDArray(s, d, self.device) for s, d in self.output_types]
+        device = self.device
+        outs = [NDArray(s, d, device, HeldVar(device, n)) for s, d, n in self.output_bytes]
 
         def run():
             for out, value in zip(outs, self.timed_run(arrays)):
@@ -96,17 +113,19 @@ class Executable:
 
     def timed_run(self, arrays):
         """The program's outputs, and how long it took, for `push` to choose by."""
-        start = time.perf_counter()
-        outputs = self.runner(*[a.data for a in arrays])
-        self.seconds = time.perf_counter() - start
+        start = perf_counter()
+        outputs = self.runner(*map(DATA, arrays))
+        seconds = perf_counter() - start
+        self.seconds, self.last_seconds = min(seconds, self.last_seconds), seconds
         return outputs
 
     def push(self, run, reads, writes):
         """One engine operation for the call. A program that took less than a thread hand-off
-        last time runs on the caller's thread where the lane is idle (`engine.push_short`):
-        at batch 1 the caller waits for it next (an inference loop), and waking the lane's
-        thread would cost more than the program. A longer one (a large batch, with BLAS
-        threads of its own) is handed to the lane, and the caller goes on meanwhile."""
+        in one of its last two runs runs on the caller's thread where the lane is idle
+        (`engine.push_short`): at batch 1 the caller waits for it next (an inference loop),
+        and waking the lane's thread would cost more than the program. A longer one (a large
+        batch, with BLAS threads of its own) is handed to the lane, and the caller goes on
+        meanwhile."""
         push = engine.push_short if self.seconds < SHORT_SECONDS else engine.push
         push(run, reads, writes, self.device, self.name)
 
@@ -176,7 +195,8 @@ class CompiledFunction:
         self.make_param_arrays = param_arrays
         self.cache, self.last = {}, None
 
-    def __call__(self, args):
+    def run(self, args):
+        """Run the program compiled for `args`' signature, compiling it first on a miss."""
         if len(args) == 1:
             x = args[0]
             key = (x.shape, x.dtype, x.device, TAPE.recording, TAPE.training)

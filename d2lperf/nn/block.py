@@ -122,19 +122,26 @@ class HookHandle:
 class CurrentArrays:
     """Some parameters' arrays on one device, read again only when a parameter has been given
     new arrays (`Parameter.replacements`): compiled code runs on every call, so it keeps the
-    arrays instead of asking each parameter for them."""
+    arrays instead of asking each parameter for them. `current_arrays` makes the function
+    that compiled code calls."""
 
     __slots__ = ('params', 'device', 'seen', 'arrays')
 
     def __init__(self, params, device):
         self.params, self.device, self.seen, self.arrays = params, device, None, ()
 
-    def __call__(self):
+    def read(self):
         replacements = Parameter.replacements    # before reading: a change after reads again
         if self.seen != replacements:
             self.arrays = tuple(p.data(self.device) for p in self.params)
             self.seen = replacements
         return self.arrays
+
+
+def current_arrays(params, device):
+    """The function that returns `params`' arrays on `device` as they are now: a bound
+    method, which Python calls without the lookup an object's `__call__` costs."""
+    return CurrentArrays(params, device).read
 
 
 class HybridBlock(Block):
@@ -148,7 +155,7 @@ class HybridBlock(Block):
         """From the next call on, trace `forward` once per input shape and run compiled code."""
         super().hybridize(active)
         compiled = hybrid.CompiledFunction(self.forward, self.collect_params, type(self).__name__,
-                                           CurrentArrays) if active else None
+                                           current_arrays) if active else None
         object.__setattr__(self, '_compiled', compiled)
         return self
 
@@ -157,13 +164,13 @@ class HybridBlock(Block):
             return self._call_hooked(self._run, args)
         compiled = self._compiled             # the hot path of a compiled call: no other frame
         if compiled is not None and len(args) == 1 and type(args[0]) is NDArray:
-            return compiled(args)
+            return compiled.run(args)
         return self._run(*args)
 
     def _run(self, *args):
         compiled = self._compiled
         if compiled is not None and args and all(type(x) is NDArray for x in args):
-            return compiled(args)
+            return compiled.run(args)
         return self.forward(*args)          # imperative, or inside a parent's trace
 
     # -- what the compiler made of the last call -------------------------------------------

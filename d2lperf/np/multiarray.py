@@ -126,7 +126,7 @@ class NDArray(ArrayMethods):
 
     def asnumpy(self):
         """A NumPy copy of the values (waits for them)."""
-        self.wait_to_read()
+        engine.wait_for(self.var)
         return self.data.get() if self.device.kind == 'gpu' else numpy.array(self.data)
 
     def item(self):
