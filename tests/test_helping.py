@@ -332,3 +332,20 @@ def test_a_short_operation_after_a_failure_inherits_it_and_runs_on_the_caller():
         engine.wait_all()
     engine.push_short(logged(log, 'fine'), [], [engine.Var()], CPU1, 'fine')
     assert log == [('fine', threading.current_thread().name, CPU1)]
+
+
+def test_a_short_operation_keeps_a_slowed_down_devices_pace():
+    """With nothing in flight the caller may run a short operation at once, but not on a
+    device slowed down: its lane keeps the pace, so it runs there (or helped, at the wait)."""
+    var, log = engine.Var(), []
+    engine.push(lambda: None, [], [], CPU1, 'start the lane')
+    engine.wait_all()
+    slow_down(CPU1, 3)
+    try:
+        with lane_asleep(CPU1):
+            engine.push_short(logged(log, 'short'), [], [var], CPU1, 'short')
+            assert log == [] and var.writer is not None
+    finally:
+        slow_down(CPU1, 1)
+    engine.wait_for(var)
+    assert [name for name, *_ in log] == ['short']

@@ -114,10 +114,11 @@ class ThreadedEngine(Engine):
         variables meanwhile: it takes no grants and gives none back (0.1 µs a variable, nine
         for a compiled MLP), is never counted in flight, and needs no `Operation` unless the
         engine records or an operation has failed (`run_locked`). With no pushed operation
-        unfinished, no variable can be in use, and none is looked at. Only an operation
-        shorter than a thread hand-off may keep the other threads waiting so long. Where
-        another thread holds the lock, the lane has work, or helping is off, it is pushed as
-        any other. Ctrl-C is held back from before the lock is taken until it is let go."""
+        unfinished, no variable can be in use and no lane busy: none is looked at. Only an
+        operation shorter than a thread hand-off may keep the other threads waiting so long.
+        Where another thread holds the lock, the lane has work, or helping is off, it is
+        pushed as any other. Ctrl-C is held back from before the lock is taken until it is
+        let go."""
         lane = self.workers.lanes.get((device, COMPUTE)) if self.helping else None
         if lane is None:
             return self.push(fn, reads, writes, device, name)
@@ -131,8 +132,10 @@ class ThreadedEngine(Engine):
             ran = lock.acquire(False)
             if ran:
                 try:
-                    ran = ((not self.unfinished or free_to_run(reads, writes)) and
-                           lane.run_here_if_idle(run))
+                    if self.unfinished:       # the variables and the lane may be in use
+                        ran = free_to_run(reads, writes) and lane.run_here_if_idle(run)
+                    else:                     # nothing pushed is unfinished: all is idle
+                        ran = lane.run_here(run)
                 except (Exception, KeyboardInterrupt) as cause:  # noqa: BLE001 - for the wait
                     ran = self.keep_failure(failure(name, cause), writes)
                 finally:

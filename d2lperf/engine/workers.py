@@ -227,17 +227,28 @@ class Worker:
         return ran
 
     def run_here_if_idle(self, fn):
-        """Call `fn()` on the calling thread if this CPU lane has nothing queued and nobody
-        running it (its thread then sleeps on, never woken); False if it does not. What `fn`
-        raises goes to the caller.
+        """`run_here(fn)` if this lane has nothing queued and nobody running it (its thread
+        then sleeps on, never woken); False if it does not.
 
         The caller holds the lane's `runner` meanwhile, as a helping waiter does
-        (`run_here_until`), and holds Ctrl-C back (`ThreadedEngine.push_short`). Work
-        queued on the lane meanwhile, by other threads, is left to the lane's thread, woken
-        after. Where devices divide the BLAS threads, or the device is slowed down, the lane's
-        own way of running counts: its thread (or a waiter that helps it) runs `fn`."""
-        if (self.pace is None or self.queued or self.cores.active or
-                self.device in slowdowns or not self.runner.acquire(False)):
+        (`run_here_until`). Work queued on the lane meanwhile, by other threads, is left to
+        the lane's thread, woken after."""
+        if self.queued or not self.runner.acquire(False):
+            return False
+        try:
+            return self.run_here(fn)
+        finally:
+            self.runner.release()
+            if self.queued:
+                self.wakeups.put(WAKE)
+
+    def run_here(self, fn):
+        """Call `fn()` on the calling thread as an operation of this lane, which the caller
+        knows to be idle (`ThreadedEngine.push_short` holds Ctrl-C back); False, with nothing
+        done, where the lane's own way of running counts: on a GPU, where devices divide the
+        BLAS threads (the lane's thread counts its device busy), or on a device slowed down
+        (it keeps the pace). What `fn` raises goes to the caller."""
+        if self.pace is None or self.cores.active or self.device in slowdowns:
             return False
         caller = getattr(running, 'device', None)
         running.device = self.device
@@ -245,9 +256,6 @@ class Worker:
             fn()
         finally:
             running.device = caller
-            self.runner.release()
-            if self.queued:
-                self.wakeups.put(WAKE)
         return True
 
     def stop(self):

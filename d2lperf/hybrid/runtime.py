@@ -93,7 +93,8 @@ class Executable:
             start = perf_counter()
             out.data = runner(*map(DATA, arrays))[0]
             seconds = perf_counter() - start
-            self.seconds, self.last_seconds = min(seconds, self.last_seconds), seconds
+            self.seconds = seconds if seconds < self.last_seconds else self.last_seconds
+            self.last_seconds = seconds
         push = engine.push_short if self.seconds < SHORT_SECONDS else engine.push
         push(run, [*map(VAR, args), *self._param_vars],
              [out.var, self.workspace, *self._written_vars], self.device, self.name)
@@ -116,7 +117,8 @@ class Executable:
         start = perf_counter()
         outputs = self.runner(*map(DATA, arrays))
         seconds = perf_counter() - start
-        self.seconds, self.last_seconds = min(seconds, self.last_seconds), seconds
+        self.seconds = seconds if seconds < self.last_seconds else self.last_seconds
+        self.last_seconds = seconds
         return outputs
 
     def push(self, run, reads, writes):
