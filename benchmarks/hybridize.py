@@ -25,6 +25,10 @@ import d2lperf as d2l
 import numpy
 
 from d2lperf import engine, np, npx, nn
+from d2lperf.engine import engines
+from d2lperf.engine.workers import ctrl_c
+from d2lperf.hybrid import runtime
+from d2lperf.np.multiarray import HeldVar, NDArray
 from d2lperf.utils import median_seconds
 
 WIDTHS, FEATURES = (256, 128, 2), 512
@@ -235,39 +239,68 @@ def naive_engine_line(calls, repeats):
 
 
 def breakdown(calls, repeats):
-    """Where a waited call at batch 1 goes beyond the floor: each piece timed alone, in one
-    round. 'without the engine' runs the program where `push_short` is called, so the rows
-    above it less that one are the engine's part."""
+    """Where a waited call at batch 1 goes beyond the floor, timed in one round: the whole
+    call with one piece taken out (the engine: `push_short` calls the program; holding
+    Ctrl-C back; counting the output's bytes), and pieces alone."""
     net, x = get_net(d2l.cpu()), np.random.normal(size=(1, FEATURES))
     net.hybridize()
     net(x).asnumpy()
     executable = net._compiled.last
     data = [a.data for a in (x,) + executable.params()]
     reads, writes = [x.var] + executable._param_vars, [engine.Var(), engine.Var()]
-    threaded = engine.current()
-
-    def without_engine():
-        threaded.push_short = lambda fn, *_: fn()
-        try:
-            net(x).asnumpy()
-        finally:
-            del threaded.push_short
+    waited = lambda: net(x).asnumpy()                   # noqa: E731 - one line per piece
 
     def engine_alone():
         engine.push_short(noop, reads, writes, x.device, 'noop')
         engine.wait_for(writes[0])
-    from d2lperf.engine.workers import ctrl_c
-    pieces = {'floor': numpy_by_hand(weights(net), 1)[0],
-              'the generated program': lambda: executable.runner(*data),
-              'hybridized, each call waited for': lambda: net(x).asnumpy(),
-              'the same without the engine': without_engine,
+    dtype = numpy.dtype('float32')
+    pieces = {'floor': (numpy_by_hand(weights(net), 1)[0], noop),
+              'the generated program': (lambda: executable.runner(*data), noop),
+              'hybridized, each call waited for': (waited, noop),
+              '  without the engine (push_short calls the program)':
+                  patched(waited, engine.current(), 'push_short', lambda fn, *_: fn()),
+              '  without holding Ctrl-C back': patched(waited, engines, 'ctrl_c', NoCtrlC()),
+              "  without counting the output's bytes (a plain engine variable)":
+                  patched(waited, runtime, 'HeldVar', lambda device, nbytes: engine.Var()),
               'the engine alone: push_short of a no-op reading 7, writing 2, and its wait':
-                  engine_alone,
-              '... of which holding Ctrl-C back': lambda: ctrl_c.release() if ctrl_c.hold() else 0,
-              'an output NDArray (made and freed)':
-                  lambda: np.multiarray.NDArray((1, 2), numpy.dtype('float32'), x.device)}
-    times = time_modes({name: (fn, noop) for name, fn in pieces.items()}, calls, repeats)
+                  (engine_alone, noop),
+              '  of which holding Ctrl-C back': (lambda: ctrl_c.release() if ctrl_c.hold() else 0,
+                                                 noop),
+              'an output NDArray, made and freed (its bytes counted)':
+                  (lambda: NDArray((1, 2), dtype, x.device, HeldVar(x.device, 8)), noop)}
+    times = time_modes(pieces, calls, repeats)
     return '\n' + '\n'.join(f'{seconds * 1e6:6.2f} µs  {name}' for name, seconds in times.items())
+
+
+def patched(fn, owner, name, value):
+    """`fn` as a mode timed with `owner.name` set to `value`: set by a round's first call,
+    taken off by its sync, so that the calls in between pay nothing for it."""
+    old = []
+
+    def call():
+        if not old:
+            old.append(vars(owner).get(name, noop))      # noop: a method, from the class
+            setattr(owner, name, value)
+        return fn()
+
+    def sync():
+        if old:
+            kept = old.pop()
+            if kept is noop:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, kept)
+    return call, sync
+
+
+class NoCtrlC:
+    """Stands in for `workers.ctrl_c` where its cost is measured: holds nothing back."""
+
+    def hold(self):
+        return False
+
+    def release(self):
+        pass
 
 
 if __name__ == '__main__':
