@@ -67,7 +67,8 @@ class ThreadedEngine(Engine):
         self.room = threading.Condition(self.lock)      # push sleeps here when the bound is hit
         self.workers = Workers(self.run)
         self.in_flight = 0
-        self.unfinished = 0         # pushed and not complete, waiters too: 0, no variable in use
+        self.waiters = 0            # unfinished waiters (no device): not in flight, yet they
+                                    # hold variables too
         self.limit = max_in_flight
         self.errors = []
         self.waiting_all = 0                            # threads asleep in wait_all
@@ -92,7 +93,8 @@ class ThreadedEngine(Engine):
                     self.room.wait()
                 self.in_flight += 1
             granted = 1                                  # the guard: push itself is done
-            self.unfinished += 1
+            if device is None:
+                self.waiters += 1
             for var in op.reads:
                 granted += append_read(var, op)
             for var in op.writes:
@@ -114,7 +116,8 @@ class ThreadedEngine(Engine):
         variables meanwhile: it takes no grants and gives none back (0.1 µs a variable, nine
         for a compiled MLP), is never counted in flight, and needs no `Operation` unless the
         engine records or an operation has failed (`run_locked`). With no pushed operation
-        unfinished, no variable can be in use and no lane busy: none is looked at. Only an
+        unfinished (none in flight, no waiter), no variable can be in use and no lane busy:
+        none is looked at. Only an
         operation shorter than a thread hand-off may keep the other threads waiting so long.
         Where another thread holds the lock, the lane has work, or helping is off, it is
         pushed as any other. Ctrl-C is held back from before the lock is taken until it is
@@ -132,7 +135,7 @@ class ThreadedEngine(Engine):
             ran = lock.acquire(False)
             if ran:
                 try:
-                    if self.unfinished:       # the variables and the lane may be in use
+                    if self.in_flight or self.waiters:      # variables, the lane may be in use
                         ran = free_to_run(reads, writes) and lane.run_here_if_idle(run)
                     else:                     # nothing pushed is unfinished: all is idle
                         ran = lane.run_here(run)
@@ -201,13 +204,14 @@ class ThreadedEngine(Engine):
                     ready.append(other)
             if own:
                 self.errors.append(error)
-            self.unfinished -= 1
             if op.device is not None:
                 self.in_flight -= 1
                 if not self.in_flight and self.waiting_all:
                     self.idle.notify_all()
                 if self.limit and self.in_flight < self.limit:
                     self.room.notify()
+            else:
+                self.waiters -= 1
         for other in ready:
             self._dispatch(other)
 
