@@ -304,3 +304,29 @@ def test_ctrl_c_in_a_waiter_run_on_the_callers_thread_still_lets_the_variable_go
         engine.push(lambda: signal.raise_signal(signal.SIGINT), [var], [], None, 'wait_for')
     engine.push(lambda: None, [], [var], d2l.cpu(), 'a later write')
     run_with_timeout(engine.wait_all, 10)
+
+
+@pytest.mark.parametrize('in_flight', [False, True], ids=['nothing in flight', 'work in flight'])
+def test_ctrl_c_inside_a_short_operation_run_by_the_caller_waits_until_it_is_done(own_engine,
+                                                                                  in_flight):
+    """`push_short` runs the operation on the calling thread: a Ctrl-C that comes while it
+    runs interrupts the caller once it is done, whole and not failed, and the handler is
+    back. With work in flight elsewhere, the variables are looked at first."""
+    var, done, release = engine.Var(), [], threading.Event()
+    lane(d2l.cpu())
+    previous = signal.getsignal(signal.SIGINT)
+
+    def short():
+        signal.raise_signal(signal.SIGINT)
+        done.append('the rest of the operation')
+    if in_flight:
+        engine.push(lambda: release.wait(10), [], [engine.Var()], d2l.cpu(1), 'elsewhere')
+    try:
+        assert engine.in_flight() == in_flight
+        with ctrl_c_armed(), pytest.raises(KeyboardInterrupt):
+            engine.push_short(short, [], [var], d2l.cpu(), 'short')
+    finally:
+        release.set()
+    assert done == ['the rest of the operation'] and var.writer is None and var.error is None
+    assert signal.getsignal(signal.SIGINT) is previous
+    run_with_timeout(engine.wait_all, 10)
