@@ -26,7 +26,6 @@ and in benchmarks/RESULTS.md.
 from ..engine import pieces
 
 
-
 def applies(xp, weight_shape, stride, pad, grid):
     """Whether F(2×2, 3×3) computes this convolution and its input's gradient faster: a 3×3
     kernel, stride 1, padding at most 2, an output that 2×2 tiles cover exactly, and enough
@@ -104,6 +103,15 @@ def transform_tiles(xp, split, rows, tiles):
     return v.reshape(16, c, -1)
 
 
+def at(xp, m0, m1, m2, m3):
+    """Aᵀ along one axis: four rows of M to the two rows of output."""
+    first = m0 + m1
+    first += m2
+    second = m1 - m2
+    second -= m3
+    return first, second
+
+
 def untransform_tiles(xp, m, out):
     """Y = Aᵀ M A for every tile, into out (F, rows, 2, tiles, 2, N): Aᵀ's first row adds
     rows 0, 1 and 2 of a tile, its second takes row 1 less rows 2 and 3."""
@@ -115,21 +123,19 @@ def untransform_tiles(xp, m, out):
     pieces.over_axis(xp, m.shape[2], m.nbytes, filters)
 
 
-def at(xp, m0, m1, m2, m3):
-    """Aᵀ along one axis: four rows of M to the two rows of output."""
-    first = m0 + m1
-    first += m2
-    second = m1 - m2
-    second -= m3
-    return first, second
+def input_tiles(xp, data, pad):
+    """V for every 4×4 tile of data (N, C, H, W) padded by pad, (16, C, rows·tiles·N), and
+    the grid of tiles: rows, and tiles a row."""
+    split = split_columns(xp, data, pad)
+    rows, tiles = split.shape[1] // 2 - 1, split.shape[3] - 1
+    return transform_tiles(xp, split, rows, tiles), rows, tiles
 
 
 def convolution(xp, data, weight, pad):
     """The 3×3, stride-1 convolution of data (N, C, H, W): (F, OH, OW, N), batch-last."""
     f = weight.shape[0]
-    split = split_columns(xp, data, pad)
-    rows, tiles = split.shape[1] // 2 - 1, split.shape[3] - 1
-    m = xp.matmul(transform_filters(xp, weight), transform_tiles(xp, split, rows, tiles))
+    v, rows, tiles = input_tiles(xp, data, pad)
+    m = xp.matmul(transform_filters(xp, weight), v)
     out = xp.empty((f, rows, 2, tiles, 2, data.shape[0]), m.dtype)
     untransform_tiles(xp, m.reshape(4, 4, f, rows, tiles, -1), out)
     return out.reshape(f, 2 * rows, 2 * tiles, -1)
@@ -165,10 +171,7 @@ def convolution_vjp(xp, g, data, weight, pad, needs_data):
     """The weight's gradient from the output's g (F, OH, OW, N), batch-last, by the adjoint
     of each step in reverse order (16 products, transposed); the input's (where needed) as the
     convolution of g with the filters turned around, which is again a 3×3 convolution."""
-    f = weight.shape[0]
-    split = split_columns(xp, data, pad)
-    rows, tiles = split.shape[1] // 2 - 1, split.shape[3] - 1
-    v = transform_tiles(xp, split, rows, tiles)
+    v = input_tiles(xp, data, pad)[0]
     d_u = xp.matmul(tiles_gradient(xp, g), v.transpose(0, 2, 1))
     d_data = None
     if needs_data:
