@@ -117,11 +117,10 @@ class ThreadedEngine(Engine):
         for a compiled MLP), is never counted in flight, and needs no `Operation` unless the
         engine records or an operation has failed (`run_locked`). With no pushed operation
         unfinished (none in flight, no waiter), no variable can be in use and no lane busy:
-        none is looked at. Only an
-        operation shorter than a thread hand-off may keep the other threads waiting so long.
-        Where another thread holds the lock, the lane has work, or helping is off, it is
-        pushed as any other. Ctrl-C is held back from before the lock is taken until it is
-        let go."""
+        none is looked at. Only an operation shorter than a thread hand-off may keep the other
+        threads waiting so long. Where another thread holds the lock, the lane has work, or
+        helping is off, it is pushed as any other. Ctrl-C is held back from before the lock
+        is taken until it is let go."""
         lane = self.workers.lanes.get((device, COMPUTE)) if self.helping else None
         if lane is None:
             return self.push(fn, reads, writes, device, name)
