@@ -3,6 +3,7 @@
     python benchmarks/engine.py            # full sizes
     D2LPERF_QUICK=1 python benchmarks/engine.py
     python benchmarks/engine.py --compare /tmp/old .   # async per op: two trees, alternating
+    python benchmarks/engine.py --gpu      # the rows on gpu(0) alone
 
 Rows: µs per tiny operation (`x + 1` on a 1×2 float32 array) for plain NumPy (the floor:
 no engine at all), one Python thread round trip (queue to a worker and back: the floor of
@@ -11,7 +12,8 @@ after every operation (the waiter runs the operation itself, then the same with 
 waits off, so that a worker thread runs it), the threaded engine asynchronously, and PyTorch
 eager when installed.
 Then the time to *issue* 10 products of 1000×1000 matrices over the time to finish them.
-Each figure is the median of several repeats.
+With a GPU, the same tiny operation on gpu(0), beside an empty kernel's launch (the floor)
+and CuPy's own `x + 1`. Each figure is the median of several repeats.
 """
 import gc
 import platform
@@ -63,11 +65,11 @@ def thread_round_trip():
     return result
 
 
-def engine_tiny_ops(kind, wait_each, helping=True):
+def engine_tiny_ops(kind, wait_each, helping=True, device=None):
     engine.use(kind)
     engine.set_helping(helping)
-    x = np.ones((1, 2))
-    x.wait_to_read()
+    x = np.ones((1, 2), device=device)
+    (x + 1).wait_to_read()                # on a GPU, the first add compiles its kernel
 
     def run():
         for _ in range(OPS):
@@ -92,6 +94,46 @@ def torch_eager():
         for _ in range(OPS):
             x + 1
     return per_op_us(run)
+
+
+def cupy_tiny_ops():
+    """`x + 1` on gpu(0) by CuPy itself, queued: the library call the engine's worker makes."""
+    import cupy
+    with cupy.cuda.Device(0):
+        x = cupy.ones((1, 2), cupy.float32)
+        x + 1
+
+        def run():
+            for _ in range(OPS):
+                x + 1
+            cupy.cuda.get_current_stream().synchronize()
+        return per_op_us(run)
+
+
+def gpu_rows():
+    """µs per tiny operation on gpu(0), beside an empty kernel's launch, queued (the floor:
+    what the host pays CUDA for one kernel) and waited for, from the same run."""
+    from d2lperf.hardware import gpu
+    launch = {row['mode']: row['us_per_launch'] for row in gpu.kernel_launch_latency(OPS)}
+    return [('gpu(0): empty kernel launch, queued (floor)', launch['queued']),
+            ('gpu(0): empty kernel launch, waited for', launch['launch and wait']),
+            ('gpu(0): CuPy x + 1, queued', cupy_tiny_ops()),
+            ('gpu(0): naive engine', engine_tiny_ops('naive', False, device=d2l.gpu(0))),
+            ('gpu(0): threaded engine, wait after every op',
+             engine_tiny_ops('threaded', True, device=d2l.gpu(0))),
+            ('gpu(0): threaded engine, asynchronous', engine_tiny_ops('threaded', False,
+                                                               device=d2l.gpu(0)))]
+
+
+def print_gpu_rows():
+    rows = gpu_rows()
+    floor = rows[0][1]
+    print(f'\non gpu(0): x + 1 on a 1x2 array, {OPS} ops, median of {REPEATS}; '
+          "issue 34's target: the asynchronous row ≤ 3× the floor")
+    print(f'| {"what":46s} | µs/op | × launch |')
+    print(f'|{"-" * 48}|------:|---------:|')
+    for name, us in rows:
+        print(f'| {name:46s} | {us:5.1f} | {us / floor:8.1f} |')
 
 
 def bookkeeping_us(count=OPS):
@@ -266,6 +308,9 @@ def main():
     if sys.argv[1:2] == ['--compare']:       # python benchmarks/engine.py --compare OLD NEW
         print_comparison(sys.argv[2:], rounds=7)
         return
+    if sys.argv[1:2] == ['--gpu']:           # python benchmarks/engine.py --gpu: its rows alone
+        print_gpu_rows()
+        return
     floor = numpy_floor()
     rows = [('NumPy, no engine (floor)', floor),
             ('thread round trip, queue to worker and back', thread_round_trip()),
@@ -296,6 +341,8 @@ def main():
     n, issued, finished = issue_over_finish()
     print(f'\nissuing 10 products of {n}x{n}: {issued * 1e3:.3f} ms; finishing them: '
           f'{finished * 1e3:.1f} ms; issue / finish = {100 * issued / finished:.2f}%')
+    if d2l.num_gpus():
+        print_gpu_rows()
 
 
 if __name__ == '__main__':

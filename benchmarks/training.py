@@ -632,30 +632,33 @@ def gpt_section(cores):
 RESNET_BATCH = 16
 
 
-def resnet_step_fn(hybridize=False):
+def resnet_step_fn(hybridize=False, device=None, batch_size=RESNET_BATCH):
     net = d2l.resnet18(10)
-    net.initialize(d2l.nn.init.Normal(0.01))
+    net.initialize(d2l.nn.init.Normal(0.01), device=device)
     if hybridize:
         net.hybridize()
     trainer = d2l.Trainer(net.collect_params(), 'sgd', {'learning_rate': LR})
-    x = np.random.uniform(size=(RESNET_BATCH, 1, 28, 28))
-    y = np.array(numpy.arange(RESNET_BATCH) % 10)
+    x = np.random.uniform(size=(batch_size, 1, 28, 28), device=device)
+    y = np.array(numpy.arange(batch_size) % 10, device=device)
 
     def step():
         with autograd.record():
             loss = LOSS(net(x), y)
         loss.backward()
-        trainer.step(RESNET_BATCH)
+        trainer.step(batch_size)
         npx.waitall()
     return step
 
 
-def torch_resnet_step_fn():
+def torch_resnet_step_fn(device='cpu', batch_size=RESNET_BATCH):
     """The same ResNet-18 (3×3 stride-1 stem, no max-pooling, batch norm in training mode)
-    in PyTorch eager, one SGD step on the same batch size."""
+    in PyTorch eager, one SGD step on the same batch size; on 'cuda', each step waits for
+    the GPU, as d2lperf's does."""
     try:
         import torch
     except ImportError:
+        return None
+    if device != 'cpu' and not torch.cuda.is_available():
         return None
     nn = torch.nn
 
@@ -675,15 +678,18 @@ def torch_resnet_step_fn():
     for cout, first in ((64, True), (128, False), (256, False), (512, False)):
         layers += [Residual(cin, cout, 1 if first else 2), Residual(cout, cout, 1)]
         cin = cout
-    net = nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(512, 10))
+    net = nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                        nn.Linear(512, 10)).to(device)
     optimizer = torch.optim.SGD(net.parameters(), lr=LR)
-    x = torch.rand(RESNET_BATCH, 1, 28, 28)
-    y = torch.arange(RESNET_BATCH) % 10
+    x = torch.rand(batch_size, 1, 28, 28, device=device)
+    y = torch.arange(batch_size, device=device) % 10
 
     def step():
         optimizer.zero_grad()
         torch.nn.functional.cross_entropy(net(x), y).backward()
         optimizer.step()
+        if device != 'cpu':
+            torch.cuda.synchronize()
     return step, torch
 
 
@@ -731,6 +737,21 @@ def gpu_rows():
     x, y = batch()
     step = d2lperf_step_fn([d2l.gpu(0)], x, y)
     return [('d2lperf on gpu(0), imperative', 'GPU', BATCH / best_seconds(step))]
+
+
+def gpu_resnet_rows(batch_sizes=(RESNET_BATCH, 128)):
+    """(what, batch, seconds a step) of ResNet-18 on gpu(0): d2lperf imperative and
+    hybridized, and PyTorch eager on the same GPU; each step waits for the GPU."""
+    rows = []
+    for batch_size in batch_sizes:
+        steps = {'d2lperf on gpu(0), imperative': resnet_step_fn(False, d2l.gpu(0), batch_size),
+                 'd2lperf on gpu(0), hybridized': resnet_step_fn(True, d2l.gpu(0), batch_size)}
+        found = torch_resnet_step_fn('cuda', batch_size)
+        if found is not None:
+            steps['PyTorch eager on cuda'] = found[0]
+        rows += [(name, batch_size, best_seconds(step, steps=d2l.workload(10, 3)))
+                 for name, step in steps.items()]
+    return rows
 
 
 def lenet_section(cores):
@@ -864,9 +885,50 @@ def convolutions_section(cores):
           f'{floor_s * 1e3:.0f} | {op_s / floor_s:.2f} |')
 
 
+def gpu_winograd_rows(batch_sizes=(RESNET_BATCH, 128)):
+    """(layer, batch, im2col seconds, Winograd seconds) for ResNet-18's 3×3 stride-1 layers
+    of ≥ 64 channels, forward only, on gpu(0) with CuPy: whether `winograd.applies` should
+    let the GPU take that road (its transforms are many small kernels there)."""
+    import cupy
+    from d2lperf.hardware.gpu import gpu_seconds
+    from d2lperf.ops import convolution, winograd
+    rng, rows = numpy.random.default_rng(0), []
+    for batch_size in batch_sizes:
+        for count, c, f, side, k, s in RESNET_CONVOLUTIONS:
+            if k != 3 or s != 1 or c < 64 or side % 2:
+                continue
+            x = cupy.asarray(rng.standard_normal((batch_size, c, side, side), numpy.float32))
+            w = cupy.asarray(rng.standard_normal((f, c, 3, 3), numpy.float32))
+            ours = winograd.convolution(cupy, x, w, (1, 1))
+            theirs = convolution.by_columns(cupy, x, w, (3, 3), (1, 1), (1, 1))
+            error = float(cupy.linalg.norm(ours - theirs) / cupy.linalg.norm(theirs))
+            assert error < 1e-4, f'Winograd on the GPU differs from im2col by {error:.1e}'
+            rows.append((f'{c}→{f}, {side}×{side}', batch_size, gpu_seconds(
+                cupy, lambda: convolution.by_columns(cupy, x, w, (3, 3), (1, 1), (1, 1)), 5),
+                gpu_seconds(cupy, lambda: winograd.convolution(cupy, x, w, (1, 1)), 5)))
+    return rows
+
+
 def gpu_section(cores):
     for name, where, ips in gpu_rows():
         print(f'| {name} | {where} | {ips:.0f} img/s |')
+    rows = gpu_resnet_rows()
+    if not rows:
+        return
+    torch_seconds = {batch_size: seconds for name, batch_size, seconds in rows
+                     if name.startswith('PyTorch')}
+    print('\nResNet-18 (28x28), one training step on gpu(0), waited for')
+    print('| what | batch | ms per step | img/s | × PyTorch |\n|---|--:|--:|--:|--:|')
+    for name, batch_size, seconds in rows:
+        ratio = (f'{torch_seconds[batch_size] / seconds:.2f}' if batch_size in torch_seconds
+                 else '-')
+        print(f'| {name} | {batch_size} | {seconds * 1e3:.1f} | {batch_size / seconds:.0f} | '
+              f'{ratio} |')
+    print('\nA 3×3 stride-1 convolution on gpu(0), forward: im2col against Winograd F(2×2, 3×3)')
+    print('| layer | batch | im2col ms | Winograd ms | im2col / Winograd |\n|---|--:|--:|--:|--:|')
+    for name, batch_size, columns_s, winograd_s in gpu_winograd_rows():
+        print(f'| {name} (gpu) | {batch_size} | {columns_s * 1e3:.3f} | {winograd_s * 1e3:.3f} | '
+              f'{columns_s / winograd_s:.2f} |')
 
 
 SECTIONS = {'lenet': lenet_section, 'data_parallel': data_parallel_section,

@@ -1,6 +1,7 @@
 """Run everything GPU-specific in d2lperf on gpu(0) and write one report: `make gpu-check`.
 
     python3 tests/gpu_check.py [--quick] [--report gpu-check-report.md] [--steps unit ...]
+                               [--jobs 4]
 
 Made for a bare GPU machine: Python >= 3.10 with NumPy and CuPy (cupy-cuda12x or
 cupy-cuda13x), and no Jupyter, no notebook server, no network, no package index. The checkout
@@ -18,6 +19,7 @@ Without a GPU it runs nothing and says so, and what it would have run.
 """
 import argparse
 import ast
+import concurrent.futures
 import datetime
 import importlib.util
 import json
@@ -154,17 +156,21 @@ def check_unit(args):
             'notes': notes, 'output': output}
 
 
+def check_chapter(path, args):
+    with tempfile.TemporaryDirectory() as folder:
+        result_file = pathlib.Path(folder) / 'result.json'
+        status, output, seconds = run(
+            [sys.executable, str(ROOT / 'tests' / 'run_chapter.py'), str(path),
+             '--json', str(result_file)], args.timeout, args.quick, f'chapter {path.stem}')
+        result = json.loads(result_file.read_text()) if result_file.exists() else None
+    return chapter_section(path.stem, status, output, seconds, result)
+
+
 def check_chapters(args):
-    sections = []
-    for path in chapter_paths():
-        with tempfile.TemporaryDirectory() as folder:
-            result_file = pathlib.Path(folder) / 'result.json'
-            status, output, seconds = run(
-                [sys.executable, str(ROOT / 'tests' / 'run_chapter.py'), str(path),
-                 '--json', str(result_file)], args.timeout, args.quick, f'chapter {path.stem}')
-            result = json.loads(result_file.read_text()) if result_file.exists() else None
-        sections.append(chapter_section(path.stem, status, output, seconds, result))
-    return sections
+    """Each chapter in its own interpreter, `args.jobs` at a time: a GPU machine's lease is
+    short, and most chapters leave its cores idle while they wait for the GPU."""
+    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+        return list(pool.map(lambda path: check_chapter(path, args), chapter_paths()))
 
 
 def chapter_section(name, status, output, seconds, result):
@@ -306,6 +312,9 @@ def main(argv=None):
                         help='where to write the report (default: _build/gpu-check.md)')
     parser.add_argument('--steps', nargs='+', choices=STEPS, default=list(STEPS),
                         help='which steps to run (default: all three)')
+    parser.add_argument('--jobs', type=int, default=1,
+                        help='chapters run at a time (default 1: timings in their output '
+                             'are then not disturbed by one another)')
     parser.add_argument('--timeout', type=int, default=3600,
                         help='seconds allowed to each test run, chapter and benchmark')
     args = parser.parse_args(argv)

@@ -1,11 +1,13 @@
 """tests/run_chapter.py reads chapters as Jupytext does and runs them as a kernel would;
 tests/gpu_check.py reports what it ran, or, without a GPU, what it would have run."""
+import argparse
 import json
 import os
 import pathlib
 import subprocess
 import sys
 import textwrap
+import threading
 
 import jupytext
 import pytest
@@ -134,7 +136,7 @@ def test_without_a_gpu_the_check_runs_nothing_and_says_what_it_would_run(tmp_pat
     assert report.startswith('# d2lperf GPU check: not run')
     assert 'No GPU was found: CuPy is not installed.' in report
     assert all(path.name in report for path in CHAPTERS)
-    assert 'hybridize.py' in report and 'engine.py' not in report   # no GPU rows there
+    assert 'hybridize.py' in report and 'distributed.py' not in report   # no GPU rows there
     assert '| `cupy` | `cupy-cuda12x or cupy-cuda13x` |' in report
 
 
@@ -156,6 +158,28 @@ def test_with_a_gpu_each_chapter_must_run_on_it(tmp_path, monkeypatch):
     assert '- GPU: Stand-in GPU (1 visible), 80 GiB' in report
     assert '| chapter tiny | FAILED |' in report and 'ran on the CPU' in report
     assert '| n | 3 |' in report
+
+
+def test_chapters_run_at_once_are_reported_in_order(tmp_path, monkeypatch):
+    """With --jobs, chapters run side by side (the first one last to finish here); the report
+    keeps the book's order, and every chapter ran once."""
+    chapters = [tmp_path / f'{name}.md' for name in ('a', 'b', 'c', 'd')]
+    ran, first_may_end = [], threading.Event()
+
+    def run(command, timeout, quick, log_name):
+        if log_name == 'chapter a':
+            assert first_may_end.wait(10), 'the chapters ran one at a time'
+        ran.append(log_name)
+        if len(ran) == 3:
+            first_may_end.set()
+        return 0, f'output of {log_name}', 0.1
+    monkeypatch.setattr(gpu_check, 'chapter_paths', lambda: chapters)
+    monkeypatch.setattr(gpu_check, 'run', run)
+    sections = gpu_check.check_chapters(argparse.Namespace(jobs=4, timeout=5, quick=True))
+    assert [s['step'] for s in sections] == ['chapter a', 'chapter b', 'chapter c', 'chapter d']
+    assert [s['output'] for s in sections] == [f'output of chapter {n}' for n in 'abcd']
+    assert sorted(ran) == ['chapter a', 'chapter b', 'chapter c', 'chapter d']
+    assert ran[-1] == 'chapter a'
 
 
 def test_benchmark_gpu_rows_keep_their_table_header():
