@@ -365,7 +365,9 @@ def no_other_load(monkeypatch):
 
 def test_switched_on_two_busy_cpu_devices_run_with_divided_blas_threads(no_other_load):
     before, cores = blas_threads(), engine.current().workers.cores.cores
-    assert threads_seen_by_cpu1_while_cpu0_is_busy(True) == max(1, min(before, cores // 2))
+    shared = no_other_load
+    assert threads_seen_by_cpu1_while_cpu0_is_busy(True) == max(1, min(before, cores // 2)), (
+        f'{shared.busy} devices busy now, {shared.sharing} sharing since the last idle moment')
     assert blas_threads() == before
 
 
@@ -436,6 +438,24 @@ def test_copies_in_out_and_between_fake_gpus_use_the_right_lanes(fake_gpus, kind
         product, copy_back = records[-2], records[-1]
         assert product.events[1].waited_for_by      # the copy stream waited for the kernel
         assert copy_back.events is not None
+
+
+def test_a_gpu_lane_waits_only_for_other_streams_writes(fake_gpus):
+    """A kernel that reads what an earlier kernel of its own stream wrote runs after it in
+    stream order: waiting for that write's event too would cost a driver call per operation.
+    A lane on another stream (the copy out) still waits for it."""
+    engine.use('threaded')
+    x = np.ones((4,), device=d2l.gpu(0))
+    y = x + 1
+    y.wait_to_read()
+    z = y * 2
+    z.wait_to_read()
+    compute = engine.current().workers.lanes[d2l.gpu(0), engine.COMPUTE].stream
+    waits = [event for what, event in compute.log if what == 'wait']
+    assert waits == [], 'the compute stream waited for its own events'
+    numpy.testing.assert_array_equal(z.copyto(CPU0).asnumpy(), [4.0] * 4)
+    copy_out = engine.current().workers.lanes[d2l.gpu(0), 'copy out'].stream
+    assert [what for what, _ in copy_out.log].count('wait') >= 1
 
 
 def test_fake_gpu_profiles_use_event_times_and_respect_dependencies(fake_gpus):

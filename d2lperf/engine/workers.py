@@ -55,17 +55,18 @@ def running_device():
 
 
 # A GPU compute lane only launches its kernels: the engine counts the write done at once.
-# The CUDA event recorded after them, per variable, is what later readers wait for.
-write_events = weakref.WeakKeyDictionary()      # engine Var -> CUDA event of its last write
+# The CUDA event recorded after them, per variable, is what later readers on other streams
+# wait for; a reader on the same stream runs after them anyway.
+write_events = weakref.WeakKeyDictionary()  # engine Var -> (stream, event) of its last write
 gpu_lanes = []                                  # a GPU lane has started: events may exist
 
 
 def synchronize(var):
     """Block until the kernels that last wrote `var` have finished (CPU work: nothing to do)."""
     if gpu_lanes:
-        event = write_events.get(var)
-        if event is not None:
-            event.synchronize()
+        written = write_events.get(var)
+        if written is not None:
+            written[1].synchronize()
 
 
 class Pace:
@@ -273,9 +274,9 @@ class Worker:
         """
         stream = self.stream
         for var in op.reads:
-            event = write_events.get(var)
-            if event is not None:
-                stream.wait_event(event)
+            written = write_events.get(var)
+            if written is not None and written[0] is not stream:
+                stream.wait_event(written[1])
         record = op.record
         begin = stream.record() if record is not None else None
         op.fn()
@@ -289,7 +290,7 @@ class Worker:
             return
         self._keep_until_done(end, op)
         for var in op.writes:
-            write_events[var] = end
+            write_events[var] = (stream, end)
 
     def _keep_until_done(self, event, op):
         launched = self.launched
