@@ -10,6 +10,12 @@ freed CPU memory in a pool (its pooled storage manager) for the same reason. Her
 heaps come and go), no block served by `mmap`, and no trimming. The price: the process keeps
 its peak heap until it exits. Only glibc has `mallopt`; elsewhere this does nothing.
 
+One limit: glibc fixes its count of heaps when a second thread first allocates. Where other
+threads did so before the setting (CUDA's, once CuPy has been used), each worker thread
+started later gets a heap of its own, and such a heap is at most 64 MiB: freed blocks below
+that are kept as above, a block of 64 MiB or more is mapped afresh each time (an H200
+machine's unit tests counted 544 page faults a step for 64 MiB; tests/test_freed_memory.py).
+
 The setting belongs to the process that runs the work, so it is made in one place, once: when
 the engine starts its first worker thread (`workers.Workers.start`; the naive engine, when it
 runs its first operation), before any of those threads allocates. Importing d2lperf leaves
