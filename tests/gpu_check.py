@@ -124,7 +124,7 @@ def test_modules_lacking_imports():
                 names.update(alias.name.split('.')[0] for alias in node.names)
             elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
                 names.add(node.module.split('.')[0])
-        local = {name for name in names if name == 'd2lperf' or
+        local = {name for name in names if name in ('d2lperf', 'tests') or
                  (ROOT / 'tests' / f'{name}.py').exists() or (ROOT / 'tests' / name).is_dir()}
         if missing := missing_modules(sorted(names - local)):
             lacking[path] = missing

@@ -182,6 +182,23 @@ def test_chapters_run_at_once_are_reported_in_order(tmp_path, monkeypatch):
     assert ran[-1] == 'chapter a'
 
 
+def test_test_modules_are_left_out_only_for_packages_the_machine_lacks(tmp_path, monkeypatch):
+    """The checkout's own `tests` package and d2lperf are there wherever the check runs; a
+    module that imports a package this Python lacks is left out, and says which."""
+    (tmp_path / 'tests').mkdir()
+    (tmp_path / 'tests' / 'helpers.py').write_text('')
+    (tmp_path / 'tests' / 'test_own.py').write_text(
+        'from tests.helpers import x\nimport d2lperf\nimport helpers\n')
+    (tmp_path / 'tests' / 'test_other.py').write_text('import numpy\nimport no_such_package\n')
+    monkeypatch.setattr(gpu_check, 'ROOT', tmp_path)
+    # As `python3 tests/gpu_check.py` runs: the checkout's root is not on its path.
+    monkeypatch.setattr(sys, 'path', [p for p in sys.path
+                                      if pathlib.Path(p or '.').resolve() != ROOT])
+    monkeypatch.delitem(sys.modules, 'tests', raising=False)
+    assert gpu_check.test_modules_lacking_imports() == {
+        tmp_path / 'tests' / 'test_other.py': ['no_such_package']}
+
+
 def test_benchmark_gpu_rows_keep_their_table_header():
     output = ('# header\n| device | mode | µs |\n|---|---|--:|\n| cpu | eager | 1 |\n'
               '| gpu | eager | 2 |\n| cpu + gpu(0) | both | 3 |\ntext\n\n'
