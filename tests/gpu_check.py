@@ -81,6 +81,13 @@ def missing_modules(names):
     return [name for name in names if importlib.util.find_spec(name) is None]
 
 
+def say(line):
+    """One line to stdout in one write: chapters run side by side (--jobs) must not
+    interleave their lines."""
+    sys.stdout.write(line + '\n')
+    sys.stdout.flush()
+
+
 def run(command, timeout, quick, log_name):
     """Run a command from the checkout's root; returns (exit status, output, seconds)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
@@ -89,7 +96,7 @@ def run(command, timeout, quick, log_name):
     env.pop('D2LPERF_QUICK', None)
     if quick:
         env['D2LPERF_QUICK'] = '1'
-    print(f'[gpu-check] {log_name}: {" ".join(map(str, command))}', flush=True)
+    say(f'[gpu-check] {log_name}: {" ".join(map(str, command))}')
     start = time.perf_counter()
     try:
         done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
@@ -100,8 +107,7 @@ def run(command, timeout, quick, log_name):
             expired.stdout, bytes) else (expired.stdout or '')
         status, output = 'timeout', output + f'\n(stopped after {timeout} s)'
     seconds = time.perf_counter() - start
-    print(f'[gpu-check] {log_name}: {"ok" if status == 0 else status} in {seconds:.0f} s',
-          flush=True)
+    say(f'[gpu-check] {log_name}: {"ok" if status == 0 else status} in {seconds:.0f} s')
     return status, output, seconds
 
 
