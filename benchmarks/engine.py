@@ -126,6 +126,9 @@ def gpu_rows():
 
 
 def print_gpu_rows():
+    if not d2l.num_gpus():
+        print('\nNo GPU: the rows on gpu(0) are left out')
+        return
     rows = gpu_rows()
     floor = rows[0][1]
     print(f'\non gpu(0): x + 1 on a 1x2 array, {OPS} ops, median of {REPEATS}; '
@@ -341,8 +344,7 @@ def main():
     n, issued, finished = issue_over_finish()
     print(f'\nissuing 10 products of {n}x{n}: {issued * 1e3:.3f} ms; finishing them: '
           f'{finished * 1e3:.1f} ms; issue / finish = {100 * issued / finished:.2f}%')
-    if d2l.num_gpus():
-        print_gpu_rows()
+    print_gpu_rows()
 
 
 if __name__ == '__main__':

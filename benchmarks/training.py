@@ -732,8 +732,6 @@ def blas_kernels():
 
 
 def gpu_rows():
-    if d2l.num_gpus() == 0:
-        return []
     x, y = batch()
     step = d2lperf_step_fn([d2l.gpu(0)], x, y)
     return [('d2lperf on gpu(0), imperative', 'GPU', BATCH / best_seconds(step))]
@@ -910,11 +908,12 @@ def gpu_winograd_rows(batch_sizes=(RESNET_BATCH, 128)):
 
 
 def gpu_section(cores):
+    if d2l.num_gpus() == 0:
+        print('\nNo GPU: the GPU rows (LeNet, ResNet-18 against PyTorch, Winograd) are left out')
+        return
     for name, where, ips in gpu_rows():
         print(f'| {name} | {where} | {ips:.0f} img/s |')
     rows = gpu_resnet_rows()
-    if not rows:
-        return
     torch_seconds = {batch_size: seconds for name, batch_size, seconds in rows
                      if name.startswith('PyTorch')}
     print('\nResNet-18 (28x28), one training step on gpu(0), waited for')
