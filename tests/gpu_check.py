@@ -13,7 +13,8 @@ Each step runs in a fresh interpreter with the checkout first on the path:
 * chapters: every chapters/*.md, cell by cell, with tests/run_chapter.py: `d2l.try_gpu()`
   returns gpu(0), so the chapters compute there; the report keeps each chapter's output and
   the values it glues into its prose;
-* benchmarks: every benchmarks/*.py that has GPU rows; the report shows those rows.
+* benchmarks: every benchmarks/*.py that has GPU rows (those rows alone where the script can
+  run them so: `GPU_ONLY_ARGUMENTS`); the report shows those rows.
 
 Without a GPU it runs nothing and says so, and what it would have run.
 """
@@ -141,10 +142,19 @@ def chapter_paths():
     return sorted((ROOT / 'chapters').glob('*.md'))
 
 
+# Scripts whose GPU rows run alone given these arguments: their CPU sections (training.py's
+# ResNet-18 against PyTorch on the CPU, say) take minutes of a lease that is short.
+GPU_ONLY_ARGUMENTS = {'engine.py': ['--gpu'], 'training.py': ['gpu']}
+
+
 def gpu_benchmarks():
     """The benchmark scripts that have rows for a GPU."""
     return [path for path in sorted((ROOT / 'benchmarks').glob('*.py'))
             if re.search(r'num_gpus\(\)|gpu\(0\)', path.read_text())]
+
+
+def benchmark_command(path):
+    return [sys.executable, str(path)] + GPU_ONLY_ARGUMENTS.get(path.name, [])
 
 
 def check_unit(args):
@@ -199,7 +209,7 @@ def chapter_section(name, status, output, seconds, result):
 def check_benchmarks(args):
     sections = []
     for path in gpu_benchmarks():
-        status, output, seconds = run([sys.executable, str(path)], args.timeout, args.quick,
+        status, output, seconds = run(benchmark_command(path), args.timeout, args.quick,
                                       f'benchmark {path.name}')
         tables = gpu_tables(output)
         notes = [f'{sum(len(table) - 2 for table in tables)} GPU row(s)']
@@ -273,7 +283,8 @@ def report_lines(gpu, reason, sections, args):
                 '2. every chapter, cell by cell, on gpu(0): ' +
                 ', '.join(p.name for p in chapter_paths()),
                 '3. the GPU rows of the benchmarks: ' +
-                ', '.join(p.name for p in gpu_benchmarks()), '',
+                ', '.join(' '.join([p.name] + GPU_ONLY_ARGUMENTS.get(p.name, []))
+                          for p in gpu_benchmarks()), '',
                 '## What it needs', ''] + requirements_table()
     failed = [s for s in sections if not s['ok']]
     lines = [f'# d2lperf GPU check: {"all passed" if not failed else f"{len(failed)} FAILED"}',

@@ -137,6 +137,7 @@ def test_without_a_gpu_the_check_runs_nothing_and_says_what_it_would_run(tmp_pat
     assert 'No GPU was found: CuPy is not installed.' in report
     assert all(path.name in report for path in CHAPTERS)
     assert 'hybridize.py' in report and 'distributed.py' not in report   # no GPU rows there
+    assert 'engine.py --gpu' in report and 'training.py gpu' in report
     assert '| `cupy` | `cupy-cuda12x or cupy-cuda13x` |' in report
 
 
@@ -197,6 +198,17 @@ def test_test_modules_are_left_out_only_for_packages_the_machine_lacks(tmp_path,
     monkeypatch.delitem(sys.modules, 'tests', raising=False)
     assert gpu_check.test_modules_lacking_imports() == {
         tmp_path / 'tests' / 'test_other.py': ['no_such_package']}
+
+
+def test_benchmarks_with_a_gpu_only_mode_run_in_it(monkeypatch):
+    commands = []
+    monkeypatch.setattr(gpu_check, 'run', lambda command, *args: (
+        commands.append(command[1:]), (0, '| what |\n|---|\n| gpu(0): x |\n', 1.0))[1])
+    sections = gpu_check.check_benchmarks(argparse.Namespace(timeout=5, quick=True))
+    ran = {pathlib.Path(command[0]).name: command[1:] for command in commands}
+    assert ran['engine.py'] == ['--gpu'] and ran['training.py'] == ['gpu']
+    assert ran['hybridize.py'] == []
+    assert all(section['ok'] for section in sections)
 
 
 def test_benchmark_gpu_rows_keep_their_table_header():
