@@ -43,6 +43,18 @@ def test_each_glue_name_is_glued_once(markdown):
 
 
 @pytest.mark.parametrize('markdown', CHAPTERS, ids=lambda p: p.stem)
+def test_markdown_glued_is_shown_as_markdown(markdown):
+    """A value glued as Markdown(...) reads in the prose only through {glue:md}: {glue:text}
+    prints its repr, '<IPython.core.display.Markdown object>', into the page."""
+    import re
+    text = markdown.read_text()
+    as_markdown = set(re.findall(r"\bglue\(\s*f?'([^'{]+)'\s*,\s*Markdown\(", text))
+    as_text = set(re.findall(r'\{glue:text\}`([^`:]+)', text))
+    assert not as_markdown & as_text, (
+        f'{markdown.name}: use {{glue:md}} for {sorted(as_markdown & as_text)}')
+
+
+@pytest.mark.parametrize('markdown', CHAPTERS, ids=lambda p: p.stem)
 def test_lines_fit_in_100_characters(markdown):
     long = [n for n, line in enumerate(markdown.read_text().splitlines(), 1) if len(line) > 100]
     assert not long, f'{markdown.name}: lines {long} are over 100 characters'
