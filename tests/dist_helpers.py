@@ -49,9 +49,17 @@ def run_program(tmp_path, source, processes, timeout=120, **env):
         pytest.skip(f'no mpiexec next to {sys.executable} (the mpich wheel brings one)')
     script = tmp_path / 'program.py'
     script.write_text(textwrap.dedent(source))
-    finished = run_bounded([str(MPIEXEC), '-n', str(processes), '-outfile-pattern',
-                            'stdout.%r', '-errfile-pattern', 'stderr.%r', sys.executable,
-                            str(script)], timeout, env=environment(**env), cwd=tmp_path)
+    try:
+        finished = run_bounded([str(MPIEXEC), '-n', str(processes), '-outfile-pattern',
+                                'stdout.%r', '-errfile-pattern', 'stderr.%r', sys.executable,
+                                str(script)], timeout, env=environment(**env), cwd=tmp_path)
+    except subprocess.TimeoutExpired as expired:        # say where each rank had got to
+        printed = Ranks(tmp_path, processes, None,
+                        (expired.stdout or '') + (expired.stderr or ''))
+        pytest.fail(f'the {processes}-rank job did not end in {timeout} s; what each rank '
+                    f'printed:\n{printed.report()}' + ''.join(
+                        f'\n--- rank {rank} stdout:\n{text}'
+                        for rank, text in printed.stdout.items()), pytrace=False)
     return Ranks(tmp_path, processes, finished.returncode, finished.stdout + finished.stderr)
 
 
@@ -70,24 +78,25 @@ def run_bounded(command, timeout, **options):
                                **options)
     try:
         stdout, stderr = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        end_session(process)
+    except subprocess.TimeoutExpired as expired:
+        expired.stdout, expired.stderr = end_session(process)     # what it printed, whole
         raise
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
 def end_session(process, grace=10):
-    """SIGTERM to `process`'s session (its process group), SIGKILL after `grace` seconds."""
+    """SIGTERM to `process`'s session (its process group), SIGKILL after `grace` seconds;
+    (stdout, stderr) as far as the process wrote them (None where it was not captured)."""
     for number, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, grace)):
         try:
             os.killpg(process.pid, number)
         except ProcessLookupError:
             break
         try:
-            process.communicate(timeout=wait)
-            break
+            return process.communicate(timeout=wait)
         except subprocess.TimeoutExpired:
             pass
+    return None, None
 
 
 def alive(pid):
