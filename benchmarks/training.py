@@ -28,9 +28,10 @@ Rows, all measured side by side in this run:
 * ResNet-18 (the chapter's variant), seconds per step at batch 16, imperative and hybridized,
   against the same network in PyTorch eager with the same threads, at one thread and at every
   core; the header names the BLAS kernels, which decide most of it.
-* ResNet-18's convolutions one at a time on one thread, forward and backward: by im2col and
-  as the op runs them (Winograd's F(2×2, 3×3) where it applies), against a floor of every
-  product at the BLAS peak measured in the same run.
+* ResNet-18's convolutions one at a time, forward and backward, at one thread and at every
+  core: by im2col and as the op runs them (Winograd's F(2×2, 3×3) where it applies), each an
+  engine operation (its large passes cut in pieces as in a step), against a floor of every
+  product at the BLAS peak measured in the same run at that thread count.
 * GPU rows with CuPy, where a GPU is present.
 Each figure is the best of several interleaved repeats.
 """
@@ -832,9 +833,21 @@ def blas_peak_gflops(n=1024):
     return 2 * n ** 3 / best_seconds(lambda: a @ b, steps=1) / 1e9
 
 
+def as_an_operation(fn):
+    """`fn` as one engine operation on cpu(0), waited for: its large passes are then cut in
+    pieces for the cores, as in a training step (`engine.pieces`)."""
+    var = engine.Var()
+
+    def step():
+        engine.push(fn, [], [var], d2l.cpu(0), 'convolution')
+        engine.wait_for(var)
+    return step
+
+
 def convolution_rows(threads):
     """Each ResNet-18 convolution, forward and backward (input and weight gradients) at batch
-    16: by im2col, and as the op runs it (Winograd's road where `winograd.applies`)."""
+    16, each an engine operation: by im2col, and as the op runs it (Winograd's road where
+    `winograd.applies`)."""
     from d2lperf.ops import convolution, winograd
     rng = numpy.random.default_rng(0)
     rows = []
@@ -858,18 +871,24 @@ def convolution_rows(threads):
         winograds = winograd.applies(numpy, w.shape, stride, pad, out.shape[1:3])
         road = 'Winograd' if winograds else 'im2col'
         rows.append((f'{count} × {c}→{f}, {side}×{side}, {k}×{k}/{s}', count, flops, road,
-                     with_threads(threads, by_columns), with_threads(threads, as_the_op_runs)))
+                     with_threads(threads, as_an_operation(by_columns)),
+                     with_threads(threads, as_an_operation(as_the_op_runs))))
     return rows
 
 
 def convolutions_section(cores):
-    print(f'\nResNet-18\'s convolutions (batch {RESNET_BATCH}, forward and backward, one thread); '
+    print(f'\nResNet-18\'s convolutions (batch {RESNET_BATCH}, forward and backward); '
           f'{blas_kernels()}; {load_average()}')
-    with threadpool_limits(1):
+    for threads in sorted({1, cores}):
+        convolutions_table(threads)
+
+
+def convolutions_table(threads):
+    with threadpool_limits(threads):
         peak = blas_peak_gflops()
-    rows = convolution_rows(1)
-    print(f'floor: every product at the BLAS peak measured now, {peak:.0f} GFLOP/s on a '
-          '1024² float32 product (im2col\'s multiplications)')
+    rows = convolution_rows(threads)
+    print(f'\n{threads} thread(s). Floor: every product at the BLAS peak measured now, '
+          f'{peak:.0f} GFLOP/s on a 1024² float32 product (im2col\'s multiplications)')
     print('| layer | road | im2col ms | the op ms | im2col / op | floor ms | op / floor |')
     print('|---|---|--:|--:|--:|--:|--:|')
     totals = numpy.zeros(3)
