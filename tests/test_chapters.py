@@ -27,6 +27,19 @@ def test_every_chapter_is_in_the_table_of_contents():
     assert listed == {f'chapters/{p.stem}' for p in CHAPTERS}
 
 
+
+def test_the_introduction_lists_the_chapters_in_the_books_order():
+    """The introduction's table is the reader's map: the same chapters, in _toc.yml's order."""
+    import re
+    toc = yaml.safe_load((ROOT / '_toc.yml').read_text())
+    labels = {}
+    for entry in toc['chapters']:
+        text = (ROOT / f"{entry['file']}.md").read_text()
+        labels[re.search(r'^\((sec-[\w-]+)\)=$', text, re.M).group(1)] = entry['file']
+    intro = (ROOT / 'intro.md').read_text()
+    listed = re.findall(r'^\| \{ref\}`(sec-[\w-]+)`', intro, re.M)
+    assert [labels.get(label) for label in listed] == [e['file'] for e in toc['chapters']]
+
 def test_chapter_notebooks_carry_no_outputs():
     for markdown in CHAPTERS:
         notebook = jupytext.read(markdown.with_suffix('.ipynb'))
