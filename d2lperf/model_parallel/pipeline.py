@@ -21,6 +21,7 @@ import numpy
 from .. import autograd
 from ..device import Device, label
 from ..nn.block import Block
+from ..ops import differentiable
 from ..np.multiarray import NDArray
 from .schedules import schedule, simulate
 from .tensor import TensorParallelGPT
@@ -108,7 +109,7 @@ class Pipeline:
             here = [x.copyto(device) if x.device != device else x.copy()
                     for x, device in zip(arrays, devices)]
         for x in here:
-            if leaf and x.dtype.kind == 'f':
+            if leaf and differentiable(x.dtype):
                 x.attach_grad()
         return here
 

@@ -242,9 +242,8 @@ def take(dense, whole, weight_key, bias_key=slice(None), bias_here=True):
     """`dense`'s weight as `whole`'s weight[weight_key]; its bias as whole's bias[bias_key],
     or, for a split input (`bias_key` None), the whole bias on one device only: the parts are
     summed, so the bias is added once (the other devices' biases stay zero, untrained)."""
-    source = whole.weight.data()
-    dense.initialize()
-    dense.weight.set_data(source[weight_key].copy())
+    in_dtypes_of(dense, whole)
+    dense.weight.set_data(whole.weight.data()[weight_key].copy())
     if bias_key is not None:
         dense.bias.set_data(whole.bias.data()[bias_key].copy())
     elif bias_here:
@@ -256,8 +255,16 @@ def take(dense, whole, weight_key, bias_key=slice(None), bias_here=True):
 
 def copied(block, source, device):
     """`block` (built alike) with `source`'s values, on `device`."""
-    block.initialize()
+    in_dtypes_of(block, source)
     for mine, theirs in zip(block.collect_params().values(), source.collect_params().values()):
         mine.set_data(theirs.data().copy())
     block.reset_device(device)
     return block
+
+
+def in_dtypes_of(block, source):
+    """`block` initialized with each parameter in the dtype of `source`'s (built alike): a
+    float16 net splits into float16 parts, its float32 norms stay float32."""
+    for mine, theirs in zip(block.collect_params().values(), source.collect_params().values()):
+        mine.cast(theirs.data().dtype)
+    block.initialize()
