@@ -9,6 +9,7 @@ import math
 
 import numpy
 
+from .nn import ids_in_range, integer_ids
 from .registry import defop
 from .rules import floating, result_type, same
 
@@ -18,6 +19,7 @@ from .rules import floating, result_type, same
 def embedding_infer(index, weight):
     if len(weight.shape) != 2:
         raise ValueError(f'an embedding table is (rows, features), got shape {weight.shape}')
+    integer_ids(index, "an embedding's ids")
     return tuple(index.shape) + tuple(weight.shape[1:]), numpy.dtype(weight.dtype)
 
 
@@ -38,8 +40,13 @@ def embedding_vjp(xp, g, out, index, weight):
     return None, grad
 
 
-defop('embedding', lambda xp, index, weight: weight[index.astype(numpy.int64)],
-      embedding_infer, embedding_vjp)
+def embedding(xp, index, weight):
+    rows = weight.shape[0]
+    return weight[ids_in_range(xp, index, rows, 'id', f'an embedding of {rows} rows (its '
+                                                       'vocabulary)')]
+
+
+defop('embedding', embedding, embedding_infer, embedding_vjp)
 
 
 
