@@ -58,12 +58,21 @@ def ids_in_range(xp, index, count, what, among):
     one transfer on a GPU."""
     ids = index.astype(numpy.int64, copy=False)
     if ids.size:
-        low, high = (int(v) for v in xp.stack([ids.min(), ids.max()]).tolist())
+        low, high = bounds(xp, ids)
         if low < 0 or high >= count:
             bad = low if low < 0 else high
             raise IndexError(f'{what} {bad} is out of range for {among}: each must lie in '
                              f'0 to {count - 1}')
     return ids
+
+
+def bounds(xp, ids):
+    """(min, max) of `ids` as Python ints: on a GPU both in one transfer (each `int()` of a
+    CuPy scalar waits for the device); on NumPy, where stacking costs more than the two
+    reductions, directly."""
+    if xp is numpy:
+        return int(ids.min()), int(ids.max())
+    return tuple(int(v) for v in xp.stack([ids.min(), ids.max()]).tolist())
 
 
 def pick_infer(a, index):
