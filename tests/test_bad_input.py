@@ -7,6 +7,7 @@ import pytest
 import d2lperf as d2l
 from d2lperf import engine, nn, np, npx
 from d2lperf.model_parallel import Pipeline, parallel_gpt, tensor_parallel
+from conftest import drain_engine
 
 pytestmark = pytest.mark.usefixtures('fresh_engine')
 
@@ -34,6 +35,18 @@ def test_an_id_out_of_range_is_named_at_the_first_wait(op, words, bad):
     with pytest.raises(engine.OperationError,
                        match=fr'IndexError: \w+ {bad} is out of range for {words}'):
         out.asnumpy()
+
+
+def test_an_id_out_of_range_is_named_on_a_gpu(fake_gpus):
+    """The CuPy path: min and max come back in one transfer."""
+    gpu = d2l.gpu(0)
+    table = TABLE.copyto(gpu)
+    assert npx.embedding(np.array(numpy.array([0, VOCAB - 1]), device=gpu), table) \
+        .asnumpy().tolist() == TABLE.asnumpy()[[0, VOCAB - 1]].tolist()
+    out = npx.embedding(np.array(numpy.array([0, -1]), device=gpu), table)
+    with pytest.raises(engine.OperationError, match='id -1 is out of range for an embedding'):
+        out.asnumpy()
+    drain_engine()                 # before fake_gpus switches engines, which waits for all
 
 
 def test_ids_in_range_still_read_their_rows_and_labels():
