@@ -76,6 +76,7 @@ def test_multi_precision_leaves_a_float32_weight_alone():
     assert sgd.masters == {} and weight.asnumpy().tolist() == [0.5, 0.5]
 
 
+@pytest.mark.filterwarnings('ignore:.*multi_precision=True')  # the loss it warns of, shown
 @pytest.mark.parametrize('name', ['sgd', 'adam'])
 def test_a_small_update_vanishes_in_float16_and_accumulates_in_the_master(name):
     """1 - 1e-4 rounds back to 1 in float16 (its spacing below 1 is 2^-11, 4.9e-4): without a
@@ -418,6 +419,7 @@ def adam_steps(dtype, **settings):
     return [w.asnumpy() for w in weights], [str(w.message) for w in caught]
 
 
+@pytest.mark.filterwarnings('ignore::RuntimeWarning')       # the 0 / 0 it warns of
 def test_float16_adam_without_masters_is_warned_once_and_with_them_stays_finite():
     """ε = 1e-8 rounds to 0 in float16, so a row with no gradient steps by 0 / 0: NaN. MXNet
     warns of float16 updates without multi_precision; so does d2lperf, once an optimizer."""
