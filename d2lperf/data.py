@@ -101,12 +101,28 @@ def digits(test_fraction=0.2, seed=0):
     return images[train], labels[train], images[test], labels[test]
 
 
+class DataUnavailable(RuntimeError):
+    """Neither the download nor its offline fallback could give the data."""
+
+
 def download_or_fallback(root=None):
-    """(name, arrays, why): Fashion-MNIST if it can be had, else the digits and the reason."""
+    """(name, arrays, why): Fashion-MNIST if it can be had, else the digits and the reason;
+    where the digits cannot be had either (scikit-learn, an optional dependency, is not
+    installed), one error that says what failed and what fixes it."""
     try:
         return 'Fashion-MNIST', fashion_mnist(root), None
     except (urllib.error.URLError, OSError) as err:
-        return "scikit-learn's digits", digits(), err
+        try:
+            return "scikit-learn's digits", digits(), err
+        except ImportError as missing:
+            raise DataUnavailable(
+                f'Fashion-MNIST could not be downloaded ({type(err).__name__}: {err}), and the '
+                "offline fallback, scikit-learn's handwritten digits, needs scikit-learn, "
+                f'which is not installed ({missing}). Install it with `pip install '
+                "scikit-learn` (or, in a clone of the book, `pip install -e '.[book]'`), or "
+                'run where the download can reach '
+                f'{FASHION_MNIST_URL} (the files are then cached in {root or cache_dir()})'
+            ) from None
 
 
 def interpolation_matrix(old, new):

@@ -158,7 +158,12 @@ def slowed(args):
 
 
 def main(argv=None):
-    train(parse(sys.argv[1:] if argv is None else argv))
+    """Train; where no data can be had, say why and how to fix it, without a traceback."""
+    args = parse(sys.argv[1:] if argv is None else argv)
+    try:
+        train(args)
+    except data.DataUnavailable as err:
+        sys.exit(f'train_mnist: {err}')
 
 
 if __name__ == '__main__':

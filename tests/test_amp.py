@@ -1,6 +1,7 @@
 """Mixed precision: multi_precision's float32 master weights, Block.cast, the dynamic loss
 scaler (amp), and bfloat16 arrays on NumPy."""
 import gc
+import warnings
 
 import ml_dtypes
 import numpy
@@ -75,6 +76,7 @@ def test_multi_precision_leaves_a_float32_weight_alone():
     assert sgd.masters == {} and weight.asnumpy().tolist() == [0.5, 0.5]
 
 
+@pytest.mark.filterwarnings('ignore:.*multi_precision=True')  # the loss it warns of, shown
 @pytest.mark.parametrize('name', ['sgd', 'adam'])
 def test_a_small_update_vanishes_in_float16_and_accumulates_in_the_master(name):
     """1 - 1e-4 rounds back to 1 in float16 (its spacing below 1 is 2^-11, 4.9e-4): without a
@@ -399,3 +401,34 @@ def test_a_net_cast_to_bfloat16_trains_with_float32_masters():
     assert net[0].weight.data().dtype == ml_dtypes.bfloat16
     assert net[0].weight.grad().dtype == ml_dtypes.bfloat16
     assert losses[-1] < losses[0] - 0.02
+
+
+# -- float16 without master weights: warned, as MXNet warns ---------------------------------------
+
+def adam_steps(dtype, **settings):
+    """Two Adam steps on two float16 tables whose unused rows get zero gradients (an
+    embedding's rows that no token read); the weights, and the warnings given."""
+    adam = optimizer.Adam(learning_rate=0.01, **settings)
+    weights = [np.ones((5, 2), dtype) for _ in range(2)]
+    grad = np.array(numpy.array([[0.5, -0.5]] + [[0, 0]] * 4, dtype=dtype))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        for _ in range(2):
+            for key, weight in enumerate(weights):
+                adam.update(key, weight, grad)
+    return [w.asnumpy() for w in weights], [str(w.message) for w in caught]
+
+
+@pytest.mark.filterwarnings('ignore::RuntimeWarning')       # the 0 / 0 it warns of
+def test_float16_adam_without_masters_is_warned_once_and_with_them_stays_finite():
+    """ε = 1e-8 rounds to 0 in float16, so a row with no gradient steps by 0 / 0: NaN. MXNet
+    warns of float16 updates without multi_precision; so does d2lperf, once an optimizer."""
+    weights, messages = adam_steps('float16')
+    assert numpy.isnan(weights[0][1:]).all() and numpy.isfinite(weights[0][0]).all()
+    assert len(messages) == 1
+    assert all(words in messages[0] for words in ('float16', 'epsilon', 'multi_precision=True'))
+    weights, messages = adam_steps('float16', multi_precision=True)
+    assert messages == [] and numpy.isfinite(weights[0]).all()
+    assert weights[0][1:].tolist() == [[1, 1]] * 4
+    assert adam_steps('float32')[1] == []
+    assert 'bfloat16' in adam_steps(BF16)[1][0] and 'epsilon' not in adam_steps(BF16)[1][0]

@@ -1,5 +1,6 @@
 """Data loading: checksums, atomic cache writes, the IDX format and the offline fallback."""
 import gzip
+import sys
 import urllib.error
 
 import numpy
@@ -181,3 +182,22 @@ def test_resize_of_a_batch_equals_resizing_each_image():
     rows, columns = data.interpolation_matrix(8, 7), data.interpolation_matrix(5, 7)
     numpy.testing.assert_allclose(data.resize_images(images, 7), rows @ images @ columns.T,
                                   rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture
+def no_sklearn(monkeypatch):
+    """scikit-learn as if it were not installed: importing it raises ImportError."""
+    for name in ('sklearn', 'sklearn.datasets'):
+        monkeypatch.setitem(sys.modules, name, None)
+
+
+def test_offline_without_scikit_learn_says_what_failed_and_what_fixes_it(offline, no_sklearn,
+                                                                         tmp_path):
+    """A bare ModuleNotFoundError named neither the download nor the fix."""
+    with pytest.raises(data.DataUnavailable) as raised:
+        data.load_data_fashion_mnist(64, root=tmp_path)
+    message = str(raised.value)
+    for words in ('Fashion-MNIST could not be downloaded (URLError', 'no network',
+                  "scikit-learn's handwritten digits, needs scikit-learn",
+                  '`pip install scikit-learn`', "`pip install -e '.[book]'`", str(tmp_path)):
+        assert words in message

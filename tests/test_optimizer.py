@@ -79,6 +79,7 @@ def float16_sgd(weight, grads, lr, momentum, wd):
     return weight, velocity
 
 
+@pytest.mark.filterwarnings('ignore:.*multi_precision=True')     # MXNet's warning, expected
 def test_sgd_updates_float16_weights_in_float16():
     rng = numpy.random.default_rng(3)
     weight0 = rng.normal(size=(5,)).astype(numpy.float16)

@@ -112,3 +112,26 @@ def test_uneven_sizes_and_a_net_too_shallow_are_named():
     _, pipeline = trained_in_a_pipeline([d2l.cpu(1), d2l.cpu(2)], '1f1b', 3, sizes=[5, 1],
                                         steps=1)
     assert [len(part) for part in pipeline.parts] == [5, 1]
+
+
+def gradients_of_a_bfloat16_mlp(devices):
+    """Each parameter's gradient of a bfloat16 MLP, over `devices` (None: one device)."""
+    net = mlp().cast('bfloat16')
+    x, y = np.array(X).astype('bfloat16'), np.array(Y)
+    if devices is None:
+        with autograd.record():
+            loss = LOSS(net(x), y).sum()
+        loss.backward()
+    else:
+        Pipeline(net, devices, 'gpipe').forward_backward([x], [y], LOSS)
+    return [p.grad().asnumpy().astype('float32') for p in net.collect_params().values()]
+
+
+def test_a_bfloat16_net_takes_gradients_across_stages():
+    """bfloat16 (ml_dtypes' kind 'V', not 'f') is differentiable: the copy a stage receives
+    takes a gradient, and the stage before gets it."""
+    one = gradients_of_a_bfloat16_mlp(None)
+    split = gradients_of_a_bfloat16_mlp([d2l.cpu(1), d2l.cpu(2)])
+    assert numpy.abs(one[0]).max() > 1e-2
+    for a, b in zip(split, one):
+        numpy.testing.assert_array_equal(a, b)

@@ -188,3 +188,39 @@ def test_tokens_that_do_not_split_are_named():
     tp = tensor_parallel(gpt(), devices(4), sequence=True)
     with pytest.raises(ValueError, match='6 tokens .* do not split among 4 devices'):
         tp(np.array(TOKENS[:3, :2]))
+
+
+def mixed_precision_gpt():
+    """The GPT in float16 but for its norms, kept in float32 (as mixed precision keeps them)."""
+    net = gpt().cast('float16')
+    for norm in [net[-1].norm] + [n for layer in net[1:-1]
+                                  for n in (layer.attention_norm, layer.mlp_norm)]:
+        norm.cast('float32')
+    return net
+
+
+@pytest.mark.parametrize('split', ['tensor_parallel', 'parallel_gpt'])
+def test_the_split_keeps_every_parameters_dtype_and_value(split):
+    """Each part's parameters in the dtype of the parameter they come from (float16, the
+    norms float32), the values bit for bit; the logits those of the whole net, in its dtype."""
+    net = mixed_precision_gpt()
+    if split == 'tensor_parallel':
+        ranks = tensor_parallel(net, devices(2)).ranks
+    else:
+        parts = d2l.model_parallel.parallel_gpt(net, devices(4), tensor=2, pipeline=2)
+        ranks = [rank for part in parts.replicas[0].parts for rank in part.ranks]
+    for rank in ranks:
+        for name, param in rank.collect_params().items():
+            assert param.data().dtype == ('float32' if 'norm' in name else 'float16'), name
+    first = ranks[0]
+    numpy.testing.assert_array_equal(first.embedding.token.weight.data().asnumpy(),
+                                     net[0].token.weight.data().asnumpy())
+    numpy.testing.assert_array_equal(first.layers[0].attention.query.weight.data().asnumpy(),
+                                     net[1].attention.query.weight.data().asnumpy()[:HIDDEN // 2])
+    if split == 'tensor_parallel':
+        tp = tensor_parallel(net, devices(2))
+        logits = tp(np.array(TOKENS))
+        whole = net(np.array(TOKENS, device=d2l.cpu(5))).asnumpy()
+        for out in logits:
+            assert out.dtype == whole.dtype
+            numpy.testing.assert_allclose(out.asnumpy(), whole, atol=1e-3)

@@ -1,6 +1,9 @@
 """train_mnist end to end, locally over two devices, and its arguments. Its dist_sync and
 dist_async jobs are MPI tests: tests/mpi/test_train_mnist_dist.py."""
 import re
+import sys
+import urllib.error
+
 import pytest
 
 from tests.dist_helpers import run_module
@@ -47,3 +50,19 @@ def test_slow_down_names_a_device_and_its_factor():
     args = train_mnist.parse(['--devices', 'cpu0,cpu1', '--slow-down', 'cpu1=3'])
     assert args.slow_down == (train_mnist.cpu(1), 3.0)
     assert train_mnist.slowed(args) == ' (cpu(1) slowed 3×)'
+
+
+def test_offline_without_scikit_learn_exits_with_the_fix_not_a_traceback(tmp_path, monkeypatch):
+    """Installed with [mpi] but not [book], and no network: the download failed, and the
+    fallback's `import sklearn` ended the run in a bare ModuleNotFoundError."""
+    def refuse(url, timeout):
+        raise urllib.error.URLError('no network')
+    monkeypatch.setattr(train_mnist.data.urllib.request, 'urlopen', refuse)
+    monkeypatch.setenv('D2LPERF_DATA', str(tmp_path))         # nothing cached
+    for name in ('sklearn', 'sklearn.datasets'):
+        monkeypatch.setitem(sys.modules, name, None)
+    with pytest.raises(SystemExit) as exited:
+        train_mnist.main(['--network', 'mlp', '--devices', 'cpu0', '--kv-store', 'device'])
+    message = str(exited.value.code)
+    assert message.startswith('train_mnist: Fashion-MNIST could not be downloaded (URLError')
+    assert '`pip install scikit-learn`' in message and "'.[book]'" in message

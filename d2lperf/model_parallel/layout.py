@@ -14,6 +14,7 @@ Taught in "Parallelism in Three Dimensions".
 from __future__ import annotations
 
 import collections
+import numbers
 from typing import Sequence
 
 from .. import comm, np
@@ -41,6 +42,8 @@ class ParallelGPT:
     def __init__(self, net, devices, data=1, tensor=1, pipeline=1, schedule='1f1b', chunks=1,
                  algorithm='ring', sequence=False):
         devices = list(devices)
+        for name, size in (('data', data), ('tensor', tensor), ('pipeline', pipeline)):
+            at_least_one(name, size)
         if len(devices) != data * tensor * pipeline:
             raise ValueError(f'{len(devices)} devices do not make a grid of data {data} × '
                              f'tensor {tensor} × pipeline {pipeline}: give '
@@ -57,6 +60,7 @@ class ParallelGPT:
         """One step's forward and backward of the batch (`tokens`, `labels`): 1/d of it a
         replica, in `microbatches` micro-batches; then every gradient summed over the replicas.
         Returns the losses, each summed over its micro-batch, replica by replica."""
+        at_least_one('microbatches', microbatches)
         batch = tokens.shape[0]
         if batch % (self.data * microbatches):
             raise ValueError(f'a batch of {batch} does not split into {self.data} replicas × '
@@ -96,6 +100,14 @@ class ParallelGPT:
         """Every device's parameters, each where it lives (a Trainer updates each there)."""
         return {f'replica{r}.{k}': param for r, replica in enumerate(self.replicas)
                 for k, param in enumerate(replica.params())}
+
+
+def at_least_one(name, size):
+    """Refuse a size of the grid (or a count of micro-batches) that is not a whole number of
+    at least 1: a 0 divided the batch by zero."""
+    if not isinstance(size, numbers.Integral) or size < 1:
+        raise ValueError(f'{name}={size!r}: each size of the layout (data, tensor, pipeline) '
+                         'and the number of micro-batches is a whole number of at least 1')
 
 
 def split(array, pieces):

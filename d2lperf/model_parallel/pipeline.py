@@ -21,8 +21,9 @@ import numpy
 from .. import autograd
 from ..device import Device, label
 from ..nn.block import Block
+from ..ops import differentiable
 from ..np.multiarray import NDArray
-from .schedules import schedule, simulate
+from .schedules import check, schedule, simulate
 from .tensor import TensorParallelGPT
 
 
@@ -41,13 +42,17 @@ class Pipeline:
                  algorithm: str = 'ring', sequence: bool = False):
         self.devices, self.name, self.chunks = list(devices), name, chunks
         self.sent = collections.Counter()      # bytes each device sent to another stage
-        spans = cut(len(net.children()), len(self.devices) * chunks, sizes)
+        p = len(self.devices)
+        if p == 0:
+            raise ValueError('a Pipeline needs at least one stage: devices is empty')
+        check(name, p, p, chunks)
+        spans = cut(len(net.children()), p * chunks, sizes)
         if all(isinstance(stage, Device) for stage in self.devices):
-            self.parts = [Part(net.children()[span], self.devices[k % len(self.devices)])
+            self.parts = [Part(net.children()[span], self.devices[k % p])
                           for k, span in enumerate(spans)]
         elif all(isinstance(stage, (list, tuple)) for stage in self.devices):
-            self.parts = [TensorParallelGPT(net, self.devices[k % len(self.devices)],
-                                            algorithm, sequence, span)
+            check_groups(self.devices)
+            self.parts = [TensorParallelGPT(net, self.devices[k % p], algorithm, sequence, span)
                           for k, span in enumerate(spans)]
         else:
             raise ValueError('each stage is a Device, or each is a list of Devices (a tensor-'
@@ -66,6 +71,10 @@ class Pipeline:
         each parameter's `.grad` becomes the sum over the micro-batches. Returns the losses
         (each summed over its micro-batch), on the last part's (first) device."""
         m, p, last = len(inputs), len(self.devices), len(self.parts) - 1
+        if m == 0 or len(labels) != m:
+            raise ValueError(f'{m} micro-batches of inputs and {len(labels)} of labels: give '
+                             'one label array an input, and at least one (no micro-batches, '
+                             'no step)')
         outputs, borders, grads_in, losses, totals = {}, {}, {}, [None] * m, {}
         for _, stage, action in self.order(m):
             part, mb = stage + action.chunk * p, action.microbatch
@@ -101,14 +110,14 @@ class Pipeline:
         micro-batches' inputs, from the host, are not: `count` False)."""
         devices = self.parts[part].devices
         arrays = arrays if isinstance(arrays, list) else [arrays] * len(devices)
-        for x, device in zip(arrays, devices):
+        for x, device in zip(arrays, devices, strict=True):     # stages are groups alike
             if count and x.device != device:
                 self.sent[x.device] += x.size * x.dtype.itemsize
         with autograd.pause():
             here = [x.copyto(device) if x.device != device else x.copy()
                     for x, device in zip(arrays, devices)]
         for x in here:
-            if leaf and x.dtype.kind == 'f':
+            if leaf and differentiable(x.dtype):
                 x.attach_grad()
         return here
 
@@ -145,6 +154,21 @@ class Part:
 
     def params(self):
         return [p for layer in self.layers for p in layer.collect_params().values()]
+
+
+def check_groups(stages):
+    """Tensor-parallel stages of one size: stage k hands device i's activations to device i
+    of stage k + 1, and its backward one gradient a device. Groups of 2 and 1 devices lost
+    rank 1's gradient with no error."""
+    sizes = [len(group) for group in stages]
+    if min(sizes) < 1:
+        raise ValueError(f'stage {sizes.index(0)} is an empty group: each tensor-parallel '
+                         'stage needs at least one device')
+    for k, size in enumerate(sizes):
+        if size != sizes[0]:
+            raise ValueError(f'a Pipeline needs tensor-parallel groups of one size: stage {k} '
+                             f'has {size} device{"s" * (size != 1)}, stage 0 has {sizes[0]} '
+                             f'(sizes {sizes}); give every stage the same number of devices')
 
 
 def add_gradients(part, totals):

@@ -53,14 +53,15 @@ class TensorParallelGPT:
         default."""
         self.devices, self.algorithm, self.sequence = list(devices), algorithm, sequence
         t = len(self.devices)
-        first = net[1]
-        heads, hidden = first.attention.num_heads, first.attention_norm.gamma.shape[0]
-        if heads % t:
-            raise ValueError(f'{heads} attention heads do not split among {t} devices: use a '
-                             f'number of devices that divides {heads}')
+        check_collectives(t, algorithm, sequence)
+        for layer in net[1:-1]:
+            heads = layer.attention.num_heads
+            if heads % t:
+                raise ValueError(f'{heads} attention heads do not split among {t} devices: '
+                                 f'use a number of devices that divides {heads}')
         self.ranks = [Rank(net, rank, t, device, units)
                       for rank, device in enumerate(self.devices)]
-        self.hidden = hidden
+        self.hidden = net[0].token.weight.shape[1]
 
     def __call__(self, x: NDArray | list[NDArray], tokens_shape=None) -> list[NDArray]:
         """The tokens (one array, or a copy on each device) through the embedding, the layers
@@ -158,7 +159,15 @@ class TensorParallelGPT:
         self.finish_gradients()
 
     def walk_back(self, outs, heads):
-        """A pipeline part's backward of one micro-batch, from `heads` (None at the loss)."""
+        """A pipeline part's backward of one micro-batch, from `heads` (None at the loss).
+        One head (and head gradient) a device, or a device's walk would be left out and the
+        collectives in backward would pair the wrong arrays: a drift raises."""
+        t = len(self.ranks)
+        if len(outs) != t:
+            raise ValueError(f'{len(outs)} heads for {t} devices: a tensor-parallel backward '
+                             'walks one head a device, side by side')
+        if heads is not None and len(heads) != t:
+            raise ValueError(f'{len(heads)} head gradients for {t} devices: give one a device')
         autograd.backward_together(outs, head_grads=heads)
 
     def finish_gradients(self):
@@ -176,6 +185,21 @@ class TensorParallelGPT:
     def collect_params(self):
         return {f'rank{r}.{name}': param for r, rank in enumerate(self.ranks)
                 for name, param in rank.collect_params().items()}
+
+
+def check_collectives(t, algorithm, sequence):
+    """Refuse, when built, a group that could not run its first collective: no devices, an
+    unknown allreduce algorithm, or, under sequence parallelism, one with no halves."""
+    if t < 1:
+        raise ValueError('tensor parallelism needs at least one device, got none')
+    comm.schedule(algorithm, t)
+    if sequence:
+        try:
+            comm.half('reduce-scatter', algorithm, t)
+        except ValueError as error:
+            raise ValueError(f'sequence=True splits each allreduce into a reduce-scatter and '
+                             f'an all-gather: {error}. Use one of those, or sequence=False'
+                             ) from None
 
 
 class Rank:
@@ -242,9 +266,8 @@ def take(dense, whole, weight_key, bias_key=slice(None), bias_here=True):
     """`dense`'s weight as `whole`'s weight[weight_key]; its bias as whole's bias[bias_key],
     or, for a split input (`bias_key` None), the whole bias on one device only: the parts are
     summed, so the bias is added once (the other devices' biases stay zero, untrained)."""
-    source = whole.weight.data()
-    dense.initialize()
-    dense.weight.set_data(source[weight_key].copy())
+    in_dtypes_of(dense, whole)
+    dense.weight.set_data(whole.weight.data()[weight_key].copy())
     if bias_key is not None:
         dense.bias.set_data(whole.bias.data()[bias_key].copy())
     elif bias_here:
@@ -256,8 +279,16 @@ def take(dense, whole, weight_key, bias_key=slice(None), bias_here=True):
 
 def copied(block, source, device):
     """`block` (built alike) with `source`'s values, on `device`."""
-    block.initialize()
+    in_dtypes_of(block, source)
     for mine, theirs in zip(block.collect_params().values(), source.collect_params().values()):
         mine.set_data(theirs.data().copy())
     block.reset_device(device)
     return block
+
+
+def in_dtypes_of(block, source):
+    """`block` initialized with each parameter in the dtype of `source`'s (built alike): a
+    float16 net splits into float16 parts, its float32 norms stay float32."""
+    for mine, theirs in zip(block.collect_params().values(), source.collect_params().values()):
+        mine.cast(theirs.data().dtype)
+    block.initialize()

@@ -9,6 +9,7 @@ Dense layers are separate, named parameters: tensor parallelism splits the first
 heads (columns) and the output by rows, and the MLP the same way.
 """
 import math
+import numbers
 
 from ..np import extension as npx
 from .block import Dense, HybridBlock, HybridSequential
@@ -156,6 +157,9 @@ class GPT(HybridSequential):
 
     def __init__(self, vocab_size, num_layers, num_hiddens, num_heads, max_len):
         super().__init__()
+        if not isinstance(num_layers, numbers.Integral) or num_layers < 0:
+            raise ValueError(f'num_layers={num_layers!r}: a GPT has a whole number of layers, '
+                             '0 or more (with 0 it is a bigram model: embedding, then head)')
         self.add(GPTEmbedding(vocab_size, num_hiddens, max_len))
         self.add(*(TransformerLayer(num_hiddens, num_heads) for _ in range(num_layers)))
         self.add(LanguageModelHead(num_hiddens, vocab_size))

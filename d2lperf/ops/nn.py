@@ -43,15 +43,50 @@ defop('softmax', softmax, floating,
       lambda xp, g, out, a: (out * (g - (g * out).sum(axis=-1, keepdims=True)),))
 
 
+def integer_ids(index, what):
+    """Refuse ids that are not integers when the op is pushed, as PyTorch does: NumPy would
+    read 2.7 as 2, and True as 1, with no error."""
+    dtype = numpy.dtype(index.dtype)
+    if dtype.kind not in 'iu':
+        raise TypeError(f'{what} must be integers, not {dtype}: convert them with '
+                        f".astype('int64') (a float id would be truncated: 2.7 read as 2)")
+
+
+def ids_in_range(xp, index, count, what, among):
+    """`index` as int64, once its ids are checked to lie in [0, count) (`among` names the
+    count): NumPy reads -1 as the last row and names no vocabulary. One min and max a call,
+    one transfer on a GPU."""
+    ids = index.astype(numpy.int64, copy=False)
+    if ids.size:
+        low, high = bounds(xp, ids)
+        if low < 0 or high >= count:
+            bad = low if low < 0 else high
+            raise IndexError(f'{what} {bad} is out of range for {among}: each must lie in '
+                             f'0 to {count - 1}')
+    return ids
+
+
+def bounds(xp, ids):
+    """(min, max) of `ids` as Python ints: on a GPU both in one transfer (each `int()` of a
+    CuPy scalar waits for the device); on NumPy, where stacking costs more than the two
+    reductions, directly."""
+    if xp is numpy:
+        return int(ids.min()), int(ids.max())
+    return tuple(int(v) for v in xp.stack([ids.min(), ids.max()]).tolist())
+
+
 def pick_infer(a, index):
     if tuple(index.shape) != tuple(a.shape[:-1]):
         raise ValueError(f'pick needs one index per row: index shape {index.shape} '
                          f'!= {a.shape[:-1]}')
+    integer_ids(index, 'pick\'s indices (labels)')
     return a.shape[:-1], numpy.dtype(a.dtype)
 
 
 def pick(xp, a, index):
-    return xp.take_along_axis(a, index.astype(numpy.int64)[..., None], axis=-1)[..., 0]
+    count = a.shape[-1]
+    ids = ids_in_range(xp, index, count, 'label', f'{count} classes (the last axis)')
+    return xp.take_along_axis(a, ids[..., None], axis=-1)[..., 0]
 
 
 def pick_vjp(xp, g, out, a, index):

@@ -9,6 +9,7 @@ import math
 
 import numpy
 
+from .nn import ids_in_range, integer_ids
 from .registry import defop
 from .rules import floating, result_type, same
 
@@ -18,6 +19,7 @@ from .rules import floating, result_type, same
 def embedding_infer(index, weight):
     if len(weight.shape) != 2:
         raise ValueError(f'an embedding table is (rows, features), got shape {weight.shape}')
+    integer_ids(index, "an embedding's ids")
     return tuple(index.shape) + tuple(weight.shape[1:]), numpy.dtype(weight.dtype)
 
 
@@ -38,8 +40,13 @@ def embedding_vjp(xp, g, out, index, weight):
     return None, grad
 
 
-defop('embedding', lambda xp, index, weight: weight[index.astype(numpy.int64)],
-      embedding_infer, embedding_vjp)
+def embedding(xp, index, weight):
+    rows = weight.shape[0]
+    return weight[ids_in_range(xp, index, rows, 'id', f'an embedding of {rows} rows (its '
+                                                       'vocabulary)')]
+
+
+defop('embedding', embedding, embedding_infer, embedding_vjp)
 
 
 
@@ -92,35 +99,44 @@ def row_dots(xp, a, b):
     return xp.einsum('ij,ij->i', rows_a, rows_b).reshape(a.shape[:-1] + (1,))
 
 
-def normalized(xp, x, eps, dtype):
-    """(x - mean) / std along the last axis, in `dtype`, and 1 / std (which the gradient
-    needs): one new array, the other passes in place."""
+def normalized(xp, x, eps):
+    """(x - mean) / std along the last axis, and 1 / std (which the gradient needs), in x's
+    working precision: one new array, the other passes in place."""
     width = x.shape[-1]
-    centred = xp.subtract(x, row_sums(xp, x) / width, dtype=dtype)
-    inverse_std = (1 / xp.sqrt(row_dots(xp, centred, centred) / width + eps)).astype(dtype)
+    mean = row_sums(xp, x) / width           # in working precision: float32 for half
+    centred = xp.subtract(x, mean, dtype=mean.dtype)
+    inverse_std = 1 / xp.sqrt(row_dots(xp, centred, centred) / width + eps)
     centred *= inverse_std
     return centred, inverse_std
 
 
 def layer_norm(xp, x, gamma, beta, eps=1e-5):
-    out, _ = normalized(xp, x, eps, xp.result_type(x, gamma, beta))
+    """In half precision the whole normalization runs in float32 and rounds once at the
+    end: ml_dtypes cannot subtract float32 statistics into a bfloat16 result, and a float16
+    x - mean would round before the scaling that brings it back to order 1."""
+    dtype = result_type(x.dtype, gamma.dtype, beta.dtype)
+    out, _ = normalized(xp, x, eps)
+    out = out.astype(result_type(out.dtype, dtype), copy=False)
     out *= gamma
     out += beta
-    return out
+    return out.astype(dtype, copy=False)
 
 
 def layer_norm_vjp(xp, g, out, x, gamma, beta, eps=1e-5):
     """The statistics are recomputed rather than saved: one more pass over x costs less
-    memory than keeping two arrays per layer until backward."""
-    x_hat, inverse_std = normalized(xp, x, eps, xp.result_type(g, x, gamma))
+    memory than keeping two arrays per layer until backward. Half precision works in
+    float32, as the forward does, and rounds each gradient once."""
+    x_hat, inverse_std = normalized(xp, x, eps)
+    g_wide = working_precision(g)
     width, rows = x.shape[-1], tuple(range(g.ndim - 1))
-    d_gamma, d_beta = (g * x_hat).sum(axis=rows), g.sum(axis=rows)
-    d_hat = g * gamma
+    d_gamma, d_beta = (g_wide * x_hat).sum(axis=rows), g_wide.sum(axis=rows)
+    d_hat = g_wide * working_precision(gamma)
     x_hat *= row_dots(xp, d_hat, x_hat) / width
     d_hat -= row_sums(xp, d_hat) / width
     d_hat -= x_hat
     d_hat *= inverse_std
-    return d_hat, d_gamma, d_beta
+    return tuple(d.astype(result_type(g.dtype, like.dtype), copy=False)
+                 for d, like in ((d_hat, x), (d_gamma, gamma), (d_beta, beta)))
 
 
 defop('layer_norm', layer_norm, layer_norm_infer, layer_norm_vjp)

@@ -12,6 +12,7 @@ float32, and the weight is the master rounded down. An update smaller than half 
 """
 import functools
 import math
+import warnings
 
 import ml_dtypes
 import numpy
@@ -37,12 +38,14 @@ class Optimizer:
         self.states = {}             # key -> the rule's state, created on the first update
         self.masters = {}            # key -> float32 master copy (multi_precision only)
         self.saved = {}              # key -> (host array, device) loaded, not yet given a weight
+        self.warned = False          # of a low-precision weight updated without a master
 
     def update(self, key, weight, grad):
         """Apply one step to `weight` in place (engine operations on weight's device)."""
         if key in self.saved:
             self.restore(key, weight, *self.saved.pop(key))
         if not self.keeps_master(weight):
+            self.warn_without_master(weight)
             self.step(key, weight, grad)
             return
         master = self.masters.get(key)
@@ -50,6 +53,25 @@ class Optimizer:
             master = self.masters[key] = label_master(weight.astype(FLOAT32))
         self.step(key, master, grad.astype(FLOAT32))
         weight[:] = master           # one operation: the assignment rounds to weight's dtype
+
+    def warn_without_master(self, weight):
+        """Warn, once, of a float16 or bfloat16 weight updated in its own precision, as MXNet
+        does: small updates round away, and Adam's ε rounds to 0 in float16, so a weight
+        whose gradient is 0 steps by 0 / 0."""
+        dtype = numpy.dtype(weight.dtype)
+        if self.warned or dtype not in LOW_PRECISION:
+            return
+        self.warned = True
+        name = type(self).__name__
+        warnings.warn(f'{name} updates {dtype} weights in {dtype}, which can lose small '
+                      f'updates{self.low_precision_hazard(dtype)}: create it with '
+                      f"multi_precision=True (Trainer(params, '{name.lower()}', "
+                      "{..., 'multi_precision': True})) to update float32 master copies",
+                      UserWarning, stacklevel=3)
+
+    def low_precision_hazard(self, dtype):
+        """What else goes wrong with this rule in `dtype` (for the warning)."""
+        return ''
 
     def keeps_master(self, weight):
         """Whether `weight` is updated through a float32 master copy."""
@@ -180,6 +202,12 @@ class Adam(Optimizer):
         rate = self.learning_rate * math.sqrt(1 - self.beta2 ** t) / (1 - self.beta1 ** t)
         settings = (rate, self.beta1, self.beta2, self.epsilon, self.wd, self.rescale_grad)
         fused('adam_update', adam_rule, settings, grad, weight, *state)
+
+    def low_precision_hazard(self, dtype):
+        if dtype.type(self.epsilon) == 0 < self.epsilon:
+            return (f' and epsilon={self.epsilon:g} rounds to 0 (a weight whose gradient is '
+                    '0 then steps by 0 / 0: NaN)')
+        return ''
 
     def state_of(self, weight):
         """(shape, dtype) of the state `get_states` gives for `weight`."""
