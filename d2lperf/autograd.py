@@ -294,9 +294,16 @@ def backward_together(heads, on_gradient=None, head_grads=None):
     collective in the same turn."""
     head_grads = [None] * len(heads) if head_grads is None else head_grads
     with pause():
-        walks = [walk(head, grad, False, on_gradient) for head, grad in zip(heads, head_grads)]
+        walks = [walk(head, grad, False, on_gradient)
+                 for head, grad in zip(heads, head_grads, strict=True)]
         while walks:
-            walks = [w for w in walks if next(w, None) is not None]
+            going = [w for w in walks if next(w, None) is not None]
+            if going and len(going) < len(walks):     # a collective would miss a device's part
+                raise RuntimeError(f'the backward passes of {len(heads)} heads fell out of step: '
+                                   f'{len(walks) - len(going)} ended while {len(going)} went '
+                                   'on; their graphs must be alike (one network split over '
+                                   'devices)')
+            walks = going
 
 
 def walk(head, head_grad, retain_graph, on_gradient):

@@ -150,3 +150,24 @@ def test_forward_hooks_run_around_a_block_and_may_replace_its_output(hybridize):
     pre.detach()
     post.detach()
     assert net(x).asnumpy().any() and len(seen) == 1
+
+
+def test_backward_together_sums_alike_heads_and_refuses_walks_out_of_step():
+    """The heads of one network split over devices walk in step; a head whose graph is longer
+    or shorter would let a collective miss a device's part, so it raises instead."""
+    x, y = np.array([1.0, 2.0]), np.array([3.0, 4.0])
+    x.attach_grad()
+    y.attach_grad()
+    with autograd.record():
+        a, b = (x * 2).sum(), (y * 3).sum()
+    autograd.backward_together([a, b])
+    numpy.testing.assert_array_equal(x.grad.asnumpy(), [2.0, 2.0])
+    numpy.testing.assert_array_equal(y.grad.asnumpy(), [3.0, 3.0])
+    with autograd.record():
+        a, b = (x * 2).sum(), (y * 3 * 5).sum()
+    with pytest.raises(RuntimeError, match='fell out of step'):
+        autograd.backward_together([a, b])
+    with autograd.record():
+        a = (x * 2).sum()
+    with pytest.raises(ValueError):
+        autograd.backward_together([a], head_grads=[None, None])
