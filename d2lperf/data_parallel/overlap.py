@@ -27,3 +27,12 @@ def backward_reporting(losses, params, ready):
     for index in range(len(params)):
         if index not in reached:
             ready(index)
+
+
+def one_loss_a_device(losses, devices):
+    """Refuse a step whose forward returned other than one loss a device: with fewer, part of
+    the batch would silently go untrained; with more, some device would hold two."""
+    if len(losses) != len(devices):
+        raise ValueError(f'forward() returned {len(losses)} losses for {len(devices)} devices: '
+                         'return one loss a device, each computed from its part of the batch '
+                         '(d2l.split_batch), in the order of the devices')

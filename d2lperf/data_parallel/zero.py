@@ -36,6 +36,7 @@ import numpy
 from .. import autograd, comm, engine
 from ..nn.block import Block
 from ..np.multiarray import NDArray
+from .overlap import one_loss_a_device
 from .units import units_of
 from .updates import apply_updates, check_devices, create_optimizer, trained
 
@@ -84,14 +85,21 @@ class Zero:
         `sync=False` is DDP's and FSDP's `no_sync`: each device keeps its gradients summed
         whole and sends nothing, so the bytes of one reduction serve many micro-batches, at
         the price of every full gradient held until the next micro-batch that syncs."""
-        for unit in self.units:         # before forward, so that the tape records the weights
-            unit.expect_gradients()
-        with autograd.record():
-            losses = list(forward())
-        self.backward(losses, sync)
+        try:
+            for unit in self.units:     # before forward, so that the tape records the weights
+                unit.expect_gradients()
+            with autograd.record():
+                losses = list(forward())
+            self.backward(losses, sync)
+        except BaseException:
+            # A micro-batch that fails or is interrupted (Ctrl-C) midway has sent and kept
+            # part of its gradients: the whole step is dropped, so the next starts from zero.
+            self.drop_step()
+            raise
 
     def backward(self, losses, sync=True):
         """Each device's backward pass; a unit's gradients go on as soon as a device has them."""
+        one_loss_a_device(losses, self.devices)
         self.sends_pending = [collections.deque() for _ in self.devices]
         for device, loss in enumerate(losses):
             missing = {id(unit): len(unit.params) for unit in self.units}
@@ -103,8 +111,10 @@ class Zero:
                     missing[id(unit)] -= 1
                     if missing[id(unit)] == 0:
                         self.gradients_made(unit, device, sync)
+                    elif missing[id(unit)] < 0:
+                        raise reached_twice(unit)
             loss.backward(on_gradient=reached)
-            for unit in self.units:                 # units the loss did not reach
+            for unit in self.units:     # units the loss did not reach get zero gradients
                 if missing[id(unit)] > 0:
                     self.gradients_made(unit, device, sync)
 
@@ -132,17 +142,28 @@ class Zero:
     def update(self, batch_size):
         """Each device updates its chunks; then stages 1 and 2 gather the weights. One unit at
         a time, so that its gather starts while the next is updated."""
-        for index, unit in enumerate(self.units):
-            unit.sum_kept_gradients(self.algorithm)
-            apply_updates(self.optimizer, self.scale, batch_size,
-                          [((index, device), weight, grad) for device, (weight, grad)
-                           in enumerate(zip(unit.weight_shards, unit.grad_shards))])
-            if self.stage < 3:
-                comm.all_gather_into(unit.flats, self.algorithm)
-            else:                       # a copy gathered ahead and not used is stale now
-                for device in range(len(self.devices)):
-                    unit.free(device)
+        try:
+            for index, unit in enumerate(self.units):
+                unit.sum_kept_gradients(self.algorithm)
+                apply_updates(self.optimizer, self.scale, batch_size,
+                              [((index, device), weight, grad) for device, (weight, grad)
+                               in enumerate(zip(unit.weight_shards, unit.grad_shards))])
+                if self.stage < 3:
+                    comm.all_gather_into(unit.flats, self.algorithm)
+                else:                   # a copy gathered ahead and not used is stale now
+                    for device in range(len(self.devices)):
+                        unit.free(device)
+                unit.drop_gradients()
+        finally:
+            self.drop_step()
+
+    def drop_step(self):
+        """Every unit's gradients dropped and (stage 3) its whole copies freed, after a step
+        whether it ended or failed midway: the next starts from zero and from the shards."""
+        for unit in self.units:
             unit.drop_gradients()
+            for device in range(len(self.devices)):
+                unit.free(device)
 
     # -- stage 3: a unit whole only around its forward and its backward ---------------------
     def _hook(self, unit):
@@ -180,3 +201,11 @@ class Zero:
             for param, shape, (start, stop) in zip(unit.params, unit.shapes, unit.layout):
                 found[id(param)] = flat[start:stop].reshape(shape)
         return {name: found[id(param)] for name, param in zip(self.names, self.params)}
+
+
+def reached_twice(unit):
+    return RuntimeError(
+        f'a parameter of unit {unit.index} ({type(unit.block).__name__}) got a second '
+        'gradient in one backward pass, after ZeRO had sent the unit\'s gradients: the unit is '
+        'used in two checkpointed segments (autograd.checkpoint walks each alone). Call it in '
+        'one segment, or outside autograd.checkpoint (PyTorch\'s DDP refuses this too)')
