@@ -21,12 +21,24 @@ def backward_reporting(losses, params, ready):
     def reached_one(copy):
         index = index_of.get(id(copy))
         if index is not None:
+            if index in reached:
+                raise reached_twice(f"parameter '{params[index].name}'")
             reached.add(index)
             ready(index)
     losses[-1].backward(on_gradient=reached_one)
     for index in range(len(params)):
         if index not in reached:
             ready(index)
+
+
+def reached_twice(what):
+    """The error for a second gradient of one parameter in one backward pass, its sum over the
+    devices already started from the first: the parameter is used in several checkpointed
+    segments, which `autograd.checkpoint` walks one at a time. PyTorch's DDP refuses it too."""
+    return RuntimeError(
+        f'{what} got a second gradient in one backward pass, after its sum over the devices '
+        'had started: it is used in several segments of autograd.checkpoint. Use it in one '
+        'segment or outside checkpoint, or sum after backward (Buckets(..., overlap=False))')
 
 
 def one_loss_a_device(losses, devices):

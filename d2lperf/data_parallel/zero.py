@@ -36,7 +36,7 @@ import numpy
 from .. import autograd, comm, engine
 from ..nn.block import Block
 from ..np.multiarray import NDArray
-from .overlap import one_loss_a_device
+from .overlap import one_loss_a_device, reached_twice
 from .units import units_of
 from .updates import apply_updates, check_devices, create_optimizer, trained
 
@@ -112,7 +112,7 @@ class Zero:
                     if missing[id(unit)] == 0:
                         self.gradients_made(unit, device, sync)
                     elif missing[id(unit)] < 0:
-                        raise reached_twice(unit)
+                        raise reached_twice(f'unit {unit.index} ({type(unit.block).__name__})')
             loss.backward(on_gradient=reached)
             for unit in self.units:     # units the loss did not reach get zero gradients
                 if missing[id(unit)] > 0:
@@ -202,10 +202,3 @@ class Zero:
                 found[id(param)] = flat[start:stop].reshape(shape)
         return {name: found[id(param)] for name, param in zip(self.names, self.params)}
 
-
-def reached_twice(unit):
-    return RuntimeError(
-        f'a parameter of unit {unit.index} ({type(unit.block).__name__}) got a second '
-        'gradient in one backward pass, after ZeRO had sent the unit\'s gradients: the unit is '
-        'used in two checkpointed segments (autograd.checkpoint walks each alone). Call it in '
-        'one segment, or outside autograd.checkpoint (PyTorch\'s DDP refuses this too)')

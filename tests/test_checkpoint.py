@@ -1,0 +1,48 @@
+"""`autograd.checkpoint` with a parameter used in several checkpointed segments (a layer applied
+again, weights tied): its gradient is the sum over every use, bit for bit the plain one."""
+import numpy
+import pytest
+
+from d2lperf import autograd, nn, np
+
+pytestmark = pytest.mark.usefixtures('fresh_engine')
+
+
+def dense_and_input():
+    layer = nn.Dense(4, in_units=4, activation='relu')
+    np.random.seed(0)
+    layer.initialize(init=nn.init.Normal(sigma=0.5))
+    x = np.random.normal(0, 1, size=(3, 4))
+    return layer, x
+
+
+def segments(layer, count, uses):
+    """`count` checkpointed segments, each applying the layer `uses` times (once: the layer
+    itself is the segment's block)."""
+    def segment(x):
+        for _ in range(uses):
+            x = layer(x)
+        return x
+    block = layer if uses == 1 else segment
+    return [lambda x: autograd.checkpoint(block, x)] * count
+
+
+def gradients(layer, x, calls):
+    x.attach_grad()
+    with autograd.record():
+        out = x
+        for call in calls:
+            out = call(out)
+        loss = (out * out).sum()
+    loss.backward()
+    return {name: p.grad().asnumpy() for name, p in layer.collect_params().items()} | {
+        'x': x.grad.asnumpy()}
+
+
+@pytest.mark.parametrize('count, uses', [(2, 1), (3, 1), (2, 2)])
+def test_a_parameter_in_several_segments_gets_the_sum_of_its_uses(engine_kind, count, uses):
+    layer, x = dense_and_input()
+    plain = gradients(layer, x, [layer] * (count * uses))
+    again = gradients(layer, x, segments(layer, count, uses))
+    for name in plain:
+        numpy.testing.assert_array_equal(again[name], plain[name], err_msg=name)
