@@ -1,6 +1,8 @@
 """ZeRO and Buckets at the edges of a step: a unit the loss does not reach, a step interrupted
 in backward, a hybridized net under stage 3, and fewer losses than devices. Each is compared
 with one device's step, as `test_data_parallel.py` compares a whole step."""
+import contextlib
+
 import numpy
 import pytest
 
@@ -139,3 +141,74 @@ def test_a_step_takes_one_loss_a_device(engine_kind, name, count):
     assert_weights_equal(strategy.weights(), before)
     strategy.step(lambda: [plain(net, a, b) for a, b in zip(X_parts, y_parts)], 24)
     assert_weights_equal(strategy.weights(), one_device(plain, ('sgd', {}), 1))
+
+
+# -- a unit used in two checkpointed segments ------------------------------------------------------
+def tied_net(devices):
+    net = nn.HybridSequential()
+    net.add(nn.Dense(8, in_units=8, activation='relu'), nn.Dense(10, in_units=8))
+    np.random.seed(0)
+    net.initialize(init=d2l.nn.init.Normal(sigma=0.3), device=devices)
+    return net
+
+
+def twice_checkpointed(net, a, b):
+    hidden = autograd.checkpoint(net[0], autograd.checkpoint(net[0], a))
+    return loss(net[1](hidden), b)
+
+
+def twice_plain(net, a, b):
+    return loss(net[1](net[0](net[0](a))), b)
+
+
+def test_a_unit_in_two_checkpointed_segments_sums_after_backward_as_one_device(engine_kind):
+    net = tied_net(DEVICES)
+    strategy = Buckets(net.collect_params(), overlap=False)
+    X_parts, y_parts = d2l.split_batch(X, y, DEVICES)
+    strategy.step(lambda: [twice_checkpointed(net, a, b) for a, b in zip(X_parts, y_parts)], 24)
+    reference = tied_net([d2l.cpu(1)])
+    one = Buckets(reference.collect_params())
+    one.step(lambda: [twice_plain(reference, X.copyto(d2l.cpu(1)), y.copyto(d2l.cpu(1)))], 24)
+    assert_weights_equal(strategy.weights(), one.weights())
+
+
+@pytest.mark.parametrize('name', ['ZeRO 1', 'ZeRO 2', 'ZeRO 3', 'Buckets'])
+def test_a_unit_in_two_checkpointed_segments_is_refused_where_sums_start_in_backward(
+        engine_kind, name):
+    """Each segment's walk gives the unit a gradient, the first before the second is made: a
+    sum started from the first would miss the second, so the step is refused (DDP's rule) and
+    the weights are left as they were."""
+    net = tied_net(DEVICES)
+    strategy = strategies()[name](net)
+    before = strategy.weights()
+    X_parts, y_parts = d2l.split_batch(X, y, DEVICES)
+    with pytest.raises(RuntimeError, match='second gradient in one backward pass'):
+        strategy.step(lambda: [twice_checkpointed(net, a, b)
+                               for a, b in zip(X_parts, y_parts)], 24)
+    d2l.npx.waitall()
+    assert_weights_equal(strategy.weights(), before)
+
+
+# -- a hybridized net -----------------------------------------------------------------------------
+@pytest.mark.parametrize('when', ['before', 'after'])
+@pytest.mark.parametrize('stage', [1, 2, 3])
+def test_a_hybridized_net_trains_as_one_device(engine_kind, stage, when):
+    """MXNet's users hybridize everything. Stages 1 and 2 run the compiled net; stage 3 gathers
+    each unit just before its forward and its backward, which one compiled graph would run
+    past, so it runs the net imperatively, and says so, whether the net was hybridized before
+    Zero took it or after."""
+    optimizer = OPTIMIZERS[0]
+    net = mlp(DEVICES)
+    if when == 'before':
+        net.hybridize()
+    with pytest.warns(UserWarning, match='imperatively') if stage == 3 and when == 'before' \
+            else contextlib.nullcontext():
+        strategy = Zero(net, stage, *optimizer)
+    if when == 'after':
+        net.hybridize()
+    X_parts, y_parts = d2l.split_batch(X, y, DEVICES)
+    with pytest.warns(UserWarning, match='imperatively') if stage == 3 and when == 'after' \
+            else contextlib.nullcontext():
+        for _ in range(2):
+            strategy.step(lambda: [plain(net, a, b) for a, b in zip(X_parts, y_parts)], 24)
+    assert_weights_equal(strategy.weights(), one_device(plain, optimizer, 2))
