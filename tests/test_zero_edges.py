@@ -78,6 +78,28 @@ def test_a_unit_the_loss_does_not_reach_gets_zero_gradients(engine_kind, stage, 
     assert numpy.abs(expected['1.weight'] - untouched).max() > 1e-4      # weight decay moved it
 
 
+@pytest.mark.parametrize('name', ['ZeRO 1', 'ZeRO 2', 'ZeRO 3', 'Buckets',
+                                  'Buckets after backward'])
+def test_a_unit_reached_on_some_devices_or_none_gets_zeros_there(engine_kind, name):
+    """Three steps: every device reaches the second unit, then only the first device, then
+    none. A device that did not reach it adds zeros to the sum, never its last step's gradient
+    (which Buckets summed and applied again): one device's steps on the same parts."""
+    optimizer = OPTIMIZERS[0]
+    net = mlp(DEVICES)
+    strategy = strategies(optimizer)[name](net)
+    X_parts, y_parts = d2l.split_batch(X, y, DEVICES)
+    steps = [[plain] * 3, [plain, first_unit_only, first_unit_only], [first_unit_only] * 3]
+    for forwards in steps:
+        strategy.step(lambda: [f(net, a, b) for f, a, b in zip(forwards, X_parts, y_parts)], 24)
+    reference = mlp([d2l.cpu(1)])
+    one = Buckets(reference.collect_params(), *optimizer)
+    parts = [(a.copyto(d2l.cpu(1)), b.copyto(d2l.cpu(1))) for a, b in zip(X_parts, y_parts)]
+    for forwards in steps[:-1] + [[with_a_zero_gradient] * 3]:
+        one.step(lambda: [sum(f(reference, a, b).sum() for f, (a, b) in zip(forwards, parts))],
+                 24)
+    assert_weights_equal(strategy.weights(), one.weights())
+
+
 # -- a step interrupted in backward ---------------------------------------------------------------
 def plain(net, a, b):
     return loss(net(a), b)
@@ -117,11 +139,13 @@ def test_an_interrupted_step_leaves_nothing_for_the_next(engine_kind, stage, cal
 
 
 # -- one loss a device ----------------------------------------------------------------------------
-def strategies():
-    return {'ZeRO 1': lambda net: Zero(net, 1), 'ZeRO 2': lambda net: Zero(net, 2),
-            'ZeRO 3': lambda net: Zero(net, 3),
-            'Buckets': lambda net: Buckets(net.collect_params(), cap_bytes=600),
-            'Buckets after backward': lambda net: Buckets(net.collect_params(), overlap=False)}
+def strategies(optimizer=('sgd', {})):
+    return {'ZeRO 1': lambda net: Zero(net, 1, *optimizer),
+            'ZeRO 2': lambda net: Zero(net, 2, *optimizer),
+            'ZeRO 3': lambda net: Zero(net, 3, *optimizer),
+            'Buckets': lambda net: Buckets(net.collect_params(), *optimizer, cap_bytes=600),
+            'Buckets after backward': lambda net: Buckets(net.collect_params(), *optimizer,
+                                                          overlap=False)}
 
 
 @pytest.mark.parametrize('count', [2, 4])
@@ -143,7 +167,7 @@ def test_a_step_takes_one_loss_a_device(engine_kind, name, count):
     assert_weights_equal(strategy.weights(), one_device(plain, ('sgd', {}), 1))
 
 
-# -- a unit used in two checkpointed segments ------------------------------------------------------
+# -- a unit used in two checkpointed segments ------------------------------------------------
 def tied_net(devices):
     net = nn.HybridSequential()
     net.add(nn.Dense(8, in_units=8, activation='relu'), nn.Dense(10, in_units=8))
