@@ -160,8 +160,10 @@ def checkpoint(block, *inputs):
     """`block(*inputs)`, keeping only `inputs` for backward, which computes the rest again.
 
     Gradients equal those without it, bit for bit, for any block whose forward draws no random
-    numbers (dropout would draw new masks when it runs again). Outside `record()` it is just
-    the call."""
+    numbers (dropout would draw new masks when it runs again), a parameter used in several
+    segments included. (One used both in a segment and outside any keeps only one part in its
+    `.grad`, until autograd adds a leaf's gradients in one place.) Outside `record()` it is
+    just the call."""
     if not TAPE.recording:
         return block(*inputs)
     with pause(train_mode=TAPE.training):
