@@ -1,8 +1,6 @@
 """ZeRO and Buckets at the edges of a step: a unit the loss does not reach, a step interrupted
 in backward, a hybridized net under stage 3, and fewer losses than devices. Each is compared
 with one device's step, as `test_data_parallel.py` compares a whole step."""
-import contextlib
-
 import numpy
 import pytest
 
@@ -213,26 +211,35 @@ def test_a_unit_in_two_checkpointed_segments_is_refused_where_sums_start_in_back
     assert_weights_equal(strategy.weights(), before)
 
 
-# -- a hybridized net -----------------------------------------------------------------------------
-@pytest.mark.parametrize('when', ['before', 'after'])
+# -- a hybridized net ---------------------------------------------------------------------------
 @pytest.mark.parametrize('stage', [1, 2, 3])
-def test_a_hybridized_net_trains_as_one_device(engine_kind, stage, when):
+def test_a_hybridized_net_trains_as_one_device(engine_kind, stage):
     """MXNet's users hybridize everything. Stages 1 and 2 run the compiled net; stage 3 gathers
     each unit just before its forward and its backward, which one compiled graph would run
-    past, so it runs the net imperatively, and says so, whether the net was hybridized before
-    Zero took it or after."""
+    past, so `Zero(net, 3)` runs the net imperatively."""
     optimizer = OPTIMIZERS[0]
     net = mlp(DEVICES)
-    if when == 'before':
-        net.hybridize()
-    with pytest.warns(UserWarning, match='imperatively') if stage == 3 and when == 'before' \
-            else contextlib.nullcontext():
-        strategy = Zero(net, stage, *optimizer)
-    if when == 'after':
-        net.hybridize()
+    net.hybridize()
+    strategy = Zero(net, stage, *optimizer)
     X_parts, y_parts = d2l.split_batch(X, y, DEVICES)
-    with pytest.warns(UserWarning, match='imperatively') if stage == 3 and when == 'after' \
-            else contextlib.nullcontext():
-        for _ in range(2):
-            strategy.step(lambda: [plain(net, a, b) for a, b in zip(X_parts, y_parts)], 24)
+    for _ in range(2):
+        strategy.step(lambda: [plain(net, a, b) for a, b in zip(X_parts, y_parts)], 24)
     assert_weights_equal(strategy.weights(), one_device(plain, optimizer, 2))
+
+
+def test_hybridizing_after_zero_three_is_refused_at_the_first_forward(engine_kind):
+    """Hybridized after `Zero(net, 3)` took it, the net is refused as it is traced, naming the
+    fix, and the step leaves the weights as they were; with the fix it trains as one device."""
+    optimizer = OPTIMIZERS[0]
+    net = mlp(DEVICES)
+    strategy = Zero(net, 3, *optimizer)
+    before = strategy.weights()
+    net.hybridize()
+    X_parts, y_parts = d2l.split_batch(X, y, DEVICES)
+    forward = lambda: [plain(net, a, b) for a, b in zip(X_parts, y_parts)]
+    with pytest.raises(d2l.hybrid.TraceError, match=r'call net\.hybridize\(False\)'):
+        strategy.step(forward, 24)
+    assert_weights_equal(strategy.weights(), before)
+    net.hybridize(False)
+    strategy.step(forward, 24)
+    assert_weights_equal(strategy.weights(), one_device(plain, optimizer, 1))

@@ -21,8 +21,8 @@ collective a unit, never one a parameter.
   before its backward (`autograd.on_backward`) and freed once its gradients are sent. The
   next `prefetch` units are gathered along with it, so their copies can overlap compute: a
   device holds its shards plus at most prefetch + 1 units whole. Three halves of traffic a
-  step: two gathers and one reduction. A hybridized net runs imperatively here: one compiled
-  graph would run past those gathers.
+  step: two gathers and one reduction. `Zero(net, 3)` runs the net imperatively
+  (`net.hybridize(False)`): one graph compiled from the whole net would run past the gathers.
 
 A unit the loss does not reach gets zero gradients (DDP's `find_unused_parameters`), and a
 step that fails or is interrupted midway is dropped whole, so the next starts from zero.
@@ -32,20 +32,23 @@ Taught in "Data Parallelism at Scale"; `predict` says what each stage should hol
 from __future__ import annotations
 
 import collections
-import warnings
 import weakref
 from typing import Callable, Sequence
 
 import numpy
 
 from .. import autograd, comm, engine
-from ..nn.block import Block, HybridBlock
+from ..hybrid import Symbol, TraceError
+from ..nn.block import Block
 from ..np.multiarray import NDArray
 from .overlap import one_loss_a_device, reached_twice
 from .units import units_of
 from .updates import apply_updates, check_devices, create_optimizer, trained
 
 STAGES = (1, 2, 3)
+HYBRIDIZED = ('ZeRO stage 3 gathers each unit just before its forward and its backward, which '
+              'a net compiled whole would run past: Zero(net, 3) runs the net imperatively, '
+              'and the net was hybridized after it; call net.hybridize(False)')
 
 
 class Zero:
@@ -75,9 +78,10 @@ class Zero:
         self.optimizer = create_optimizer(optimizer, optimizer_params)
         self.scale = self.optimizer.rescale_grad       # the user's; step(b) scales by scale / b
         self.units = units_of(net, self.params, self.devices, stage)
-        self.net = net
         if stage == 3:
-            self.run_imperatively()
+            # Each unit is gathered just before its forward and its backward: one graph
+            # compiled from the whole net would run past both (and keep the weights it read).
+            net.hybridize(False)
             for unit in self.units:
                 self._hook(unit)
 
@@ -92,8 +96,6 @@ class Zero:
         `sync=False` is DDP's and FSDP's `no_sync`: each device keeps its gradients summed
         whole and sends nothing, so the bytes of one reduction serve many micro-batches, at
         the price of every full gradient held until the next micro-batch that syncs."""
-        if self.stage == 3:
-            self.run_imperatively()
         try:
             for unit in self.units:     # before forward, so that the tape records the weights
                 unit.expect_gradients()
@@ -175,16 +177,6 @@ class Zero:
                 unit.free(device)
 
     # -- stage 3: a unit whole only around its forward and its backward ---------------------
-    def run_imperatively(self):
-        """Undo `hybridize()`, saying so: one compiled graph would run past the points where
-        a unit is gathered (before its forward and its backward), and would keep the weights
-        it read until backward. Stages 1 and 2 run a compiled net as it is."""
-        if any(compiled(block) for block in blocks_in(self.net)):
-            warnings.warn('ZeRO stage 3 runs the net imperatively (net.hybridize(False)): it '
-                          'gathers each unit just before its forward and its backward, which '
-                          'a compiled graph would run past', stacklevel=3)
-            self.net.hybridize(False)
-
     def _hook(self, unit):
         """Gather around the unit's forward, and before its backward. The hooks hold this Zero
         weakly: the net does not keep it alive, and its hooks do nothing once it is gone."""
@@ -192,6 +184,8 @@ class Zero:
 
         def before_forward(block, args):
             if zero() is not None:
+                if isinstance(args[0], Symbol):
+                    raise TraceError(HYBRIDIZED)
                 zero().gather_with_prefetch(unit.index, args[0].device, +1)
 
         def after_forward(block, args, out):
@@ -222,13 +216,3 @@ class Zero:
         return {name: found[id(param)] for name, param in zip(self.names, self.params)}
 
 
-
-def blocks_in(block):
-    """The block and every block inside it."""
-    yield block
-    for child in block.children():
-        yield from blocks_in(child)
-
-
-def compiled(block):
-    return isinstance(block, HybridBlock) and block._compiled is not None
