@@ -105,7 +105,7 @@ class Zero:
         except BaseException:
             # A micro-batch that fails or is interrupted (Ctrl-C) midway has sent and kept
             # part of its gradients: the whole step is dropped, so the next starts from zero.
-            self.drop_step()
+            self.drop(self.units)
             raise
 
     def backward(self, losses, sync=True):
@@ -161,17 +161,15 @@ class Zero:
                                in enumerate(zip(unit.weight_shards, unit.grad_shards))])
                 if self.stage < 3:
                     comm.all_gather_into(unit.flats, self.algorithm)
-                else:                   # a copy gathered ahead and not used is stale now
-                    for device in range(len(self.devices)):
-                        unit.free(device)
-                unit.drop_gradients()
+                self.drop([unit])
         finally:
-            self.drop_step()
+            self.drop(self.units)
 
-    def drop_step(self):
-        """Every unit's gradients dropped and (stage 3) its whole copies freed, after a step
-        whether it ended or failed midway: the next starts from zero and from the shards."""
-        for unit in self.units:
+    def drop(self, units):
+        """The units' gradients dropped and (stage 3) their whole copies freed, once updated or
+        when a step fails midway: the next step starts from zero gradients, and from the
+        shards (a copy gathered ahead and not used is stale once they are updated)."""
+        for unit in units:
             unit.drop_gradients()
             for device in range(len(self.devices)):
                 unit.free(device)
@@ -214,5 +212,3 @@ class Zero:
             for param, shape, (start, stop) in zip(unit.params, unit.shapes, unit.layout):
                 found[id(param)] = flat[start:stop].reshape(shape)
         return {name: found[id(param)] for name, param in zip(self.names, self.params)}
-
-
