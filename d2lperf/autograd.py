@@ -20,6 +20,7 @@ each in turn, so that a collective in the backward pass (`collective`, `reduce_i
 tensor parallelism's all-reduces and all-gathers) finds every device's gradient at once.
 """
 import contextlib
+import weakref
 
 from . import engine
 from .device import label
@@ -91,13 +92,30 @@ class Recompute:
         copies = [detached(x) if type(x) is NDArray else x for x in inputs]
         with _flags(True, self.training):
             again = self.block(*copies)
-        if again.node is not None:
-            backward(again, g, on_gradient=on_gradient)
-        elif again.grad is not None:          # the block handed one of its inputs back
-            again.grad = g
+        walk_segment(again, g, grads, on_gradient)
         for x, copy in zip(inputs, copies):
             if type(x) is NDArray and copy.grad is not None:
                 add_gradient(grads, x, label(copy.grad, 'temporaries'))   # not a leaf's
+
+
+def walk_segment(head, g, grads, on_gradient):
+    """The walk of a segment run again, inside the walk around it. A parameter that an earlier
+    segment of the same backward pass gave its `.grad` starts from that gradient, so one used
+    in several segments ends with their sum, added in the order of the walk without checkpoints.
+    (`grads[Recompute]` remembers, weakly, the gradients written so far.)"""
+    written = grads.setdefault(Recompute, {})
+    segment = {id(head): g, Recompute: written}
+    order = topological_order(head)
+    for array in order:
+        earlier = written.get(id(array))
+        if array.grad is not None and earlier is not None and earlier() is array.grad:
+            segment[id(array)] = array.grad
+    for array in reversed(order):
+        g = segment.pop(id(array), None)
+        if g is not None:
+            if array.node is None and array.grad is not None:    # a leaf: g becomes its .grad
+                written[id(array)] = weakref.ref(g)
+            step(array, g, segment, False, on_gradient)
 
 
 class BackwardHook:
@@ -142,8 +160,10 @@ def checkpoint(block, *inputs):
     """`block(*inputs)`, keeping only `inputs` for backward, which computes the rest again.
 
     Gradients equal those without it, bit for bit, for any block whose forward draws no random
-    numbers (dropout would draw new masks when it runs again). Outside `record()` it is just
-    the call."""
+    numbers (dropout would draw new masks when it runs again), a parameter used in several
+    segments included. (One used both in a segment and outside any keeps only one part in its
+    `.grad`, until autograd adds a leaf's gradients in one place.) Outside `record()` it is
+    just the call."""
     if not TAPE.recording:
         return block(*inputs)
     with pause(train_mode=TAPE.training):

@@ -19,7 +19,7 @@ from .. import autograd, comm, engine, np
 from ..device import label
 from ..nn.parameter import Parameter
 from ..np.multiarray import NDArray
-from .overlap import backward_reporting
+from .overlap import backward_all, backward_reporting, one_loss_a_device
 from .updates import apply_updates, check_devices, copies_of, create_optimizer, trained
 
 
@@ -83,9 +83,9 @@ class Buckets:
 
     def backward(self, losses):
         """Backpropagate every device's loss and sum the gradients, bucket by bucket."""
+        one_loss_a_device(losses, self.devices)
         if not self.overlap:
-            for loss in losses:
-                loss.backward()
+            backward_all(losses, self.params)
             engine.wait_all()                # nothing is summed before backward has finished
             for index in range(len(self.buckets)):
                 self.sum_bucket(index)

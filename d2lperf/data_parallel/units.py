@@ -119,12 +119,13 @@ class Unit:
         if kept_only:
             kept, self.kept[d] = self.kept[d], None
             return kept
-        grads = [view.grad for view in self.views[d]]
-        flat = np.concatenate([g.reshape(-1) for g in grads])
+        flat = label(np.concatenate([made_or_zero(view, slot).reshape(-1)
+                                     for view, slot in zip(self.views[d], self.slots[d])]),
+                     'gradients')
         for view, slot in zip(self.views[d], self.slots[d]):
             view.grad = slot
         kept, self.kept[d] = self.kept[d], None
-        return label(flat if kept is None else kept + flat, 'gradients')
+        return flat if kept is None else label(kept + flat, 'gradients')
 
     def keep_gradients(self, d):
         self.kept[d] = self.take_gradients(d)
@@ -158,7 +159,10 @@ class Unit:
         return done
 
     def drop_gradients(self):
-        self.sent = 0
+        """Forget the step's gradients, whether made, kept or sent: the next step starts from
+        zero (after an update, or after a step that failed or was interrupted midway)."""
+        self.expect_gradients()
+        self.sent, self.kept = 0, [None] * len(self.devices)
         if self.stage == 1:
             self.full_grads = self.grad_shards = None
 
@@ -167,6 +171,14 @@ def unmade_like(array):
     """An array that backward will replace and nobody reads: it marks a parameter as wanting a
     gradient (`needs_grad`) while no memory is held for one, and so counts nothing."""
     return release(NDArray(array.shape, array.dtype, array.device))
+
+
+def made_or_zero(view, slot):
+    """The gradient backward made for `view`, or zeros where it made none (the loss did not
+    reach the parameter): DDP's `find_unused_parameters`, so the sums still fit the shards."""
+    if view.grad is slot:
+        return np.zeros(view.shape, view.dtype, view.device)
+    return view.grad
 
 
 def send(source, target, start, stop, phase, owner, combine, reverse=False):

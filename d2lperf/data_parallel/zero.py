@@ -21,7 +21,11 @@ collective a unit, never one a parameter.
   before its backward (`autograd.on_backward`) and freed once its gradients are sent. The
   next `prefetch` units are gathered along with it, so their copies can overlap compute: a
   device holds its shards plus at most prefetch + 1 units whole. Three halves of traffic a
-  step: two gathers and one reduction.
+  step: two gathers and one reduction. `Zero(net, 3)` runs the net imperatively
+  (`net.hybridize(False)`): one graph compiled from the whole net would run past the gathers.
+
+A unit the loss does not reach gets zero gradients (DDP's `find_unused_parameters`), and a
+step that fails or is interrupted midway is dropped whole, so the next starts from zero.
 
 Taught in "Data Parallelism at Scale"; `predict` says what each stage should hold and move.
 """
@@ -34,12 +38,17 @@ from typing import Callable, Sequence
 import numpy
 
 from .. import autograd, comm, engine
+from ..hybrid import Symbol, TraceError
 from ..nn.block import Block
 from ..np.multiarray import NDArray
+from .overlap import one_loss_a_device, reached_twice
 from .units import units_of
 from .updates import apply_updates, check_devices, create_optimizer, trained
 
 STAGES = (1, 2, 3)
+HYBRIDIZED = ('ZeRO stage 3 gathers each unit just before its forward and its backward, which '
+              'a net compiled whole would run past: Zero(net, 3) runs the net imperatively, '
+              'and the net was hybridized after it; call net.hybridize(False)')
 
 
 class Zero:
@@ -70,6 +79,9 @@ class Zero:
         self.scale = self.optimizer.rescale_grad       # the user's; step(b) scales by scale / b
         self.units = units_of(net, self.params, self.devices, stage)
         if stage == 3:
+            # Each unit is gathered just before its forward and its backward: one graph
+            # compiled from the whole net would run past both (and keep the weights it read).
+            net.hybridize(False)
             for unit in self.units:
                 self._hook(unit)
 
@@ -84,14 +96,21 @@ class Zero:
         `sync=False` is DDP's and FSDP's `no_sync`: each device keeps its gradients summed
         whole and sends nothing, so the bytes of one reduction serve many micro-batches, at
         the price of every full gradient held until the next micro-batch that syncs."""
-        for unit in self.units:         # before forward, so that the tape records the weights
-            unit.expect_gradients()
-        with autograd.record():
-            losses = list(forward())
-        self.backward(losses, sync)
+        try:
+            for unit in self.units:     # before forward, so that the tape records the weights
+                unit.expect_gradients()
+            with autograd.record():
+                losses = list(forward())
+            self.backward(losses, sync)
+        except BaseException:
+            # A micro-batch that fails or is interrupted (Ctrl-C) midway has sent and kept
+            # part of its gradients: the whole step is dropped, so the next starts from zero.
+            self.drop(self.units)
+            raise
 
     def backward(self, losses, sync=True):
         """Each device's backward pass; a unit's gradients go on as soon as a device has them."""
+        one_loss_a_device(losses, self.devices)
         self.sends_pending = [collections.deque() for _ in self.devices]
         for device, loss in enumerate(losses):
             missing = {id(unit): len(unit.params) for unit in self.units}
@@ -103,8 +122,10 @@ class Zero:
                     missing[id(unit)] -= 1
                     if missing[id(unit)] == 0:
                         self.gradients_made(unit, device, sync)
+                    elif missing[id(unit)] < 0:
+                        raise reached_twice(f'unit {unit.index} ({type(unit.block).__name__})')
             loss.backward(on_gradient=reached)
-            for unit in self.units:                 # units the loss did not reach
+            for unit in self.units:     # units the loss did not reach get zero gradients
                 if missing[id(unit)] > 0:
                     self.gradients_made(unit, device, sync)
 
@@ -132,17 +153,26 @@ class Zero:
     def update(self, batch_size):
         """Each device updates its chunks; then stages 1 and 2 gather the weights. One unit at
         a time, so that its gather starts while the next is updated."""
-        for index, unit in enumerate(self.units):
-            unit.sum_kept_gradients(self.algorithm)
-            apply_updates(self.optimizer, self.scale, batch_size,
-                          [((index, device), weight, grad) for device, (weight, grad)
-                           in enumerate(zip(unit.weight_shards, unit.grad_shards))])
-            if self.stage < 3:
-                comm.all_gather_into(unit.flats, self.algorithm)
-            else:                       # a copy gathered ahead and not used is stale now
-                for device in range(len(self.devices)):
-                    unit.free(device)
+        try:
+            for index, unit in enumerate(self.units):
+                unit.sum_kept_gradients(self.algorithm)
+                apply_updates(self.optimizer, self.scale, batch_size,
+                              [((index, device), weight, grad) for device, (weight, grad)
+                               in enumerate(zip(unit.weight_shards, unit.grad_shards))])
+                if self.stage < 3:
+                    comm.all_gather_into(unit.flats, self.algorithm)
+                self.drop([unit])
+        finally:
+            self.drop(self.units)
+
+    def drop(self, units):
+        """The units' gradients dropped and (stage 3) their whole copies freed, once updated or
+        when a step fails midway: the next step starts from zero gradients, and from the
+        shards (a copy gathered ahead and not used is stale once they are updated)."""
+        for unit in units:
             unit.drop_gradients()
+            for device in range(len(self.devices)):
+                unit.free(device)
 
     # -- stage 3: a unit whole only around its forward and its backward ---------------------
     def _hook(self, unit):
@@ -152,6 +182,8 @@ class Zero:
 
         def before_forward(block, args):
             if zero() is not None:
+                if isinstance(args[0], Symbol):
+                    raise TraceError(HYBRIDIZED)
                 zero().gather_with_prefetch(unit.index, args[0].device, +1)
 
         def after_forward(block, args, out):

@@ -119,3 +119,11 @@ def program_function(spec):
 def program_inputs(spec):
     rng = numpy.random.default_rng(spec['seed'] + 1)
     return [rng.normal(size=(spec['size'],) * 2).astype(numpy.float32) for _ in range(2)]
+
+
+# -- tied layers in checkpointed segments: which layer each call uses, and where segments end --
+
+tied_programs = st.fixed_dictionaries({
+    'calls': st.lists(st.integers(0, 2), min_size=1, max_size=6),   # one of three layers
+    'cuts': st.sets(st.integers(1, 5)),                             # a segment ends before
+    'width': st.integers(1, 6), 'batch': st.integers(1, 4), 'seed': st.integers(0, 2**16)})
