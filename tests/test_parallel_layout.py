@@ -28,9 +28,9 @@ LAYOUTS = [(2, 2, 2, '1f1b', 1, 2, False), (1, 2, 2, 'interleaved', 2, 4, False)
 PLANNED = LAYOUTS[:3] + LAYOUTS[6:]
 
 
-def gpt():
+def gpt(layers=LAYERS):
     np.random.seed(0)
-    net = nn.GPT(VOCAB, LAYERS, HIDDEN, HEADS, SEQ)
+    net = nn.GPT(VOCAB, layers, HIDDEN, HEADS, SEQ)
     net.initialize(device=d2l.cpu(0))
     return net
 
@@ -52,8 +52,8 @@ def one_device_losses(steps):
     return losses
 
 
-def layout(d, t, p, name, v, sequence=False):
-    split = parallel_gpt(gpt(), devices(d * t * p), d, t, p, name, v, sequence=sequence)
+def layout(d, t, p, name, v, sequence=False, layers=LAYERS):
+    split = parallel_gpt(gpt(layers), devices(d * t * p), d, t, p, name, v, sequence=sequence)
     return split, d2l.Trainer(split.collect_params(), 'adam', {'learning_rate': 0.01},
                               kvstore=None)
 
@@ -109,17 +109,38 @@ def measured(split, d, t, p, m):
     return table
 
 
-@pytest.mark.parametrize('d, t, p, name, v, m, sequence', PLANNED)
-def test_each_device_holds_and_sends_what_the_calculator_predicts(d, t, p, name, v, m,
-                                                                  sequence):
-    split, trainer = layout(d, t, p, name, v, sequence)
+def assert_planned(d, t, p, name, v, m, sequence, layers=LAYERS):
+    split, trainer = layout(d, t, p, name, v, sequence, layers)
     split.forward_backward(np.array(TOKENS), np.array(LABELS), LOSS, m)     # allocate
     trainer.step(BATCH)
-    sizes = predict.GPTSizes.of(gpt())
+    sizes = predict.GPTSizes.of(gpt(layers))
     for (s, r, i), seen in measured(split, d, t, p, m).items():
         plan = predict.device_plan(sizes, d, t, p, s, i, name, m, BATCH, v,
                                    sequence=sequence)
         assert seen == {kind: plan[kind] for kind in seen}, (s, r, i)
+
+
+@pytest.mark.parametrize('d, t, p, name, v, m, sequence', PLANNED)
+def test_each_device_holds_and_sends_what_the_calculator_predicts(d, t, p, name, v, m,
+                                                                  sequence):
+    assert_planned(d, t, p, name, v, m, sequence)
+
+
+@pytest.mark.parametrize('layers, d, t, p, name, v, m', [
+    (2, 1, 2, 4, '1f1b', 1, 4), (2, 1, 4, 4, 'gpipe', 1, 4), (4, 1, 2, 2, 'interleaved', 3, 4)])
+def test_an_embedding_alone_in_its_part_keeps_its_whole_sum(layers, d, t, p, name, v, m):
+    """With sequence parallelism a device's tokens are a view of the embedding's whole sum.
+    Where the embedding is a pipeline part of its own, that view is the part's output, kept
+    for its gradient, while the first layer, on the next stage, keeps a copy: the embedding's
+    stage holds the whole sum."""
+    assert_planned(d, t, p, name, v, m, True, layers)
+
+
+@pytest.mark.parametrize('t, v, sequence', [(2, 3, True), (1, 2, False), (1, 3, False)])
+def test_one_stage_interleaved_sends_nothing_between_stages(t, v, sequence):
+    """Its chunks all live on its own devices: nothing crosses to another stage."""
+    assert predict.stage_crossings(1, v, 0) == 0
+    assert_planned(1, t, 1, 'interleaved', v, 4, sequence)
 
 
 def test_the_calculator_counts_the_small_gpts_parameters():

@@ -61,7 +61,7 @@ def stage_units(sizes, pipeline, chunks, stage, unit_sizes=None):
     return [list(units[spans[stage + c * pipeline]]) for c in range(chunks)]
 
 
-def unit_activations(sizes, unit, batch, t, sequence=False):
+def unit_activations(sizes, unit, batch, t, sequence=False, alone=False):
     """Bytes of a unit's activations that one of t devices keeps from a micro-batch's forward
     to its backward, in float32.
 
@@ -69,11 +69,15 @@ def unit_activations(sizes, unit, batch, t, sequence=False):
     this tape keeps more (`sec-memory`). The embedding keeps its lookup's output and the
     tokens; the head and the loss their inputs, the logits and the probabilities, the labels
     and each token's loss. With sequence parallelism (`sec-tensor-parallelism`) a layer keeps
-    sbh·(4 + 18/t) values; the embedding's sum stays whole, where the first layer counted
-    its 1/t; and the head's norm and gather keep 1/t of their inputs."""
+    sbh·(4 + 18/t) values; the head's norm and gather keep 1/t of their inputs; and the
+    embedding's sum stays whole, since a device's tokens are a view of it: the first layer
+    counts their 1/t as its input, the embedding the rest, or all of it where the embedding
+    ends its pipeline part (`alone`), whose output, that view, waits there for its gradient
+    while the next stage keeps its own copy."""
     sbh, bs = sizes.seq * batch * sizes.hidden, sizes.seq * batch
     if unit == 0:
-        return 4 * sbh + 8 * bs + (4 * sbh * (t - 1) // t if sequence else 0)
+        whole_sum = (4 * sbh if alone else 4 * sbh * (t - 1) // t) if sequence else 0
+        return 4 * sbh + 8 * bs + whole_sum
     if unit == sizes.layers + 1:
         inputs = 4 * sbh * (1 + 2 / t) if sequence else 8 * sbh
         return inputs + 8 * bs * sizes.vocab + 16 * bs
@@ -96,7 +100,8 @@ def peak_activations(sizes, t, pipeline, stage, name, microbatches, batch, chunk
     """The most activation bytes the stage holds at once as its schedule runs: each forward
     adds its part's, each backward frees them (what the naive engine does, freeing at once)."""
     parts = stage_units(sizes, pipeline, chunks, stage)
-    each = [sum(unit_activations(sizes, u, batch, t, sequence) for u in part) for part in parts]
+    each = [sum(unit_activations(sizes, u, batch, t, sequence, alone=1 not in part)
+                for u in part) for part in parts]
     held = peak = 0
     for action in schedule(name, pipeline, microbatches, chunks)[stage]:
         held += each[action.chunk] if action.kind == 'F' else -each[action.chunk]
@@ -120,8 +125,7 @@ def device_plan(sizes, data, tensor, pipeline, stage, rank, name, microbatches, 
     if sequence:       # the head's gather, and the sums of the copies that saw 1/t of tokens
         tensor_sent += (sizes.layers + 1 in units) * microbatches * share * boundary
         tensor_sent += 2 * share * 4 * sum(token_values(sizes, u) for u in units)
-    last = pipeline * chunks - 1
-    crossings = sum((k < last) + (k > 0) for k in range(stage, last + 1, pipeline))
+    crossings = stage_crossings(pipeline, chunks, stage)
     return {'weights': weights, 'gradients': trained,
             'optimizer state': STATE_VALUES[optimizer] * trained,
             'activations': peak_activations(sizes, tensor, pipeline, stage, name,
@@ -129,6 +133,16 @@ def device_plan(sizes, data, tensor, pipeline, stage, rank, name, microbatches, 
             'tensor': tensor_sent,
             'pipeline': microbatches * boundary * crossings // (tensor if sequence else 1),
             'data': 2 * (data - 1) / data * trained}
+
+
+def stage_crossings(pipeline, chunks, stage):
+    """Boundaries between parts that the stage's micro-batches cross to another stage, forward
+    and backward: a part's next and previous parts, where they live on another device (one
+    stage run interleaved keeps all its chunks on its own devices and sends nothing)."""
+    if pipeline == 1:
+        return 0
+    last = pipeline * chunks - 1
+    return sum((k < last) + (k > 0) for k in range(stage, last + 1, pipeline))
 
 
 def bubble(pipeline, microbatches, chunks=1):
