@@ -23,6 +23,10 @@ STATE_VALUES = {'sgd': 0, 'momentum': 1, 'adam': 2}      # values the optimizer 
 STAGES = (0, 1, 2, 3)            # 0: plain data parallelism
 SHARDED_FROM = {'optimizer state': 1, 'master weights': 1, 'gradients': 2, 'weights': 3}
 ZERO_PAPER = {'weights': 2, 'gradients': 2, 'optimizer state': 12}     # ZeRO's Figure 1
+# Megatron-LM's mixed precision: 16-bit weights, float32 gradients (summed over devices in
+# float32), a float32 master copy and Adam's two values; 18 bytes, 6 + 12/d at stage 1 (its
+# distributed optimizer)
+MEGATRON = {'weights': 2, 'gradients': 4, 'master weights': 4, 'optimizer state': 8}
 
 
 def model_states(num_params: float, devices: int, stage: int,

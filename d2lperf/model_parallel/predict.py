@@ -4,9 +4,9 @@ sends and leaves idle, from the model's sizes and the layout alone.
 Two calculators share the counting. `device_plan` counts this package's small GPT to the
 byte (float32, its tape's activations, its split that keeps each split layer's output biases
 on every device), so that a run on virtual devices can be checked against it. `layout_costs`
-prices a real model on a real cluster with the papers' counts (Megatron-LM's 16-bit values,
-Korthikanti et al.'s activations, mixed-precision Adam's 16 bytes a parameter) and the α-β
-links of `comm.cost`, to choose a layout before renting the machines.
+prices a real model on a real cluster with the papers' counts (Megatron-LM's 16-bit values and
+18 bytes a parameter, or 6 + 12/d with its distributed optimizer; Korthikanti et al.'s
+activations) and the α-β links of `comm.cost`, to choose a layout before renting the machines.
 Taught in "Parallelism in Three Dimensions".
 """
 from __future__ import annotations
@@ -15,7 +15,8 @@ import dataclasses
 import itertools
 
 from ..comm import cost
-from ..data_parallel.predict import STATE_VALUES, transformer_layer_activations
+from ..data_parallel.predict import (MEGATRON, STATE_VALUES, model_states,
+                                      transformer_layer_activations)
 from .pipeline import cut
 from .schedules import schedule
 
@@ -173,49 +174,96 @@ class Cluster:
     def devices(self):
         return self.machines * self.per_machine
 
+    def link(self, group):
+        """Bytes/s a device of a ring of `group` devices sends at: NVLink while the ring fits
+        in a machine, else the network, its slowest link, which sets the pace of every step."""
+        return self.nvlink if group <= self.per_machine else self.network
 
-def layout_costs(sizes, cluster, data, tensor, pipeline, batch, micro=1, sequence=True):
-    """{what: value} for one layout of `sizes` on `cluster`: bytes a device holds (16 a
-    parameter of its 1/(t·p), and the first stage's activations: 1F1B keeps p micro-batches
-    of its L/p layers, Korthikanti et al.'s count with sequence parallelism), and the seconds
-    of a step: compute, the bubble, and tensor, pipeline and data parallelism's
-    communication, none of it hidden (an upper bound)."""
-    microbatches = batch // (data * micro)
-    states = 16 * sizes.params() / (tensor * pipeline)
+
+def layer_activations(sizes, micro, tensor, sequence=True):
+    """Bytes one Transformer layer keeps on one of t devices from a micro-batch of `micro`
+    sequences (Korthikanti et al., 2022): with sequence parallelism 1/t of sbh(34 + 5as/h);
+    with tensor parallelism alone, the 10sbh that lie between the blocks (the norms' inputs,
+    each block's input and its dropout mask) stay whole on every device: sbh(10 + 24/t +
+    5as/(ht))."""
     layer = transformer_layer_activations(sizes.seq, micro, sizes.hidden, sizes.heads)
-    layer = layer / tensor if sequence else layer       # the 10sbh whole part split too
-    activations = sizes.layers * layer
+    if sequence:
+        return layer / tensor
+    between = 10 * sizes.seq * micro * sizes.hidden
+    return between + (layer - between) / tensor
+
+
+def layout_costs(sizes, cluster, data, tensor, pipeline, batch, micro=1, sequence=True,
+                 states=MEGATRON, zero_stage=0):
+    """{what: value} for one layout of `sizes` on `cluster`: bytes a device holds and the
+    seconds of a step, none of its communication hidden (an upper bound).
+
+    A device holds the states of its 1/(t·p) of the parameters (`states` bytes a parameter of
+    each kind, Megatron-LM's 18 by default; `zero_stage=1` shards the optimizer's over the d
+    replicas, Megatron's distributed optimizer: 6 + 12/d) and the first stage's activations:
+    1F1B keeps p micro-batches of its L/p layers, L layers' worth. A step is the compute, the
+    bubble (the stages' idle time: compute·(p - 1)/m, its (p - 1)/(m + p - 1) share of the
+    step), and tensor, pipeline and data parallelism's communication on their links."""
+    if zero_stage not in (0, 1):
+        raise ValueError(f'the layout search shards the optimizer (zero_stage=1) or not (0), '
+                         f'not {zero_stage!r}: a pipeline adds up gradients over its '
+                         'micro-batches, and ZeRO-3 would gather the weights for each one')
+    microbatches = batch // (data * micro)
+    values = sizes.params() / (tensor * pipeline)
+    held_states = model_states(values, data, zero_stage, states)['total']
+    activations = sizes.layers * layer_activations(sizes, micro, tensor, sequence)
     compute = 6 * sizes.params() * batch * sizes.seq / (cluster.devices * cluster.flops)
-    boundary = 2 * micro * sizes.seq * sizes.hidden
-    nvlink = cost.Topology('NVLink', tensor, cluster.nvlink, cluster.nvlink, None, cluster.alpha)
-    network = cost.Topology('network', data, cluster.network, cluster.network, None,
-                            cluster.alpha)
-    layers_here = sizes.layers / pipeline
+    boundary = 2 * micro * sizes.seq * sizes.hidden          # 16-bit activations
     seconds = {
         'compute': compute,
         'bubble': compute * (pipeline - 1) / microbatches,
-        'tensor': 0 if tensor == 1 else 4 * layers_here * microbatches * cost.allreduce_time(
-            'ring', boundary, nvlink),
+        'tensor': tensor_seconds(sizes, cluster, tensor, pipeline, microbatches, boundary),
         'pipeline': 0 if pipeline == 1 else 2 * microbatches * (
-            cluster.alpha + boundary / cluster.network),
-        'data': 0 if data == 1 else cost.allreduce_time(
-            'ring', 2 * sizes.params() / (tensor * pipeline), network)}
-    held = states + activations
-    return {'held': held, 'fits': held <= cluster.memory, 'states': states,
+            cluster.alpha + boundary / (tensor if sequence else 1) / cluster.network),
+        'data': data_seconds(cluster, data, values, states, zero_stage)}
+    held = held_states + activations
+    return {'held': held, 'fits': held <= cluster.memory, 'states': held_states,
             'activations': activations, **seconds, 'step': sum(seconds.values())}
 
 
-def layouts(sizes, cluster, batch, micro=1):
-    """Every (d, t, p) that uses all of the cluster's devices, keeps t inside a machine and
-    divides the heads, splits the layers into whole stages and the batch into micro-batches,
-    with its `layout_costs`, fastest first among those that fit."""
+def tensor_seconds(sizes, cluster, tensor, pipeline, microbatches, boundary):
+    """Four allreduces of a micro-batch's activations a layer of the stage (or their halves,
+    the same bytes, under sequence parallelism), on NVLink or, for a group wider than a
+    machine, on the network."""
+    if tensor == 1:
+        return 0
+    link = cluster.link(tensor)
+    group = cost.Topology('tensor group', tensor, link, link, None, cluster.alpha)
+    layers_here = sizes.layers / pipeline
+    return 4 * layers_here * microbatches * cost.allreduce_time('ring', boundary, group)
+
+
+def data_seconds(cluster, data, values, states, zero_stage):
+    """The sum over the d replicas of a device's gradients: an allreduce; with the optimizer
+    sharded, a reduce-scatter of the gradients and an all-gather of the updated weights."""
+    if data == 1:
+        return 0
+    network = cost.Topology('network', data, cluster.network, cluster.network, None,
+                            cluster.alpha)
+    gradients, weights = states['gradients'] * values, states['weights'] * values
+    if zero_stage == 0:
+        return cost.allreduce_time('ring', gradients, network)
+    return cost.half_time('reduce-scatter', 'ring', gradients, network) + \
+        cost.half_time('all-gather', 'ring', weights, network)
+
+
+def layouts(sizes, cluster, batch, micro=1, sequence=True, states=MEGATRON, zero_stage=0):
+    """Every (d, t, p) that uses all of the cluster's devices, whose t divides the heads and
+    fills whole machines or divides one, that splits the layers into whole stages and the
+    batch into micro-batches, with its `layout_costs`, fastest first among those that fit."""
     rows = []
-    for tensor, pipeline in itertools.product(range(1, cluster.per_machine + 1),
+    for tensor, pipeline in itertools.product(range(1, cluster.devices + 1),
                                               range(1, sizes.layers + 1)):
         data, rest = divmod(cluster.devices, tensor * pipeline)
-        if rest or cluster.per_machine % tensor or sizes.heads % tensor or \
-                sizes.layers % pipeline or batch % (data * micro):
+        fills = cluster.per_machine % tensor == 0 or tensor % cluster.per_machine == 0
+        if rest or not fills or sizes.heads % tensor or sizes.layers % pipeline or \
+                batch % (data * micro):
             continue
-        rows.append(((data, tensor, pipeline),
-                     layout_costs(sizes, cluster, data, tensor, pipeline, batch, micro)))
+        rows.append(((data, tensor, pipeline), layout_costs(
+            sizes, cluster, data, tensor, pipeline, batch, micro, sequence, states, zero_stage)))
     return sorted(rows, key=lambda row: (not row[1]['fits'], row[1]['step']))
