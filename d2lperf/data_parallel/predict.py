@@ -63,6 +63,35 @@ def memory_per_device(num_params, devices, stage, optimizer='adam', bytes_per_va
     return held
 
 
+def peak_states(units, devices, stage, optimizer='adam', prefetch=1, value_bytes=4):
+    """{kind: its own peak in bytes during a step on the first device, ..., 'total': their sum,
+    which bounds the states at the step's peak}, every value `value_bytes`, as the naive engine
+    frees them; `units` is each unit's parameter sizes (in values), in forward order.
+
+    Between steps ZeRO divides each kind by the n devices (`model_states`). During a step a
+    device holds whole what it works on: without sharding, the largest parameter's gradient
+    twice, as backward made it and in its own array; at stage 3 the unit gathered and the
+    `prefetch` after it; at stages 2 and 3 the unit being sent twice, as backward made it and
+    packed flat; at stage 1 each unit packed from the moment backward reached it. These terms
+    grow with the largest unit, not with n: where one unit is most of the model, sharding more
+    lowers nothing at the peak, and each stage's peak can exceed the one before."""
+    check(devices, stage, optimizer)
+    sizes = [value_bytes * sum(unit) for unit in units]
+    whole, largest = sum(sizes), max(sizes)
+    shard = value_bytes * sum(-(-sum(unit) // devices) for unit in units)   # the first chunks
+    state = STATE_VALUES[optimizer]
+    if stage == 0:
+        peaks = {'weights': whole, 'gradients': whole + value_bytes * max(map(max, units)),
+                 'optimizer state': state * whole}
+    else:
+        window = max(sum(sizes[i:i + prefetch + 1]) for i in range(len(sizes)))
+        packed = max(sum(sizes[i:]) + sizes[i] for i in range(len(sizes)))
+        peaks = {'weights': shard + window if stage == 3 else whole,
+                 'gradients': packed if stage == 1 else shard + 2 * largest,
+                 'optimizer state': state * shard}
+    return {**peaks, 'total': sum(peaks.values())}
+
+
 def transformer_layer_activations(seq, batch, hidden, heads, value_bytes=2, dropout=True):
     """Bytes one Transformer layer keeps for its backward pass (Korthikanti et al., 2022):
     with 16-bit values and one-byte dropout masks, s·b·h·(34 + 5·a·s/h).
