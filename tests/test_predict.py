@@ -4,14 +4,18 @@ import gc
 
 import numpy
 import pytest
+from hypothesis import given, strategies as st
+
+from strategies import checks
 
 import d2lperf as d2l
 from d2lperf import nn, np, npx
 from d2lperf.data_parallel import Buckets, Zero, predict
 
+pytestmark = pytest.mark.chapter('data_parallel_at_scale')
+
 DEVICES = [d2l.cpu(i + 1) for i in range(4)]
 ADAM = ('adam', {'learning_rate': 1e-3})
-pytestmark = pytest.mark.chapter('data_parallel_at_scale')
 
 INPUTS, BATCH, KINDS = 32, 16, ('weights', 'gradients', 'optimizer state')
 
@@ -98,3 +102,22 @@ def test_many_small_units_make_the_peak_fall_with_the_stage():
     units = [[1000, 10]] * 48
     totals = [predict.peak_states(units, 64, stage)['total'] for stage in predict.STAGES]
     assert totals == sorted(totals, reverse=True)
+
+
+UNITS = st.lists(st.lists(st.integers(1, 10**6), min_size=1, max_size=4), min_size=1,
+                 max_size=12)
+
+
+@checks(200)
+@given(UNITS, st.integers(1, 512), st.sampled_from(predict.STAGES), st.integers(0, 3))
+def test_a_step_never_holds_less_than_between_steps(units, devices, stage, prefetch):
+    """Each kind's peak is at least what `model_states` says a device holds between steps,
+    and at most one unit more than unsharded training holds, the prefetched units aside."""
+    psi = sum(map(sum, units))
+    peaks = predict.peak_states(units, devices, stage, 'adam', prefetch)
+    between = predict.memory_per_device(psi, devices, stage, 'adam')
+    for kind in ('weights', 'gradients', 'optimizer state'):
+        assert peaks[kind] >= between[kind] - 1e-6 * psi
+    largest = 4 * max(map(sum, units))
+    assert peaks['gradients'] <= 4 * psi + 2 * largest + 4 * len(units)
+    assert peaks['optimizer state'] <= 8 * psi

@@ -6,8 +6,10 @@ values a weight, SGD with momentum 1, Adam 2) and, under mixed precision, a floa
 of the weight. The paper's mixed-precision Adam holds 2 + 2 + 12 = 16 bytes a parameter (its
 K = 12 counts the master copy with Adam's two values). Plain data parallelism (stage 0) keeps
 every kind whole on every device; stage 1 divides the optimizer's kinds by the n devices, stage
-2 the gradients too, stage 3 the weights too. Activations are not in the table: they grow with
-the batch and the layers, not with the parameters.
+2 the gradients too, stage 3 the weights too: what a device holds between steps. During a
+step it also holds whole the units it works on (`peak_states`), which sharding does not divide.
+Activations are not in the table: they grow with the batch and the layers, not with the
+parameters.
 
 Traffic and time come from the two halves of an allreduce priced in the α-β model of
 `comm.cost`: every stage reduce-scatters the gradients and all-gathers the weights (an

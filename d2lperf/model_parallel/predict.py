@@ -147,8 +147,9 @@ def stage_crossings(pipeline, chunks, stage):
 
 
 def bubble(pipeline, microbatches, chunks=1):
-    """The share of a step the stages idle, when every pass takes as long: (p - 1)/(v·m + p - 1),
-    GPipe's (p - 1)/(m + p - 1) for one chunk."""
+    """The share of a step the stages idle, with balanced stages (every pass taking as long):
+    (p - 1)/(v·m + p - 1), GPipe's (p - 1)/(m + p - 1) for one chunk. `layout_costs` counts
+    the same idle time in seconds, (p - 1)/m of the compute."""
     return (pipeline - 1) / (chunks * microbatches + pipeline - 1)
 
 
