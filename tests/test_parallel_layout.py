@@ -28,9 +28,9 @@ LAYOUTS = [(2, 2, 2, '1f1b', 1, 2, False), (1, 2, 2, 'interleaved', 2, 4, False)
 PLANNED = LAYOUTS[:3] + LAYOUTS[6:]
 
 
-def gpt():
+def gpt(layers=LAYERS):
     np.random.seed(0)
-    net = nn.GPT(VOCAB, LAYERS, HIDDEN, HEADS, SEQ)
+    net = nn.GPT(VOCAB, layers, HIDDEN, HEADS, SEQ)
     net.initialize(device=d2l.cpu(0))
     return net
 
@@ -52,8 +52,8 @@ def one_device_losses(steps):
     return losses
 
 
-def layout(d, t, p, name, v, sequence=False):
-    split = parallel_gpt(gpt(), devices(d * t * p), d, t, p, name, v, sequence=sequence)
+def layout(d, t, p, name, v, sequence=False, layers=LAYERS):
+    split = parallel_gpt(gpt(layers), devices(d * t * p), d, t, p, name, v, sequence=sequence)
     return split, d2l.Trainer(split.collect_params(), 'adam', {'learning_rate': 0.01},
                               kvstore=None)
 
@@ -109,17 +109,38 @@ def measured(split, d, t, p, m):
     return table
 
 
-@pytest.mark.parametrize('d, t, p, name, v, m, sequence', PLANNED)
-def test_each_device_holds_and_sends_what_the_calculator_predicts(d, t, p, name, v, m,
-                                                                  sequence):
-    split, trainer = layout(d, t, p, name, v, sequence)
+def assert_planned(d, t, p, name, v, m, sequence, layers=LAYERS):
+    split, trainer = layout(d, t, p, name, v, sequence, layers)
     split.forward_backward(np.array(TOKENS), np.array(LABELS), LOSS, m)     # allocate
     trainer.step(BATCH)
-    sizes = predict.GPTSizes.of(gpt())
+    sizes = predict.GPTSizes.of(gpt(layers))
     for (s, r, i), seen in measured(split, d, t, p, m).items():
         plan = predict.device_plan(sizes, d, t, p, s, i, name, m, BATCH, v,
                                    sequence=sequence)
         assert seen == {kind: plan[kind] for kind in seen}, (s, r, i)
+
+
+@pytest.mark.parametrize('d, t, p, name, v, m, sequence', PLANNED)
+def test_each_device_holds_and_sends_what_the_calculator_predicts(d, t, p, name, v, m,
+                                                                  sequence):
+    assert_planned(d, t, p, name, v, m, sequence)
+
+
+@pytest.mark.parametrize('layers, d, t, p, name, v, m', [
+    (2, 1, 2, 4, '1f1b', 1, 4), (2, 1, 4, 4, 'gpipe', 1, 4), (4, 1, 2, 2, 'interleaved', 3, 4)])
+def test_an_embedding_alone_in_its_part_keeps_its_whole_sum(layers, d, t, p, name, v, m):
+    """With sequence parallelism a device's tokens are a view of the embedding's whole sum.
+    Where the embedding is a pipeline part of its own, that view is the part's output, kept
+    for its gradient, while the first layer, on the next stage, keeps a copy: the embedding's
+    stage holds the whole sum."""
+    assert_planned(d, t, p, name, v, m, True, layers)
+
+
+@pytest.mark.parametrize('t, v, sequence', [(2, 3, True), (1, 2, False), (1, 3, False)])
+def test_one_stage_interleaved_sends_nothing_between_stages(t, v, sequence):
+    """Its chunks all live on its own devices: nothing crosses to another stage."""
+    assert predict.stage_crossings(1, v, 0) == 0
+    assert_planned(1, t, 1, 'interleaved', v, 4, sequence)
 
 
 def test_the_calculator_counts_the_small_gpts_parameters():
@@ -135,19 +156,81 @@ def test_the_bubble_formula_is_the_simulated_schedules(p, m, v):
     assert idle == pytest.approx(predict.bubble(p, m, v))
 
 
+CLUSTER = predict.Cluster(64, 8, 80e9, 150e12, 300e9, 25e9)
+
+
 def test_gpt3_on_a_cluster_fits_only_with_model_parallelism():
     """175 billion parameters (Brown et al., 2020); 512 devices of 80 GB: data parallelism
-    alone holds 16 bytes of each parameter on every device, 2.8 TB, and no layout that does
-    not split the model by at least 16 fits."""
+    alone holds Megatron-LM's 18 bytes of each parameter on every device, 3.2 TB, and no
+    layout that does not split the model by at least 16 fits."""
     assert predict.GPT3.params() == pytest.approx(175e9, rel=0.01)
-    cluster = predict.Cluster(64, 8, 80e9, 150e12, 300e9, 25e9)
-    rows = dict(predict.layouts(predict.GPT3, cluster, batch=1536))
-    assert rows[512, 1, 1]['states'] == pytest.approx(16 * predict.GPT3.params())
+    rows = dict(predict.layouts(predict.GPT3, CLUSTER, batch=1536))
+    assert rows[512, 1, 1]['states'] == pytest.approx(18 * predict.GPT3.params())
     assert not rows[512, 1, 1]['fits']
     assert all(t * p >= 16 for (d, t, p), row in rows.items() if row['fits'])
-    assert all(cluster.per_machine % t == 0 for d, t, p in rows)
-    best = predict.layouts(predict.GPT3, cluster, batch=1536)[0]
+    best = predict.layouts(predict.GPT3, CLUSTER, batch=1536)[0]
     assert best[1]['fits']
+
+
+@pytest.mark.parametrize('t', [1, 2, 8, 96])
+def test_a_layers_activations_are_korthikantis(t):
+    """Korthikanti et al. (2022), Table 2: sbh(10 + 24/t + 5as/(ht)) bytes with tensor
+    parallelism alone, sbh(34 + 5as/h)/t with sequence parallelism too."""
+    gpt3, b = predict.GPT3, 2
+    s, h, a = gpt3.seq, gpt3.hidden, gpt3.heads
+    alone = predict.layer_activations(gpt3, b, t, sequence=False)
+    assert alone == pytest.approx(s * b * h * (10 + 24 / t + 5 * a * s / (h * t)))
+    assert predict.layer_activations(gpt3, b, t) == pytest.approx(
+        s * b * h * (34 + 5 * a * s / h) / t)
+
+
+def test_without_sequence_parallelism_gpt3_at_t8_keeps_56_gb_of_activations():
+    """L layers' worth on 1F1B's first stage: 96 · sbh(10 + 3 + 10) = 55.6 GB, not the
+    275 GB of the unsplit count."""
+    costs = predict.layout_costs(predict.GPT3, CLUSTER, 8, 8, 8, 1536, sequence=False)
+    assert costs['activations'] / 1e9 == pytest.approx(55.6, abs=0.05)
+
+
+def test_sequence_parallelism_divides_a_boundarys_bytes_by_t():
+    """A stage sends each device's tokens only, 1/t of a micro-batch's activations, as
+    `device_plan` counts them."""
+    kept = predict.layout_costs(predict.GPT3, CLUSTER, 8, 8, 8, 1536, sequence=False)
+    split = predict.layout_costs(predict.GPT3, CLUSTER, 8, 8, 8, 1536)
+    assert split['pipeline'] < kept['pipeline']
+    microbatches, boundary = 1536 // 8, 2 * predict.GPT3.seq * predict.GPT3.hidden
+    assert split['pipeline'] == pytest.approx(
+        2 * microbatches * (CLUSTER.alpha + boundary / 8 / CLUSTER.network))
+
+
+def test_the_distributed_optimizer_holds_6_plus_12_over_d_bytes_a_parameter():
+    """ZeRO-1 over the d replicas (Megatron-LM's distributed optimizer): 16 × 8 × 4 then fits
+    in 80 GB, and 8 × 8 × 8 too, where neither does with the optimizer whole."""
+    for d, t, p in [(16, 8, 4), (8, 8, 8)]:
+        whole = predict.layout_costs(predict.GPT3, CLUSTER, d, t, p, 1536)
+        sharded = predict.layout_costs(predict.GPT3, CLUSTER, d, t, p, 1536, zero_stage=1)
+        values = predict.GPT3.params() / (t * p)
+        assert whole['states'] == pytest.approx(18 * values)
+        assert sharded['states'] == pytest.approx((6 + 12 / d) * values)
+        assert not whole['fits'] and sharded['fits']
+        assert sharded['data'] < whole['data']     # 16-bit weights gathered, not gradients
+    assert predict.layout_costs(predict.GPT3, CLUSTER, 16, 8, 4, 1536, zero_stage=1)[
+        'held'] / 1e9 == pytest.approx(71.4, abs=0.05)
+    with pytest.raises(ValueError, match='zero_stage=1'):
+        predict.layout_costs(predict.GPT3, CLUSTER, 16, 8, 4, 1536, zero_stage=3)
+
+
+@pytest.mark.parametrize('zero_stage', [0, 1])
+def test_tensor_parallelism_up_to_a_machine_falls_out_of_the_counting(zero_stage):
+    """Narayanan et al.'s rule, from the prices alone: a tensor group wider than a machine
+    runs its allreduces at the network's speed and is the slowest of all that fit; t below a
+    machine's GPUs keeps too many activations to fit (memory, not the link, sets t)."""
+    rows = predict.layouts(predict.GPT3, CLUSTER, batch=1536, zero_stage=zero_stage)
+    assert any(t > CLUSTER.per_machine for (d, t, p), row in rows if row['fits'])
+    (_, best_t, _), best = rows[0]
+    assert best['fits'] and best_t == CLUSTER.per_machine
+    wider = [row['step'] for (d, t, p), row in rows if t > CLUSTER.per_machine]
+    assert min(wider) > 2 * best['step']
+    assert not any(row['fits'] for (d, t, p), row in rows if t < CLUSTER.per_machine)
 
 
 def test_bad_layouts_are_named():

@@ -6,8 +6,10 @@ values a weight, SGD with momentum 1, Adam 2) and, under mixed precision, a floa
 of the weight. The paper's mixed-precision Adam holds 2 + 2 + 12 = 16 bytes a parameter (its
 K = 12 counts the master copy with Adam's two values). Plain data parallelism (stage 0) keeps
 every kind whole on every device; stage 1 divides the optimizer's kinds by the n devices, stage
-2 the gradients too, stage 3 the weights too. Activations are not in the table: they grow with
-the batch and the layers, not with the parameters.
+2 the gradients too, stage 3 the weights too: what a device holds between steps. During a
+step it also holds whole the units it works on (`peak_states`), which sharding does not divide.
+Activations are not in the table: they grow with the batch and the layers, not with the
+parameters.
 
 Traffic and time come from the two halves of an allreduce priced in the α-β model of
 `comm.cost`: every stage reduce-scatters the gradients and all-gathers the weights (an
@@ -23,6 +25,10 @@ STATE_VALUES = {'sgd': 0, 'momentum': 1, 'adam': 2}      # values the optimizer 
 STAGES = (0, 1, 2, 3)            # 0: plain data parallelism
 SHARDED_FROM = {'optimizer state': 1, 'master weights': 1, 'gradients': 2, 'weights': 3}
 ZERO_PAPER = {'weights': 2, 'gradients': 2, 'optimizer state': 12}     # ZeRO's Figure 1
+# Megatron-LM's mixed precision: 16-bit weights, float32 gradients (summed over devices in
+# float32), a float32 master copy and Adam's two values; 18 bytes, 6 + 12/d at stage 1 (its
+# distributed optimizer)
+MEGATRON = {'weights': 2, 'gradients': 4, 'master weights': 4, 'optimizer state': 8}
 
 
 def model_states(num_params: float, devices: int, stage: int,
@@ -57,6 +63,35 @@ def memory_per_device(num_params, devices, stage, optimizer='adam', bytes_per_va
     held = model_states(num_params, devices, stage, bytes_per_kind(optimizer, bytes_per_value))
     del held['total']
     return held
+
+
+def peak_states(units, devices, stage, optimizer='adam', prefetch=1, value_bytes=4):
+    """{kind: its own peak in bytes during a step on the first device, ..., 'total': their sum,
+    which bounds the states at the step's peak}, every value `value_bytes`, as the naive engine
+    frees them; `units` is each unit's parameter sizes (in values), in forward order.
+
+    Between steps ZeRO divides each kind by the n devices (`model_states`). During a step a
+    device holds whole what it works on: without sharding, the largest parameter's gradient
+    twice, as backward made it and in its own array; at stage 3 the unit gathered and the
+    `prefetch` after it; at stages 2 and 3 the unit being sent twice, as backward made it and
+    packed flat; at stage 1 each unit packed from the moment backward reached it. These terms
+    grow with the largest unit, not with n: where one unit is most of the model, sharding more
+    lowers nothing at the peak, and each stage's peak can exceed the one before."""
+    check(devices, stage, optimizer)
+    sizes = [value_bytes * sum(unit) for unit in units]
+    whole, largest = sum(sizes), max(sizes)
+    shard = value_bytes * sum(-(-sum(unit) // devices) for unit in units)   # the first chunks
+    state = STATE_VALUES[optimizer]
+    if stage == 0:
+        peaks = {'weights': whole, 'gradients': whole + value_bytes * max(map(max, units)),
+                 'optimizer state': state * whole}
+    else:
+        window = max(sum(sizes[i:i + prefetch + 1]) for i in range(len(sizes)))
+        packed = max(sum(sizes[i:]) + sizes[i] for i in range(len(sizes)))
+        peaks = {'weights': shard + window if stage == 3 else whole,
+                 'gradients': packed if stage == 1 else shard + 2 * largest,
+                 'optimizer state': state * shard}
+    return {**peaks, 'total': sum(peaks.values())}
 
 
 def transformer_layer_activations(seq, batch, hidden, heads, value_bytes=2, dropout=True):

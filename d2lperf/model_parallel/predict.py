@@ -4,9 +4,9 @@ sends and leaves idle, from the model's sizes and the layout alone.
 Two calculators share the counting. `device_plan` counts this package's small GPT to the
 byte (float32, its tape's activations, its split that keeps each split layer's output biases
 on every device), so that a run on virtual devices can be checked against it. `layout_costs`
-prices a real model on a real cluster with the papers' counts (Megatron-LM's 16-bit values,
-Korthikanti et al.'s activations, mixed-precision Adam's 16 bytes a parameter) and the α-β
-links of `comm.cost`, to choose a layout before renting the machines.
+prices a real model on a real cluster with the papers' counts (Megatron-LM's 16-bit values and
+18 bytes a parameter, or 6 + 12/d with its distributed optimizer; Korthikanti et al.'s
+activations) and the α-β links of `comm.cost`, to choose a layout before renting the machines.
 Taught in "Parallelism in Three Dimensions".
 """
 from __future__ import annotations
@@ -15,7 +15,8 @@ import dataclasses
 import itertools
 
 from ..comm import cost
-from ..data_parallel.predict import STATE_VALUES, transformer_layer_activations
+from ..data_parallel.predict import (MEGATRON, STATE_VALUES, model_states,
+                                      transformer_layer_activations)
 from .pipeline import cut
 from .schedules import schedule
 
@@ -61,7 +62,7 @@ def stage_units(sizes, pipeline, chunks, stage, unit_sizes=None):
     return [list(units[spans[stage + c * pipeline]]) for c in range(chunks)]
 
 
-def unit_activations(sizes, unit, batch, t, sequence=False):
+def unit_activations(sizes, unit, batch, t, sequence=False, alone=False):
     """Bytes of a unit's activations that one of t devices keeps from a micro-batch's forward
     to its backward, in float32.
 
@@ -69,11 +70,15 @@ def unit_activations(sizes, unit, batch, t, sequence=False):
     this tape keeps more (`sec-memory`). The embedding keeps its lookup's output and the
     tokens; the head and the loss their inputs, the logits and the probabilities, the labels
     and each token's loss. With sequence parallelism (`sec-tensor-parallelism`) a layer keeps
-    sbh·(4 + 18/t) values; the embedding's sum stays whole, where the first layer counted
-    its 1/t; and the head's norm and gather keep 1/t of their inputs."""
+    sbh·(4 + 18/t) values; the head's norm and gather keep 1/t of their inputs; and the
+    embedding's sum stays whole, since a device's tokens are a view of it: the first layer
+    counts their 1/t as its input, the embedding the rest, or all of it where the embedding
+    ends its pipeline part (`alone`), whose output, that view, waits there for its gradient
+    while the next stage keeps its own copy."""
     sbh, bs = sizes.seq * batch * sizes.hidden, sizes.seq * batch
     if unit == 0:
-        return 4 * sbh + 8 * bs + (4 * sbh * (t - 1) // t if sequence else 0)
+        whole_sum = (4 * sbh if alone else 4 * sbh * (t - 1) // t) if sequence else 0
+        return 4 * sbh + 8 * bs + whole_sum
     if unit == sizes.layers + 1:
         inputs = 4 * sbh * (1 + 2 / t) if sequence else 8 * sbh
         return inputs + 8 * bs * sizes.vocab + 16 * bs
@@ -96,7 +101,8 @@ def peak_activations(sizes, t, pipeline, stage, name, microbatches, batch, chunk
     """The most activation bytes the stage holds at once as its schedule runs: each forward
     adds its part's, each backward frees them (what the naive engine does, freeing at once)."""
     parts = stage_units(sizes, pipeline, chunks, stage)
-    each = [sum(unit_activations(sizes, u, batch, t, sequence) for u in part) for part in parts]
+    each = [sum(unit_activations(sizes, u, batch, t, sequence, alone=1 not in part)
+                for u in part) for part in parts]
     held = peak = 0
     for action in schedule(name, pipeline, microbatches, chunks)[stage]:
         held += each[action.chunk] if action.kind == 'F' else -each[action.chunk]
@@ -120,8 +126,7 @@ def device_plan(sizes, data, tensor, pipeline, stage, rank, name, microbatches, 
     if sequence:       # the head's gather, and the sums of the copies that saw 1/t of tokens
         tensor_sent += (sizes.layers + 1 in units) * microbatches * share * boundary
         tensor_sent += 2 * share * 4 * sum(token_values(sizes, u) for u in units)
-    last = pipeline * chunks - 1
-    crossings = sum((k < last) + (k > 0) for k in range(stage, last + 1, pipeline))
+    crossings = stage_crossings(pipeline, chunks, stage)
     return {'weights': weights, 'gradients': trained,
             'optimizer state': STATE_VALUES[optimizer] * trained,
             'activations': peak_activations(sizes, tensor, pipeline, stage, name,
@@ -131,9 +136,20 @@ def device_plan(sizes, data, tensor, pipeline, stage, rank, name, microbatches, 
             'data': 2 * (data - 1) / data * trained}
 
 
+def stage_crossings(pipeline, chunks, stage):
+    """Boundaries between parts that the stage's micro-batches cross to another stage, forward
+    and backward: a part's next and previous parts, where they live on another device (one
+    stage run interleaved keeps all its chunks on its own devices and sends nothing)."""
+    if pipeline == 1:
+        return 0
+    last = pipeline * chunks - 1
+    return sum((k < last) + (k > 0) for k in range(stage, last + 1, pipeline))
+
+
 def bubble(pipeline, microbatches, chunks=1):
-    """The share of a step the stages idle, when every pass takes as long: (p - 1)/(v·m + p - 1),
-    GPipe's (p - 1)/(m + p - 1) for one chunk."""
+    """The share of a step the stages idle, with balanced stages (every pass taking as long):
+    (p - 1)/(v·m + p - 1), GPipe's (p - 1)/(m + p - 1) for one chunk. `layout_costs` counts
+    the same idle time in seconds, (p - 1)/m of the compute."""
     return (pipeline - 1) / (chunks * microbatches + pipeline - 1)
 
 
@@ -159,49 +175,96 @@ class Cluster:
     def devices(self):
         return self.machines * self.per_machine
 
+    def link(self, group):
+        """Bytes/s a device of a ring of `group` devices sends at: NVLink while the ring fits
+        in a machine, else the network, its slowest link, which sets the pace of every step."""
+        return self.nvlink if group <= self.per_machine else self.network
 
-def layout_costs(sizes, cluster, data, tensor, pipeline, batch, micro=1, sequence=True):
-    """{what: value} for one layout of `sizes` on `cluster`: bytes a device holds (16 a
-    parameter of its 1/(t·p), and the first stage's activations: 1F1B keeps p micro-batches
-    of its L/p layers, Korthikanti et al.'s count with sequence parallelism), and the seconds
-    of a step: compute, the bubble, and tensor, pipeline and data parallelism's
-    communication, none of it hidden (an upper bound)."""
-    microbatches = batch // (data * micro)
-    states = 16 * sizes.params() / (tensor * pipeline)
+
+def layer_activations(sizes, micro, tensor, sequence=True):
+    """Bytes one Transformer layer keeps on one of t devices from a micro-batch of `micro`
+    sequences (Korthikanti et al., 2022): with sequence parallelism 1/t of sbh(34 + 5as/h);
+    with tensor parallelism alone, the 10sbh that lie between the blocks (the norms' inputs,
+    each block's input and its dropout mask) stay whole on every device: sbh(10 + 24/t +
+    5as/(ht))."""
     layer = transformer_layer_activations(sizes.seq, micro, sizes.hidden, sizes.heads)
-    layer = layer / tensor if sequence else layer       # the 10sbh whole part split too
-    activations = sizes.layers * layer
+    if sequence:
+        return layer / tensor
+    between = 10 * sizes.seq * micro * sizes.hidden
+    return between + (layer - between) / tensor
+
+
+def layout_costs(sizes, cluster, data, tensor, pipeline, batch, micro=1, sequence=True,
+                 states=MEGATRON, zero_stage=0):
+    """{what: value} for one layout of `sizes` on `cluster`: bytes a device holds and the
+    seconds of a step, none of its communication hidden (an upper bound).
+
+    A device holds the states of its 1/(t·p) of the parameters (`states` bytes a parameter of
+    each kind, Megatron-LM's 18 by default; `zero_stage=1` shards the optimizer's over the d
+    replicas, Megatron's distributed optimizer: 6 + 12/d) and the first stage's activations:
+    1F1B keeps p micro-batches of its L/p layers, L layers' worth. A step is the compute, the
+    bubble (the stages' idle time: compute·(p - 1)/m, its (p - 1)/(m + p - 1) share of the
+    step), and tensor, pipeline and data parallelism's communication on their links."""
+    if zero_stage not in (0, 1):
+        raise ValueError(f'the layout search shards the optimizer (zero_stage=1) or not (0), '
+                         f'not {zero_stage!r}: a pipeline adds up gradients over its '
+                         'micro-batches, and ZeRO-3 would gather the weights for each one')
+    microbatches = batch // (data * micro)
+    values = sizes.params() / (tensor * pipeline)
+    held_states = model_states(values, data, zero_stage, states)['total']
+    activations = sizes.layers * layer_activations(sizes, micro, tensor, sequence)
     compute = 6 * sizes.params() * batch * sizes.seq / (cluster.devices * cluster.flops)
-    boundary = 2 * micro * sizes.seq * sizes.hidden
-    nvlink = cost.Topology('NVLink', tensor, cluster.nvlink, cluster.nvlink, None, cluster.alpha)
-    network = cost.Topology('network', data, cluster.network, cluster.network, None,
-                            cluster.alpha)
-    layers_here = sizes.layers / pipeline
+    boundary = 2 * micro * sizes.seq * sizes.hidden          # 16-bit activations
     seconds = {
         'compute': compute,
         'bubble': compute * (pipeline - 1) / microbatches,
-        'tensor': 0 if tensor == 1 else 4 * layers_here * microbatches * cost.allreduce_time(
-            'ring', boundary, nvlink),
+        'tensor': tensor_seconds(sizes, cluster, tensor, pipeline, microbatches, boundary),
         'pipeline': 0 if pipeline == 1 else 2 * microbatches * (
-            cluster.alpha + boundary / cluster.network),
-        'data': 0 if data == 1 else cost.allreduce_time(
-            'ring', 2 * sizes.params() / (tensor * pipeline), network)}
-    held = states + activations
-    return {'held': held, 'fits': held <= cluster.memory, 'states': states,
+            cluster.alpha + boundary / (tensor if sequence else 1) / cluster.network),
+        'data': data_seconds(cluster, data, values, states, zero_stage)}
+    held = held_states + activations
+    return {'held': held, 'fits': held <= cluster.memory, 'states': held_states,
             'activations': activations, **seconds, 'step': sum(seconds.values())}
 
 
-def layouts(sizes, cluster, batch, micro=1):
-    """Every (d, t, p) that uses all of the cluster's devices, keeps t inside a machine and
-    divides the heads, splits the layers into whole stages and the batch into micro-batches,
-    with its `layout_costs`, fastest first among those that fit."""
+def tensor_seconds(sizes, cluster, tensor, pipeline, microbatches, boundary):
+    """Four allreduces of a micro-batch's activations a layer of the stage (or their halves,
+    the same bytes, under sequence parallelism), on NVLink or, for a group wider than a
+    machine, on the network."""
+    if tensor == 1:
+        return 0
+    link = cluster.link(tensor)
+    group = cost.Topology('tensor group', tensor, link, link, None, cluster.alpha)
+    layers_here = sizes.layers / pipeline
+    return 4 * layers_here * microbatches * cost.allreduce_time('ring', boundary, group)
+
+
+def data_seconds(cluster, data, values, states, zero_stage):
+    """The sum over the d replicas of a device's gradients: an allreduce; with the optimizer
+    sharded, a reduce-scatter of the gradients and an all-gather of the updated weights."""
+    if data == 1:
+        return 0
+    network = cost.Topology('network', data, cluster.network, cluster.network, None,
+                            cluster.alpha)
+    gradients, weights = states['gradients'] * values, states['weights'] * values
+    if zero_stage == 0:
+        return cost.allreduce_time('ring', gradients, network)
+    return cost.half_time('reduce-scatter', 'ring', gradients, network) + \
+        cost.half_time('all-gather', 'ring', weights, network)
+
+
+def layouts(sizes, cluster, batch, micro=1, sequence=True, states=MEGATRON, zero_stage=0):
+    """Every (d, t, p) that uses all of the cluster's devices, whose t divides the heads and
+    fills whole machines or divides one, that splits the layers into whole stages and the
+    batch into micro-batches, with its `layout_costs`, fastest first among those that fit."""
     rows = []
-    for tensor, pipeline in itertools.product(range(1, cluster.per_machine + 1),
+    for tensor, pipeline in itertools.product(range(1, cluster.devices + 1),
                                               range(1, sizes.layers + 1)):
         data, rest = divmod(cluster.devices, tensor * pipeline)
-        if rest or cluster.per_machine % tensor or sizes.heads % tensor or \
-                sizes.layers % pipeline or batch % (data * micro):
+        fills = cluster.per_machine % tensor == 0 or tensor % cluster.per_machine == 0
+        if rest or not fills or sizes.heads % tensor or sizes.layers % pipeline or \
+                batch % (data * micro):
             continue
-        rows.append(((data, tensor, pipeline),
-                     layout_costs(sizes, cluster, data, tensor, pipeline, batch, micro)))
+        rows.append(((data, tensor, pipeline), layout_costs(
+            sizes, cluster, data, tensor, pipeline, batch, micro, sequence, states, zero_stage)))
     return sorted(rows, key=lambda row: (not row[1]['fits'], row[1]['step']))
