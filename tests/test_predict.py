@@ -47,7 +47,7 @@ def measured_peaks(widths, stage, prefetch=1):
     above what it held before the net was made; and each unit's parameter sizes."""
     rng = numpy.random.default_rng(0)
     x = np.array(rng.normal(size=(BATCH, INPUTS)).astype('float32'))
-    y = np.array(rng.integers(0, widths[-1], BATCH).astype('float32'))
+    y = np.array(rng.integers(0, widths[-1], BATCH))
     loss = d2l.SoftmaxCrossEntropyLoss()
     d2l.engine.use('naive')
     try:
