@@ -9,7 +9,9 @@ device, and every step below acts on each. A forward pass of a part runs under
 backward stops at its own border and hands the gradient of that copy back to the part before.
 The copies between stages are engine operations like any other, so the engine runs a part as
 soon as its input has arrived. A stage holds a micro-batch's activations from its forward to
-its backward: the schedule decides how many at once. Taught in "Model Parallelism".
+its backward: the schedule decides how many at once. Each micro-batch's backward adds its
+gradients into the parameters' `.grad` (grad_req 'add' for the step): autograd accumulates,
+and nothing else holds gradients. Taught in "Model Parallelism".
 """
 from __future__ import annotations
 
