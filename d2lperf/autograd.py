@@ -294,9 +294,9 @@ def _owned(data, others):
 def backward(head, head_grad=None, retain_graph=False, on_gradient=None):
     """Gradients of `head` (summed, if it is not a scalar) as every attached `.grad`.
 
-    Each leaf's `.grad` becomes a new array holding its gradient (grad_req 'write'), or the
-    sum of the old `.grad` and its gradient (grad_req 'add', `mark_variables`): one array
-    written once, where copying into the old buffer would write it twice.
+    Each leaf's `.grad` becomes a new array holding its gradient (grad_req 'write'): one
+    array written once, where copying into the old buffer would write it twice. With grad_req
+    'add' (`mark_variables`) the gradient is added into `.grad`, in place.
 
     `on_gradient(array)` is called as soon as the write of `array.grad` has been pushed, while
     the rest of the backward pass is still being pushed: a trainer can start summing that
@@ -351,14 +351,16 @@ def step(array, g, grads, retain_graph, on_gradient):
         if not retain_graph:
             array.node = None
     elif array.grad is not None:
-        # The gradient becomes `.grad`, a fresh array, rather than being copied into it; an
-        # array held from an earlier `.grad` (a store's sum) keeps its values. 'add' adds to
-        # what `.grad` held, and so does a leaf this pass reached already (a checkpointed
-        # segment's walk reaches the block's parameters apart from the walk around it).
+        # 'write': the gradient, a fresh array, becomes `.grad` rather than being copied into
+        # it; an array held from an earlier `.grad` (a store's sum) keeps its values. 'add'
+        # adds it into `.grad` in place (MXNet's kAddTo: no third array of its size), and so
+        # does a leaf this pass reached already (a checkpointed segment's walk reaches the
+        # block's parameters apart from the walk around it).
         seeded = id(array) in grads.get(SEEDED, ())        # g holds `.grad` already
-        adds = not seeded and (wrote(grads, array) or grad_req(array) == 'add')
-        total = array.grad + g if adds else g
-        array.grad = label(total, 'gradients')
+        if not seeded and (wrote(grads, array) or grad_req(array) == 'add'):
+            array.grad += g
+        else:
+            array.grad = label(g, 'gradients')
         grads[WRITTEN][id(array)] = array.grad
         if on_gradient is not None:
             on_gradient(array)

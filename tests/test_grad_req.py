@@ -120,3 +120,17 @@ def test_k_backward_calls_with_add_equal_the_sum_of_k_writes(calls, seed):
         for w in written:
             total = total + w[name]
         numpy.testing.assert_array_equal(g, total, err_msg=name)
+
+
+def test_add_adds_in_place_and_zero_grad_gives_a_fresh_buffer():
+    """'add' is MXNet's kAddTo: the buffer stays, so a step that accumulates holds no third
+    array of a gradient's size; zero_grad() leaves an array someone kept from before as it was."""
+    layer, x = dense(), np.random.normal(0, 1, size=(2, 4))
+    layer.weight.grad_req = 'add'
+    buffer = layer.weight.grad()
+    backward(layer, x)
+    assert layer.weight.grad() is buffer
+    kept = buffer.asnumpy()
+    layer.weight.zero_grad()
+    assert layer.weight.grad() is not buffer
+    numpy.testing.assert_array_equal(buffer.asnumpy(), kept)
