@@ -134,3 +134,27 @@ def test_add_adds_in_place_and_zero_grad_gives_a_fresh_buffer():
     layer.weight.zero_grad()
     assert layer.weight.grad() is not buffer
     numpy.testing.assert_array_equal(buffer.asnumpy(), kept)
+
+
+def test_a_hybridized_net_accumulates_too():
+    """A compiled net records one node whose rule gives every parameter's gradient; the walk
+    writes or adds them as for any leaf."""
+    net = nn.HybridSequential()
+    net.add(nn.Dense(3, in_units=4))
+    np.random.seed(0)
+    net.initialize()
+    net.hybridize()
+    x = np.random.normal(0, 1, size=(2, 4))
+
+    def step():
+        with autograd.record():
+            loss = (net(x) ** 2).sum()
+        loss.backward()
+    step()
+    once = grads(net)
+    for param in net.collect_params().values():
+        param.grad_req = 'add'
+    step()
+    step()
+    for name, g in grads(net).items():
+        numpy.testing.assert_array_equal(g, once[name] + once[name] + once[name])
