@@ -11,6 +11,9 @@ the recording, as in Gluon. A hybridized block records ONE node whose rule walks
 graph (`hybrid.graph.gradients`); that walk differs from the one here because it runs
 inside a single engine operation, on raw arrays, over nodes already in order.
 
+A leaf's `.grad` is replaced by its gradient, or added to where the leaf's grad_req is 'add'
+(MXNet's `mark_variables`; a Parameter sets it on its arrays): micro-batches accumulate there.
+
 `checkpoint(block, *inputs)` trades time for memory (recomputation, Chen et al. 2016): its
 forward keeps no node inside the block, so only the inputs stay for backward, which runs the
 block again, recorded, and walks that graph before going on. `on_backward(array, callback)`
@@ -99,22 +102,19 @@ class Recompute:
 
 
 def walk_segment(head, g, grads, on_gradient):
-    """The walk of a segment run again, inside the walk around it. A parameter that an earlier
-    segment of the same backward pass gave its `.grad` starts from that gradient, so one used
-    in several segments ends with their sum, added in the order of the walk without checkpoints.
-    (`grads[Recompute]` remembers, weakly, the gradients written so far.)"""
-    written = grads.setdefault(Recompute, {})
-    segment = {id(head): g, Recompute: written}
+    """The walk of a segment run again, inside the walk around it, sharing its record of the
+    leaves written so far (`step` adds to those). A leaf written already by an earlier segment
+    starts from its `.grad` here instead, so that one used in several segments ends with their
+    sum added in the order of the walk without checkpoints, bit for bit."""
     order = topological_order(head)
+    segment = {id(head): g, WRITTEN: grads[WRITTEN], SEEDED: set()}
     for array in order:
-        earlier = written.get(id(array))
-        if array.grad is not None and earlier is not None and earlier() is array.grad:
+        if array.node is None and wrote(grads, array):
             segment[id(array)] = array.grad
+            segment[SEEDED].add(id(array))
     for array in reversed(order):
         g = segment.pop(id(array), None)
         if g is not None:
-            if array.node is None and array.grad is not None:    # a leaf: g becomes its .grad
-                written[id(array)] = weakref.ref(g)
             step(array, g, segment, False, on_gradient)
 
 
@@ -161,9 +161,8 @@ def checkpoint(block, *inputs):
 
     Gradients equal those without it, bit for bit, for any block whose forward draws no random
     numbers (dropout would draw new masks when it runs again), a parameter used in several
-    segments included. (One used both in a segment and outside any keeps only one part in its
-    `.grad`, until autograd adds a leaf's gradients in one place.) Outside `record()` it is
-    just the call."""
+    segments included; one used in a segment and outside any gets the sum of its uses too.
+    Outside `record()` it is just the call."""
     if not TAPE.recording:
         return block(*inputs)
     with pause(train_mode=TAPE.training):
@@ -296,7 +295,8 @@ def backward(head, head_grad=None, retain_graph=False, on_gradient=None):
     """Gradients of `head` (summed, if it is not a scalar) as every attached `.grad`.
 
     Each leaf's `.grad` becomes a new array holding its gradient (grad_req 'write'): one
-    array written once, where copying into the old buffer would write it twice.
+    array written once, where copying into the old buffer would write it twice. With grad_req
+    'add' (`mark_variables`) the gradient is added into `.grad`, in place.
 
     `on_gradient(array)` is called as soon as the write of `array.grad` has been pushed, while
     the rest of the backward pass is still being pushed: a trainer can start summing that
@@ -332,7 +332,8 @@ def walk(head, head_grad, retain_graph, on_gradient):
     if head.node is None:
         raise RuntimeError('nothing to differentiate: compute the head inside autograd.record() '
                            'from arrays that called attach_grad()')
-    grads = {id(head): head_grad if head_grad is not None else filled_like(head, 1)}
+    grads = {id(head): head_grad if head_grad is not None else filled_like(head, 1),
+             WRITTEN: weakref.WeakValueDictionary()}  # {id(leaf): the .grad this pass wrote}
     for array in reversed(topological_order(head)):
         g = grads.pop(id(array), None)
         if g is not None:
@@ -350,11 +351,61 @@ def step(array, g, grads, retain_graph, on_gradient):
         if not retain_graph:
             array.node = None
     elif array.grad is not None:
-        # The gradient, a fresh array, becomes `.grad` rather than being copied into it; an
-        # array held from an earlier `.grad` (a store's sum) keeps its values.
-        array.grad = label(g, 'gradients')
+        # 'write': the gradient, a fresh array, becomes `.grad` rather than being copied into
+        # it; an array held from an earlier `.grad` (a store's sum) keeps its values. 'add'
+        # adds it into `.grad` in place (MXNet's kAddTo: no third array of its size), and so
+        # does a leaf this pass reached already (a checkpointed segment's walk reaches the
+        # block's parameters apart from the walk around it).
+        seeded = id(array) in grads.get(SEEDED, ())        # g holds `.grad` already
+        if not seeded and (wrote(grads, array) or grad_req(array) == 'add'):
+            array.grad += g
+        else:
+            array.grad = label(g, 'gradients')
+        grads[WRITTEN][id(array)] = array.grad
         if on_gradient is not None:
             on_gradient(array)
+
+
+# -- grad_req, MXNet's: what backward does with a leaf's gradient ------------------------------
+ADDING = weakref.WeakValueDictionary()       # {id(array): array} of the arrays set to 'add'
+WRITTEN, SEEDED = 'leaves written', 'leaves seeded'    # keys of a walk's state, beside the ids
+
+
+def wrote(grads, array):
+    """Whether this backward pass wrote `array.grad` already, and it is still that gradient
+    (a trainer that took it and left a placeholder gets a fresh write)."""
+    return array.grad is not None and grads[WRITTEN].get(id(array)) is array.grad
+
+
+def mark_variables(variables, gradients, grad_reqs='write'):
+    """Make each array a leaf with `gradients[i]` as its `.grad` (MXNet's name), where
+    backward then writes ('write': replaces it), adds ('add': until the buffer is zeroed) or
+    none ('null': `.grad` None). One grad_req for all, or one a variable."""
+    variables, gradients = list(variables), list(gradients)
+    reqs = [grad_reqs] * len(variables) if isinstance(grad_reqs, str) else list(grad_reqs)
+    if not len(variables) == len(gradients) == len(reqs):
+        raise ValueError(f'{len(variables)} variables, {len(gradients)} gradients and '
+                         f'{len(reqs)} grad_reqs: give one gradient a variable (and one '
+                         'grad_req, or one for all)')
+    for x, g, req in zip(variables, gradients, reqs):
+        check_grad_req(req)
+        x.grad = None if req == 'null' else label(g, 'gradients')
+        if req == 'add':
+            ADDING[id(x)] = x
+        else:
+            ADDING.pop(id(x), None)
+
+
+def grad_req(array):
+    """'add' for an array marked so, 'write' for any other with a `.grad`, else 'null'."""
+    if ADDING.get(id(array)) is array:
+        return 'add'
+    return 'null' if array.grad is None else 'write'
+
+
+def check_grad_req(req):
+    if req not in ('write', 'add', 'null'):
+        raise ValueError(f"grad_req must be 'write', 'add' or 'null', not {req!r}")
 
 
 TAPE.walk = backward         # how NDArray.backward, below this module, reaches the walk

@@ -51,17 +51,31 @@ def test_a_parameter_in_several_segments_gets_the_sum_of_its_uses(engine_kind, c
         numpy.testing.assert_array_equal(again[name], plain[name], err_msg=name)
 
 
-@pytest.mark.xfail(strict=True, reason='a leaf used inside a segment and outside any: the walk '
-                   'outside writes its .grad with its own part alone; autograd adding a '
-                   "leaf's gradients in one place (grad_req='add') will fix it")
 @pytest.mark.parametrize('plain_first', [True, False])
 def test_a_parameter_in_a_segment_and_outside_gets_the_sum_of_its_uses(plain_first):
+    """The segment's walk and the walk around it each reach the parameter: the second adds."""
     layer, x = dense_and_input()
     inside = segments(layer, 1, 1)
     plain = gradients(layer, x, [layer, layer])
     again = gradients(layer, x, [layer] + inside if plain_first else inside + [layer])
     for name in plain:
         numpy.testing.assert_array_equal(again[name], plain[name], err_msg=name)
+
+
+@pytest.mark.parametrize('calls', [[0, 1], [1, 0], [1, 1]])
+def test_grad_req_add_accumulates_over_passes_with_checkpoints(calls):
+    """With grad_req 'add', each backward pass adds the sum of all the parameter's uses (in
+    segments or not) to what `.grad` held: two passes give twice one."""
+    layer, x = dense_and_input()
+    inside = segments(layer, 1, 1)[0]
+    chain = [inside if checkpointed else layer for checkpointed in calls]
+    once = gradients(layer, x, chain)
+    for param in layer.collect_params().values():
+        param.grad_req = 'add'
+    gradients(layer, x, chain)
+    twice = {name: p.grad().asnumpy() for name, p in layer.collect_params().items()}
+    for name, g in twice.items():
+        numpy.testing.assert_allclose(g, 2 * once[name], rtol=1e-6, err_msg=name)
 
 
 @checks(max_examples=25)

@@ -135,3 +135,51 @@ def test_a_bfloat16_net_takes_gradients_across_stages():
     assert numpy.abs(one[0]).max() > 1e-2
     for a, b in zip(split, one):
         numpy.testing.assert_array_equal(a, b)
+
+
+def micro_batches(micro):
+    return ([np.array(part) for part in numpy.array_split(X, micro)],
+            [np.array(part) for part in numpy.array_split(Y, micro)])
+
+
+@pytest.mark.parametrize('name, devices, micro, chunks', [
+    ('gpipe', 2, 3, 1), ('1f1b', 3, 4, 1), ('interleaved', 2, 4, 2)])
+def test_the_gradients_are_the_micro_batches_summed_in_order_bit_for_bit(name, devices, micro,
+                                                                         chunks):
+    """Each micro-batch's gradient on one device, added in the order of the micro-batches
+    (autograd's grad_req 'add' over the step), is bit for bit the pipeline's `.grad`."""
+    inputs, labels = micro_batches(micro)
+    net = mlp()
+    total = None
+    for x, y in zip(inputs, labels):
+        with autograd.record():
+            loss = LOSS(net(x), y).sum()
+        loss.backward()
+        each = [p.grad().asnumpy() for p in net.collect_params().values()]
+        total = each if total is None else [t + g for t, g in zip(total, each)]
+    net = mlp()
+    Pipeline(net, [d2l.cpu(i + 1) for i in range(devices)], name, chunks).forward_backward(
+        inputs, labels, LOSS)
+    params = net.collect_params().values()
+    for a, b in zip((p.grad().asnumpy() for p in params), total):
+        numpy.testing.assert_array_equal(a, b)
+    assert all(p.grad_req == 'write' for p in params)      # the step's 'add' is undone
+
+
+def test_a_net_set_to_add_accumulates_over_pipeline_steps():
+    """Parameters the user set to grad_req 'add' keep adding over steps, until zero_grad()."""
+    inputs, labels = micro_batches(2)
+    net = mlp()
+    pipeline = Pipeline(net, [d2l.cpu(1), d2l.cpu(2)], '1f1b')
+    pipeline.forward_backward(inputs, labels, LOSS)
+    once = [p.grad().asnumpy() for p in net.collect_params().values()]
+    for param in net.collect_params().values():
+        param.grad_req = 'add'
+    pipeline.forward_backward(inputs, labels, LOSS)
+    for param, g in zip(net.collect_params().values(), once):
+        numpy.testing.assert_allclose(param.grad().asnumpy(), g + g, rtol=1e-6, atol=1e-7)
+        assert param.grad_req == 'add'
+    net.collect_params().zero_grad()
+    pipeline.forward_backward(inputs, labels, LOSS)
+    for param, g in zip(net.collect_params().values(), once):
+        numpy.testing.assert_array_equal(param.grad().asnumpy(), g)

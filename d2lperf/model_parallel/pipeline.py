@@ -9,17 +9,20 @@ device, and every step below acts on each. A forward pass of a part runs under
 backward stops at its own border and hands the gradient of that copy back to the part before.
 The copies between stages are engine operations like any other, so the engine runs a part as
 soon as its input has arrived. A stage holds a micro-batch's activations from its forward to
-its backward: the schedule decides how many at once. Taught in "Model Parallelism".
+its backward: the schedule decides how many at once. Each micro-batch's backward adds its
+gradients into the parameters' `.grad` (grad_req 'add' for the step): autograd accumulates,
+and nothing else holds gradients. Taught in "Model Parallelism".
 """
 from __future__ import annotations
 
 import collections
+import contextlib
 from typing import Sequence
 
 import numpy
 
 from .. import autograd
-from ..device import Device, label
+from ..device import Device
 from ..nn.block import Block
 from ..ops import differentiable
 from ..np.multiarray import NDArray
@@ -68,37 +71,37 @@ class Pipeline:
 
     def forward_backward(self, inputs: Sequence[NDArray], labels: Sequence[NDArray], loss):
         """Forward and backward of every micro-batch (`inputs[i]`, `labels[i]`), by the schedule;
-        each parameter's `.grad` becomes the sum over the micro-batches. Returns the losses
-        (each summed over its micro-batch), on the last part's (first) device."""
+        each parameter's `.grad` becomes the sum over the micro-batches (autograd adds them:
+        grad_req 'add' for the step). Returns the losses (each summed over its micro-batch), on
+        the last part's (first) device."""
         m, p, last = len(inputs), len(self.devices), len(self.parts) - 1
         if m == 0 or len(labels) != m:
             raise ValueError(f'{m} micro-batches of inputs and {len(labels)} of labels: give '
                              'one label array an input, and at least one (no micro-batches, '
                              'no step)')
-        outputs, borders, grads_in, losses, totals = {}, {}, {}, [None] * m, {}
-        for _, stage, action in self.order(m):
-            part, mb = stage + action.chunk * p, action.microbatch
-            if action.kind == 'F':
-                source = inputs[mb] if part == 0 else outputs[mb, part - 1]
-                borders[mb, part] = border = self.arrive(source, part, leaf=part > 0,
-                                                         count=part > 0)
-                with autograd.record():
-                    outs = self.parts[part](border, inputs[mb].shape)
-                    if part == last:
-                        outs = [loss(out, labels[mb].copyto(out.device)).sum() for out in outs]
-                        losses[mb] = outs[0]
-                outputs[mb, part] = outs
-            else:
-                outs = outputs.pop((mb, part))
-                heads = None if part == last else \
-                    self.arrive(grads_in.pop((mb, part + 1)), part, leaf=False)
-                self.parts[part].walk_back(outs, heads)
-                add_gradients(self.parts[part], totals)
-                border = borders.pop((mb, part))
-                if part > 0:
-                    grads_in[mb, part] = [x.grad for x in border]
-        for param, total in totals.items():          # a sum made here is gradients too
-            param.data().grad = label(total, 'gradients')
+        outputs, borders, grads_in, losses = {}, {}, {}, [None] * m
+        with accumulating(self.params()):
+            for _, stage, action in self.order(m):
+                part, mb = stage + action.chunk * p, action.microbatch
+                if action.kind == 'F':
+                    source = inputs[mb] if part == 0 else outputs[mb, part - 1]
+                    borders[mb, part] = border = self.arrive(source, part, leaf=part > 0,
+                                                             count=part > 0)
+                    with autograd.record():
+                        outs = self.parts[part](border, inputs[mb].shape)
+                        if part == last:
+                            outs = [loss(out, labels[mb].copyto(out.device)).sum()
+                                    for out in outs]
+                            losses[mb] = outs[0]
+                    outputs[mb, part] = outs
+                else:
+                    outs = outputs.pop((mb, part))
+                    heads = None if part == last else \
+                        self.arrive(grads_in.pop((mb, part + 1)), part, leaf=False)
+                    self.parts[part].walk_back(outs, heads)
+                    border = borders.pop((mb, part))
+                    if part > 0:
+                        grads_in[mb, part] = [x.grad for x in border]
         for part in self.parts:
             part.finish_gradients()
         return losses
@@ -171,13 +174,20 @@ def check_groups(stages):
                              f'(sizes {sizes}); give every stage the same number of devices')
 
 
-def add_gradients(part, totals):
-    """Each parameter's gradient of this micro-batch, added to the step's."""
-    for param in part.params():
-        if param.grad_req != 'write':
-            continue
-        grad = param.data().grad
-        totals[param] = grad if param not in totals else totals[param] + grad
+@contextlib.contextmanager
+def accumulating(params):
+    """The step's parameters set to grad_req 'add' and zeroed, so that each micro-batch's
+    backward adds its gradient to `.grad`; those that were 'write' are again afterwards. (One
+    the user set to 'add' keeps adding over steps, until its zero_grad().)"""
+    writes = [param for param in params if param.grad_req == 'write']
+    for param in writes:
+        param.zero_grad()
+        param.grad_req = 'add'
+    try:
+        yield
+    finally:
+        for param in writes:
+            param.grad_req = 'write'
 
 
 def cut(length, count, sizes=None):

@@ -13,7 +13,7 @@ from ..np import extension as npx
 from ..device import cpu
 from ..np.multiarray import NDArray, apply
 from .init import Initializer, Zero
-from .parameter import Parameter
+from .parameter import Parameter, ParameterDict
 
 
 class Block:
@@ -37,7 +37,7 @@ class Block:
 
     def collect_params(self, prefix=''):
         """Every parameter of this block and its children, by dotted name."""
-        params = collections.OrderedDict((prefix + n, p) for n, p in self._params.items())
+        params = ParameterDict((prefix + n, p) for n, p in self._params.items())
         for name, child in self._children.items():
             params.update(child.collect_params(f'{prefix}{name}.'))
         return params

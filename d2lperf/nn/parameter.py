@@ -1,6 +1,9 @@
 """Parameters: named arrays a model learns, with a copy (and a gradient) on each device."""
+import collections
+
 import numpy
 
+from .. import autograd
 from ..device import Device, cpu, label
 from . import init as initializers
 
@@ -18,13 +21,32 @@ class Parameter:
     replacements = 0
 
     def __init__(self, name, shape, init=None, grad_req='write'):
-        if grad_req not in ('write', 'null'):
-            raise ValueError(f"grad_req must be 'write' or 'null', not {grad_req!r}")
+        autograd.check_grad_req(grad_req)
         self.name, self.shape, self.init = name, tuple(shape), init
-        self.grad_req = grad_req     # 'null': state a layer updates itself, no gradient
+        self._grad_req = grad_req
         self._data = None            # {device: NDArray}
         self._devices = None         # set by initialize(), kept while the shape is unknown
         self.dtype = None            # None: the initializer's (float32); set by cast()
+
+    @property
+    def grad_req(self):
+        """MXNet's: 'write' (each backward pass replaces the gradient), 'add' (backward passes
+        add to it until `zero_grad()`: micro-batches accumulate) or 'null' (no gradient: state
+        a layer updates itself, or a weight frozen)."""
+        return self._grad_req
+
+    @grad_req.setter
+    def grad_req(self, req):
+        autograd.check_grad_req(req)
+        self._grad_req = req
+        for array in (self._data or {}).values():
+            self._attach_grad(array)
+
+    def zero_grad(self):
+        """Every copy's gradient back to zeros (fresh arrays), for grad_req 'add'."""
+        for array in (self._data or {}).values():
+            if array.grad is not None:
+                array.attach_grad()
 
     def initialize(self, init=None, device=None, default_init=None, force_reinit=False):
         if self._data is not None and not force_reinit:
@@ -52,9 +74,15 @@ class Parameter:
         """Hold `copies` ({device: NDArray}) as the weights, each with a gradient buffer."""
         for array in copies.values():
             label(array, 'weights')
-            if self.grad_req == 'write':
-                array.attach_grad()
+            self._attach_grad(array, fresh=True)
         self._replace(copies)
+
+    def _attach_grad(self, array, fresh=False):
+        """Give `array` this parameter's grad_req, which backward reads from the array, and a
+        gradient buffer to go with it: zeros where `fresh` or it has none, else the one kept."""
+        if self.grad_req != 'null' and (fresh or array.grad is None):
+            array.attach_grad()
+        autograd.mark_variables([array], [array.grad], self.grad_req)
 
     def _replace(self, copies):
         self._data = copies
@@ -143,6 +171,16 @@ class Parameter:
 
     def __repr__(self):
         return f'Parameter {self.name} (shape={self.shape})'
+
+
+class ParameterDict(collections.OrderedDict):
+    """Parameters by dotted name (`Block.collect_params()`), with MXNet's `zero_grad()`."""
+
+    def zero_grad(self):
+        """Every parameter's gradients back to zeros: the start of a step that accumulates
+        (grad_req 'add')."""
+        for param in self.values():
+            param.zero_grad()
 
 
 def _device_list(device):
