@@ -146,17 +146,32 @@ class ThreadedEngine(Engine):
             raise
 
     def push_waiter(self, op):
-        """A waiter (no device: `wait_for`, `wait_to_write`) runs at once, on this thread,
-        where nothing it reads or writes is in use: pushed only to run its `fn`, it needs no
-        grant then. Otherwise it takes its place in the queues, and runs on the thread of the
-        operation that lets it in (`complete`)."""
+        """A waiter (no device: `wait_for`, `wait_to_write`) runs on the thread of the operation
+        that lets it in (`complete`); where nothing it reads or writes is in use, on this one,
+        at once (`run_waiter_here`)."""
         with self.lock:
             free = free_to_run(op.reads, op.writes)
             if not free:
                 self.take_grants(op)
                 self.waiters += 1       # not ready: a variable it waits for is in use
         if free:
-            op.fn()
+            self.run_waiter_here(op)
+
+    def run_waiter_here(self, op):
+        """Take the waiter's grants, run it and let them go, with Ctrl-C held back meanwhile
+        (`workers.CtrlC`, as a helping thread does): nothing can come between the grants and
+        their release. Rare (its variables are mostly in use), so the two system calls of the
+        hold cost little."""
+        held = ctrl_c.hold()
+        try:
+            with self.lock:
+                self.take_grants(op)
+                self.waiters += 1
+            if not op.waiting:          # else busy again meanwhile: it runs when let in
+                self._dispatch(op)
+        finally:
+            if held:
+                ctrl_c.release()        # raises KeyboardInterrupt if Ctrl-C came meanwhile
 
     def push_short(self, fn, reads, writes, device, name):
         """`push` an operation too short to gain from another thread: where nothing it reads
