@@ -46,22 +46,10 @@ def create_optimizer(optimizer, optimizer_params):
 def apply_updates(optimizer, scale, batch_size, updates):
     """Apply `optimizer` to every (key, weight, gradient) of `updates`, each gradient scaled by
     `scale / batch_size`: the user's rescale_grad (`scale`, as the optimizer was created) times
-    the mean over the batch, MXNet's Trainer.step rule. A failed gradient raises here, before
-    any update is pushed (`check_gradients`)."""
-    updates = list(updates)
-    check_gradients([grad for _, _, grad in updates])
+    the mean over the batch, MXNet's Trainer.step rule."""
     optimizer.rescale_grad = scale / batch_size
     for key, weight, grad in updates:
         optimizer.update(key, weight, grad)
-
-
-def check_gradients(grads):
-    """Raise the failure of the first failed gradient (the error of the operation that failed,
-    a bad label's, say): an update that read it would fail its weight and every later step,
-    so the step raises instead, and weights and optimizer state stay as they were, as in
-    PyTorch. The waits cost little: the update would wait for the gradients anyway."""
-    for grad in grads:
-        grad.wait_to_read()
 
 
 def copies_of(params):

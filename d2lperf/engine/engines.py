@@ -105,7 +105,8 @@ class ThreadedEngine(Engine):
                 if not self.limit or self.in_flight < self.limit:
                     return self.track(op, worker)
                 room = sleeper(self.room_sleepers)
-            room.acquire()      # Ctrl-C here: the lock is released later, for nobody
+            granted = room.acquire()     # room, once woken; Ctrl-C here: the lock is released
+                                         # later, for nobody
 
     def track(self, op, worker):
         """Under the lock: take `op`'s grants, count it in flight, and hand it to `worker` if
