@@ -50,6 +50,12 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/allreduce.py
 	$(BIN)/python benchmarks/distributed.py
 
+## Hundreds of real Ctrl-Cs (SIGINT) at random moments of a chain of additions, a pipeline
+## step and a ZeRO step, on both engines: no hang, no lost or wrong value (a few minutes).
+## Outside `make test`, so that CI stays within its budget; figures in benchmarks/RESULTS.md.
+stress-ctrl-c: $(STAMP)
+	$(BIN)/python benchmarks/ctrl_c_stress.py
+
 ## Redraw the schematic figures in images/ with the scripts beside them.
 figures: $(STAMP)
 	for script in images/*.py; do grep -q '^def main' $$script || continue; \
@@ -70,7 +76,7 @@ check-html: $(STAMP)
 	$(BIN)/python tests/check_html.py _build/html \
 		--screenshot chapters/parameter_servers.html=_build/parameter_servers.png
 
-.PHONY: figures gpu-check check-html
+.PHONY: figures gpu-check check-html stress-ctrl-c
 
 clean:
 	rm -rf _build

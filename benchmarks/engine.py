@@ -2,7 +2,7 @@
 
     python benchmarks/engine.py            # full sizes
     D2LPERF_QUICK=1 python benchmarks/engine.py
-    python benchmarks/engine.py --compare /tmp/old .   # async per op: two trees, alternating
+    python benchmarks/engine.py --compare /tmp/old .   # per-op rows: two trees, alternating
     python benchmarks/engine.py --gpu      # the rows on gpu(0) alone
 
 Rows: µs per tiny operation (`x + 1` on a 1×2 float32 array) for plain NumPy (the floor:
@@ -259,51 +259,62 @@ def issue_over_finish(n=d2l.workload(1000, 400)):
 
 
 # Run in a fresh interpreter on another tree of d2lperf (an older commit's): only the calls
-# every version has, so that a change in the per-op cost is measured side by side.
-ASYNC_ONLY = """
+# every version has, so that a change in the per-op cost is measured side by side. One line:
+# µs per op for the naive engine, the threaded engine waiting after every op, asynchronously.
+PER_OP_ROWS = """
 import statistics, time
 import d2lperf as d2l
-from d2lperf import np, npx
-x = np.ones((1, 2)); x.wait_to_read()
-def run():
-    for _ in range({ops}):
-        y = x + 1
-    npx.waitall()
-run()
-times = []
-for _ in range({repeats}):
-    start = time.perf_counter(); run(); times.append(time.perf_counter() - start)
-print(statistics.median(times) / {ops} * 1e6)
+from d2lperf import engine, np, npx
+def per_op(kind, wait_each):
+    engine.use(kind)
+    x = np.ones((1, 2)); x.wait_to_read()
+    def run():
+        for _ in range({ops}):
+            y = x + 1
+            if wait_each:
+                y.wait_to_read()
+        npx.waitall()
+    run()
+    times = []
+    for _ in range({repeats}):
+        start = time.perf_counter(); run(); times.append(time.perf_counter() - start)
+    return statistics.median(times) / {ops} * 1e6
+print(per_op('naive', False), per_op('threaded', True), per_op('threaded', False))
 """
+ROWS = ('naive engine', 'threaded, wait after every op', 'threaded, asynchronous')
 
 
 def compare_trees(trees, rounds=3):
-    """µs per asynchronous `x + 1` (the median of REPEATS), for each source tree in turn
-    (PYTHONPATH=tree), `rounds` times alternating: a list of figures per tree."""
+    """µs per `x + 1` for each row of ROWS (the median of REPEATS), for each source tree in
+    turn (PYTHONPATH=tree), `rounds` times alternating: {tree: {row: [figures]}}."""
     import os
     import subprocess
     import sys
-    code = ASYNC_ONLY.format(ops=OPS, repeats=REPEATS)
-    figures = {tree: [] for tree in trees}
+    code = PER_OP_ROWS.format(ops=OPS, repeats=REPEATS)
+    figures = {tree: {row: [] for row in ROWS} for tree in trees}
     for _ in range(rounds):
         for tree in trees:
             env = dict(os.environ, PYTHONPATH=tree)
             done = subprocess.run([sys.executable, '-c', code], env=env, capture_output=True,
                                   text=True, check=True, cwd=tree)
-            figures[tree].append(float(done.stdout.split()[-1]))
+            for row, value in zip(ROWS, done.stdout.split()[-3:]):
+                figures[tree][row].append(float(value))
     return figures
 
 
 def print_comparison(trees, rounds):
     figures = compare_trees(trees, rounds)
-    floor = figures[trees[0]]
-    print(f'asynchronous x + 1, µs per op, {rounds} alternations (median of {REPEATS} each); '
-          f'ratio to {trees[0]} in the same alternation')
-    for tree, values in figures.items():
-        ratios = [value / base for value, base in zip(values, floor)]
-        print(f'{tree}: ' + ', '.join(f'{v:.2f}' for v in values) +
-              f'; × first: ' + ', '.join(f'{r:.2f}' for r in ratios) +
-              f' (median {sorted(ratios)[len(ratios) // 2]:.2f})')
+    first = figures[trees[0]]
+    print(f'x + 1, µs per op, {rounds} alternations (median of {REPEATS} each); ratio to '
+          f'{trees[0]} in the same alternation')
+    for row in ROWS:
+        print(f'{row}:')
+        for tree, rows in figures.items():
+            values = rows[row]
+            ratios = sorted(v / base for v, base in zip(values, first[row]))
+            print(f'  {tree}: ' + ', '.join(f'{v:.2f}' for v in values) +
+                  f'; × first: median {ratios[len(ratios) // 2]:.3f} '
+                  f'(range {ratios[0]:.3f}-{ratios[-1]:.3f})')
 
 
 def main():

@@ -465,9 +465,7 @@ def test_a_failing_operation_surfaces_with_its_name(engine_kind):
     with pytest.raises(engine.OperationError, match="'power'.*negative") as error:
         later.asnumpy()
     assert error.value.op_name == 'power'
-    with pytest.raises(engine.OperationError, match="'power'"):
-        engine.wait_all()
-    engine.wait_all()
+    engine.wait_all()                      # shown at asnumpy: not raised again (issue 43 §2)
     assert (base + 1).asnumpy().tolist() == [3, 4]
 
 
@@ -495,10 +493,11 @@ def test_a_failed_array_fails_its_readers_and_the_error_stays():
 
 
 @pytest.mark.parametrize('touch', [lambda x: x.__iadd__(1), lambda x: x.__setitem__(0, 5.0),
-                                   lambda x: x.__setitem__(slice(None), 5.0),
                                    lambda x: x[1:].__iadd__(1)],
-                         ids=['x += 1', 'x[0] = 5', 'x[:] = 5', 'x[1:] += 1'])
+                         ids=['x += 1', 'x[0] = 5', 'x[1:] += 1'])
 def test_every_write_into_a_failed_array_fails_with_the_same_error(touch):
+    """A write that builds on x's values; `x[:] = 5` replaces them all, and clears the
+    failure (tests/test_engine_failures.py)."""
     x = np.ones((3,))
     fail_in_place(x)
     touch(x)

@@ -123,9 +123,7 @@ def test_a_failing_piece_fails_its_operation_once_at_the_wait(cut_everything, mo
     y = npx.pooling(x, kernel=(2, 2), stride=(2, 2), pool_type='max')
     with pytest.raises(engine.OperationError, match="'pooling' failed: MemoryError: a piece"):
         y.wait_to_read()
-    with pytest.raises(engine.OperationError, match="'pooling'"):
-        engine.wait_all()
-    engine.wait_all()
+    engine.wait_all()                 # shown at the wait: not raised again (issue 43 §2)
 
 
 def test_small_operations_and_a_device_among_two_busy_run_whole():

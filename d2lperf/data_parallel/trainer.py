@@ -94,9 +94,11 @@ class Trainer:
             return
         self._init_store()
         self._rescale_for_store(batch_size)
-        self._reduce_all()
-        self.store.pull(list(range(len(self.params))), [p.list_data() for p in self.params])
-        self.reduced.clear()
+        try:
+            self._reduce_all()
+            self.store.pull(list(range(len(self.params))), [p.list_data() for p in self.params])
+        finally:
+            self.reduced.clear()
 
     def allreduce_grads(self) -> None:
         """Sum each parameter's gradients over its devices (those not summed yet this step)."""
@@ -107,16 +109,17 @@ class Trainer:
     def update(self, batch_size: int) -> None:
         """Apply the optimizer to every copy of every parameter, from its (summed) gradient."""
         self._refuse_on_kvstore('update')
-        scale = self.scale
-        if self.loss_scaler is not None:
-            # every copy holds the sum now: the first copies tell whether it overflowed
-            loss_scale = self.loss_scaler.check([p.list_grad()[0] for p in self.params])
-            if loss_scale is None:
-                self.reduced.clear()
-                return
-            scale /= loss_scale          # folded into rescale_grad: no pass over the grads
-        apply_updates(self.optimizer, scale, batch_size, copies_of(self.params))
-        self.reduced.clear()
+        try:
+            scale = self.scale
+            if self.loss_scaler is not None:
+                # every copy holds the sum now: the first copies tell whether it overflowed
+                loss_scale = self.loss_scaler.check([p.list_grad()[0] for p in self.params])
+                if loss_scale is None:
+                    return
+                scale /= loss_scale      # folded into rescale_grad: no pass over the grads
+            apply_updates(self.optimizer, scale, batch_size, copies_of(self.params))
+        finally:                         # a step that raised (a failed gradient) is over too
+            self.reduced.clear()
 
     def backward(self, losses: Iterable[NDArray]) -> None:
         """Backpropagate every device's loss, summing each gradient as soon as it is complete.

@@ -85,6 +85,14 @@ def push(fn: Callable[[], None], reads: Sequence[Var], writes: Sequence[Var],
     (_engine or current()).push(fn, reads, writes, device, name, lane)  # once built: no call
 
 
+def push_overwrite(fn: Callable[[], None], reads: Sequence[Var], writes: Sequence[Var],
+                   device: Device, name: str) -> None:
+    """`push` an operation that replaces all of what it writes (`x[:] = y`, `set_data`): it
+    builds on none of their values, so it runs even where they failed, and clears their
+    failure once it has succeeded."""
+    (_engine or current()).push(fn, reads, writes, device, name, COMPUTE, True)
+
+
 def push_short(fn: Callable[[], None], reads: Sequence[Var], writes: Sequence[Var],
                device: Device | None, name: str) -> None:
     """`push` an operation that takes less than a thread hand-off (a compiled forward at batch

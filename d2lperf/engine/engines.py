@@ -13,8 +13,9 @@ import threading
 
 from . import tracking
 from .tracking import (Operation, OpRecord, append_read, append_write, complete_read,
-                       complete_write, execute, failure, free_to_run)
-from .workers import COMPUTE, PoliteLock, RunNow, Workers, ctrl_c, synchronize
+                       complete_write, execute, failure, forget_failures, free_to_run,
+                       set_error, take_back)
+from .workers import COMPUTE, RunNow, Workers, ctrl_c, synchronize
 
 
 class Engine:
@@ -24,7 +25,7 @@ class Engine:
 
     in_flight, max_in_flight, recording = 0, None, None
 
-    def push(self, fn, reads, writes, device, name, lane=COMPUTE):
+    def push(self, fn, reads, writes, device, name, lane=COMPUTE, overwrites=False):
         raise NotImplementedError
 
     def push_short(self, fn, reads, writes, device, name):
@@ -59,19 +60,27 @@ class Engine:
 
 
 class ThreadedEngine(Engine):
-    """Track dependencies under one lock; run ready operations on per-device workers."""
+    """Track dependencies under one lock; run ready operations on per-device workers.
+
+    Ctrl-C raises KeyboardInterrupt in the main thread at any point of its Python (CPython
+    runs the handler at a function's start, after a call returns, or at a loop's end: never
+    between two plain statements such as `a.b = c` and `d += 1`). Whatever the engine's main
+    thread does is therefore either undone or finished when one lands: a push takes its grants
+    back or hands the operation over (`track`); a waiter left asleep is woken later for
+    nothing. Nothing is counted that will not run, and every wait still returns."""
 
     def __init__(self, max_in_flight=None):
-        self.lock = PoliteLock()
-        self.idle = threading.Condition(self.lock)      # wait_all sleeps here
-        self.room = threading.Condition(self.lock)      # push sleeps here when the bound is hit
+        # A plain lock, taken with `with`: its C `__enter__` and `__exit__` leave no point in
+        # between for Ctrl-C to land with the lock taken and no `with` to give it back.
+        self.lock = threading.Lock()
         self.workers = Workers(self.run)
         self.in_flight = 0
         self.waiters = 0            # unfinished waiters (no device): not in flight, yet they
                                     # hold variables too
         self.limit = max_in_flight
         self.errors = []
-        self.waiting_all = 0                            # threads asleep in wait_all
+        self.idle_sleepers = []                 # locks that wait_all sleeps on
+        self.room_sleepers = []                 # locks that push sleeps on at the bound
         self.helping = True
 
     @property
@@ -82,28 +91,88 @@ class ThreadedEngine(Engine):
     def max_in_flight(self, limit):
         with self.lock:
             self.limit = limit
-            self.room.notify_all()
+            wake(self.room_sleepers)
 
-    def push(self, fn, reads, writes, device, name, lane=COMPUTE):
-        """Queue `fn` to run on `device`'s `lane` once `reads` and `writes` allow it."""
-        op = Operation(fn, reads, writes, device, name, lane, self.recording)
-        with self.lock:
-            if device is not None:
-                while self.limit and self.in_flight >= self.limit:
-                    self.room.wait()
-                self.in_flight += 1
-            granted = 1                                  # the guard: push itself is done
-            if device is None:
-                self.waiters += 1
-            for var in op.reads:
-                granted += append_read(var, op)
+    def push(self, fn, reads, writes, device, name, lane=COMPUTE, overwrites=False):
+        """Queue `fn` to run on `device`'s `lane` once `reads` and `writes` allow it; where
+        `overwrites`, `fn` replaces all of what it writes (`Operation`)."""
+        op = Operation(fn, reads, writes, device, name, lane, self.recording, overwrites)
+        if device is None:
+            return self.push_waiter(op)
+        worker = self.workers.lanes.get((device, lane)) or self.workers.start(device, lane)
+        while True:
+            with self.lock:
+                if not self.limit or self.in_flight < self.limit:
+                    return self.track(op, worker)
+                room = sleeper(self.room_sleepers)
+            granted = room.acquire()     # room, once woken; Ctrl-C here: the lock is released
+                                         # later, for nobody
+
+    def track(self, op, worker):
+        """Under the lock: take `op`'s grants, count it in flight, and hand it to `worker` if
+        it is ready. A Ctrl-C during the grants takes them back (`take_back`): the push did
+        not happen. Once `op` is counted, one finishes the push: `op` will run."""
+        self.take_grants(op)
+        self.in_flight += 1             # straight after the grants: nothing can come between
+        handed = False
+        try:
             for var in op.writes:
-                granted += append_write(var, op)
                 var.writer = op
-            op.waiting -= granted
-            ready = not op.waiting
-        if ready:
-            self._dispatch(op)
+            if not op.waiting:
+                handed = True           # nor between this and the append
+                worker.queued.append(op)
+                worker.wake()
+        except BaseException:
+            for var in op.writes:
+                var.writer = op
+            if not op.waiting:
+                if not handed:
+                    worker.queued.append(op)
+                worker.wake()           # a second wake-up finds the queue empty: harmless
+            raise
+
+    def take_grants(self, op):
+        """Under the lock: the grants `op` gets at once, and its place in the queues of the
+        others; all taken back if Ctrl-C lands in the middle (`take_back`)."""
+        tracked = 0                     # variables done
+        try:
+            for var in op.reads:
+                append_read(var, op)
+                tracked += 1
+            for var in op.writes:
+                append_write(var, op)
+                tracked += 1
+        except BaseException:
+            take_back(op, tracked)
+            raise
+
+    def push_waiter(self, op):
+        """A waiter (no device: `wait_for`, `wait_to_write`) runs on the thread of the operation
+        that lets it in (`complete`); where nothing it reads or writes is in use, on this one,
+        at once (`run_waiter_here`)."""
+        with self.lock:
+            free = free_to_run(op.reads, op.writes)
+            if not free:
+                self.take_grants(op)
+                self.waiters += 1       # not ready: a variable it waits for is in use
+        if free:
+            self.run_waiter_here(op)
+
+    def run_waiter_here(self, op):
+        """Take the waiter's grants, run it and let them go, with Ctrl-C held back meanwhile
+        (`workers.CtrlC`, as a helping thread does): nothing can come between the grants and
+        their release. Rare (its variables are mostly in use), so the two system calls of the
+        hold cost little."""
+        held = ctrl_c.hold()
+        try:
+            with self.lock:
+                self.take_grants(op)
+                self.waiters += 1
+            if not op.waiting:          # else busy again meanwhile: it runs when let in
+                self._dispatch(op)
+        finally:
+            if held:
+                ctrl_c.release()        # raises KeyboardInterrupt if Ctrl-C came meanwhile
 
     def push_short(self, fn, reads, writes, device, name):
         """`push` an operation too short to gain from another thread: where nothing it reads
@@ -129,7 +198,7 @@ class ThreadedEngine(Engine):
             run = functools.partial(self.run_locked, Operation(fn, reads, writes, device, name),
                                     lane)
         held = ctrl_c.hold()
-        lock = self.lock.plain                # tried once, never waited for: no convoy
+        lock = self.lock                      # tried once, never waited for: no convoy
         try:
             ran = lock.acquire(False)
             if ran:
@@ -161,13 +230,13 @@ class ThreadedEngine(Engine):
             self.keep_failure(error, op.writes)
         elif error is not None:
             for var in op.writes:
-                var.error = error
+                set_error(var, error)
 
     def keep_failure(self, error, writes):
         """A failure of an operation run under the lock: on what it writes, for the wait, and
         once for `wait_all`. True: the operation has run."""
         for var in writes:
-            var.error = error
+            set_error(var, error)
         self.errors.append(error)
         return True
 
@@ -187,13 +256,15 @@ class ThreadedEngine(Engine):
 
     def complete(self, op, error, own):
         """Release what `op` held; dispatch what that made ready; keep its own error for
-        wait_all."""
+        wait_all. Runs on a worker's thread, or on a main thread that helps and holds Ctrl-C
+        back meanwhile (`workers.CtrlC`)."""
         granted, ready = [], []
         with self.lock:
             for var in op.reads:
                 complete_read(var, granted)
             for var in op.writes:
-                var.error = error
+                if error is not None or var.error is not None:
+                    set_error(var, error)
                 if var.writer is op:
                     var.writer = None
                 complete_write(var, granted)
@@ -205,10 +276,10 @@ class ThreadedEngine(Engine):
                 self.errors.append(error)
             if op.device is not None:
                 self.in_flight -= 1
-                if not self.in_flight and self.waiting_all:
-                    self.idle.notify_all()
-                if self.limit and self.in_flight < self.limit:
-                    self.room.notify()
+                if not self.in_flight:
+                    wake(self.idle_sleepers)
+                if self.room_sleepers and self.in_flight < self.limit:
+                    wake(self.room_sleepers)
             else:
                 self.waiters -= 1
         for other in ready:
@@ -221,7 +292,7 @@ class ThreadedEngine(Engine):
                 self.sleep_until_written(var)
                 break
         if var.error is not None:
-            raise var.error
+            raise reported(var.error)
         synchronize(var)              # a GPU worker may have only launched the write
 
     def run_lane_until_written(self, writer, var):
@@ -240,18 +311,24 @@ class ThreadedEngine(Engine):
         done = threading.Lock()
         done.acquire()
         self.push(done.release, [var], [], None, 'wait_for')
-        done.acquire()
+        done.acquire()         # Ctrl-C here: the waiter runs later, releasing a lock nobody needs
 
     def wait_all(self):
-        with self.lock:
-            self.waiting_all += 1
-            while self.in_flight:
-                self.idle.wait()
-            self.waiting_all -= 1
-            errors, self.errors = self.errors, []
+        """Block until nothing is in flight; raise the first failure since the last wait_all
+        that no wait has raised yet."""
+        while True:
+            with self.lock:
+                if not self.in_flight:
+                    break
+                idle = sleeper(self.idle_sleepers)
+            idle.acquire()     # Ctrl-C here: the lock is released later, for nobody
         self.workers.synchronize()
-        if errors:
-            raise errors[0]
+        with self.lock:
+            forget_failures()
+            errors, self.errors = self.errors, []
+            for error in errors:               # raised before the lock is let go: no Ctrl-C
+                if not error.reported:         # can come between taking them and raising
+                    raise reported(error)
 
     def stop(self):
         self.wait_all()
@@ -278,22 +355,49 @@ class ThreadedEngine(Engine):
 
 
 class NaiveEngine(Engine):
-    """Run every operation at once on the caller's thread: errors point at the line that failed."""
+    """Run every operation at once on the caller's thread: errors point at the line that failed.
+
+    Ctrl-C inside an operation raises KeyboardInterrupt, as in plain NumPy: the operation is
+    not failed, and neither is what it writes (`execute`)."""
 
     def __init__(self):
         self.run_now = RunNow().run
 
-    def push(self, fn, reads, writes, device, name, lane=COMPUTE):
-        op = Operation(fn, reads, writes, device, name, lane, self.recording)
-        error, _ = execute(op, 'caller', self.run_now)
+    def push(self, fn, reads, writes, device, name, lane=COMPUTE, overwrites=False):
+        op = Operation(fn, reads, writes, device, name, lane, self.recording, overwrites)
+        error, _ = execute(op, 'caller', self.run_now, Exception)
         for var in writes:
-            var.error = error
+            if error is not None or var.error is not None:
+                set_error(var, error)
         if error is not None:
-            raise error
+            raise reported(error)
 
     def wait_for(self, var):
         if var.error is not None:
-            raise var.error
+            raise reported(var.error)
 
     def wait_all(self):
-        pass
+        forget_failures()
+
+
+def reported(error):
+    """`error`, marked as shown to the user: `wait_all` will not raise it again."""
+    error.reported = True
+    return error
+
+
+def sleeper(sleepers):
+    """A lock, taken, in `sleepers`: the caller lets the engine's lock go, then sleeps on it
+    until `wake`. Unlike `Condition.wait`, which can return without its lock retaken when
+    Ctrl-C lands inside, a Ctrl-C here leaves only a lock that will be released for nobody."""
+    lock = threading.Lock()
+    lock.acquire()
+    sleepers.append(lock)
+    return lock
+
+
+def wake(sleepers):
+    """Wake every sleeper (under the engine's lock); each looks again at what it waits for."""
+    for lock in sleepers:
+        lock.release()
+    sleepers.clear()

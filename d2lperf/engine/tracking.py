@@ -12,6 +12,7 @@ Taught in "Asynchronous Computation".
 import collections
 import itertools
 import time
+import weakref
 
 from .workers import COMPUTE
 
@@ -19,11 +20,15 @@ _var_ids = itertools.count()
 
 
 class OperationError(RuntimeError):
-    """An operation raised; it surfaces at the first wait on what the operation writes."""
+    """An operation raised; it surfaces at the first wait on what the operation writes.
+
+    `reported` once a wait has raised it: `wait_all` raises only failures nobody was shown
+    (a failed `asnumpy()` is not raised again by the next unrelated `wait_all`)."""
 
     def __init__(self, name, cause):
         super().__init__(f"operation '{name}' failed: {type(cause).__name__}: {cause}")
         self.op_name = name
+        self.reported = False
 
 
 class Var:
@@ -38,7 +43,8 @@ class Var:
         self.num_reading = 0                 # granted reads still running
         self.writing = False                 # a granted write still running
         self.writer = None                   # the last pushed write, until it completes
-        self.error = None                    # the OperationError that failed it, for good
+        self.error = None                    # the OperationError that failed it, until an
+                                             # operation overwrites it whole (`overwrites`)
 
     def __repr__(self):
         return f'Var({self.id})'
@@ -48,16 +54,20 @@ class Operation:
     """A function with the variables it reads and writes; `waiting` counts missing grants.
 
     A variable may be read twice (x * x) but never both read and written by one operation:
-    an in-place update lists its target among the writes only. While the engine records
-    (`recording` is a list), the operation's `OpRecord` goes into it.
+    an in-place update lists its target among the writes only. An operation that `overwrites`
+    its writes whole (`x[:] = y`) builds on none of their values, so it does not inherit their
+    failure, and clears it. While the engine records (`recording` is a list), the operation's
+    `OpRecord` goes into it.
     """
 
-    __slots__ = ('fn', 'name', 'device', 'lane', 'reads', 'writes', 'waiting', 'record')
+    __slots__ = ('fn', 'name', 'device', 'lane', 'reads', 'writes', 'waiting', 'record',
+                 'overwrites')
 
-    def __init__(self, fn, reads, writes, device, name, lane=COMPUTE, recording=None):
+    def __init__(self, fn, reads, writes, device, name, lane=COMPUTE, recording=None,
+                 overwrites=False):
         self.fn, self.name, self.device, self.lane = fn, name, device, lane
-        self.reads, self.writes = reads, writes
-        self.waiting = len(reads) + len(writes) + 1      # +1 until push is done
+        self.reads, self.writes, self.overwrites = reads, writes, overwrites
+        self.waiting = len(reads) + len(writes)          # grants still missing
         self.record = None
         if recording is not None and device is not None:
             self.record = OpRecord(self)
@@ -67,21 +77,23 @@ class Operation:
 # -- dependency tracking: pure bookkeeping on one variable, called under the engine lock --
 
 def append_read(var, op):
-    """Grant `op` a read of `var` now (True) or queue it behind a writer."""
+    """Grant `op` a read of `var` now, counted off `op.waiting` with it (nothing can come in
+    between, not even Ctrl-C: see `take_back`), or queue it behind a writer."""
     if not var.writing and not var.pending:
         var.num_reading += 1
-        return True
-    wait_in_line(var, op, False)
-    return False
+        op.waiting -= 1
+    else:
+        wait_in_line(var, op, False)
 
 
 def append_write(var, op):
-    """Grant `op` a write of `var` now (True) or queue it behind earlier readers and writers."""
+    """Grant `op` a write of `var` now, counted off `op.waiting`, or queue it behind earlier
+    readers and writers."""
     if not var.writing and not var.num_reading and not var.pending:
         var.writing = True
-        return True
-    wait_in_line(var, op, True)
-    return False
+        op.waiting -= 1
+    else:
+        wait_in_line(var, op, True)
 
 
 def free_to_run(reads, writes):
@@ -103,6 +115,33 @@ def wait_in_line(var, op, is_write):
     if pending is None:
         pending = var.pending = collections.deque()
     pending.append((op, is_write))
+
+
+def take_back(op, tracked):
+    """Undo what a push cut short (by Ctrl-C) did for `op` on its first `tracked` variables
+    (reads, then writes) and on the next, half done: under the engine lock, as the push was.
+
+    Each variable queued `op` or granted it. Queued entries are at the end of the variable's
+    queue (nobody else could push meanwhile): they are removed. The grants are those counted
+    off `op.waiting`, each with its own (`append_read`), in the order the variables were
+    tried: they are given back. One variable read twice (x * x) goes alike both times, as the
+    first grant leaves it as free as it was, and a first place in its queue keeps the second
+    in the queue too. Its record, if any, never gets a start: the profiler skips it."""
+    tried = [*op.reads, *op.writes][:tracked + 1]
+    queued = set()
+    for var in tried:
+        pending = var.pending
+        while pending and pending[-1][0] is op:
+            pending.pop()
+            queued.add(var)
+    grants = len(op.reads) + len(op.writes) - op.waiting
+    for i, var in enumerate(tried):
+        if grants and var not in queued:
+            grants -= 1
+            if i < len(op.reads):
+                var.num_reading -= 1
+            else:
+                var.writing = False
 
 
 def complete_read(var, granted):
@@ -146,22 +185,25 @@ class OpRecord:
 
 def inherited_error(op):
     """The failure `op` inherits: from what it reads, or from what it updates, since a write
-    into a failed array (`x += 1`, `x[0] = 5`, a view of it) builds on values nobody has."""
+    into a failed array (`x += 1`, `x[0] = 5`, a view of it) builds on values nobody has; an
+    operation that overwrites its writes whole (`x[:] = 0`) builds on none."""
     for var in op.reads:
         if var.error is not None:
             return var.error
-    for var in op.writes:
-        if var.error is not None:
-            return var.error
+    if not op.overwrites:
+        for var in op.writes:
+            if var.error is not None:
+                return var.error
     return None
 
 
 # Until an operation has failed, no variable holds an error, and `execute` need not look for
 # one to inherit (a loop over every read and write of every operation). Process-wide, as the
-# variables are: they outlive a switch of engines. Only ever set to True, from any thread: a
-# single store, which no race can lose (the count it replaces, `+= 1` on several threads,
-# could lose one). Never reset, since a variable that failed stays failed.
+# variables are: they outlive a switch of engines. Set to True, from any thread, by a single
+# store that no race can lose, as soon as an operation fails; set back to False only where no
+# variable holds a failure any more (`forget_failures`): each was overwritten, or freed.
 an_operation_failed = False
+failed = weakref.WeakSet()        # the variables that hold a failure now
 
 
 def failure(name, cause):
@@ -172,27 +214,50 @@ def failure(name, cause):
     return OperationError(name, cause)
 
 
-def execute(op, where, launch=None):
+def set_error(var, error):
+    """Fail `var` with `error`, or, with None, clear its failure (an overwrite succeeded)."""
+    global an_operation_failed
+    var.error = error
+    if error is not None:
+        failed.add(var)
+        an_operation_failed = True
+    else:
+        failed.discard(var)
+
+
+def forget_failures():
+    """Stop looking for failures to inherit once no variable holds one. Called where no
+    operation is failing meanwhile (the threaded engine holds its lock, with nothing in
+    flight), so that a failure on its way to a variable is not missed."""
+    global an_operation_failed
+    an_operation_failed = len(failed) > 0
+
+
+def execute(op, where, launch=None, catching=(Exception, KeyboardInterrupt)):
     """Run one operation as every engine does; return (its error or None, whether its own).
 
     An operation that inherits a failure does not run; `launch(op)` runs it where given (a GPU
     stream's way, the naive engine's), else `op.fn()`. The record gets `where` and the times.
-    A KeyboardInterrupt raised here fails the operation like any error, so that its lane goes
-    on. On the threaded engine that is the operation's own doing, never Ctrl-C: a waiting main
-    thread that runs operations holds Ctrl-C back until they are done (`workers.CtrlC`)."""
+    What `catching` names fails the operation; by default a KeyboardInterrupt too, so that its
+    lane goes on: on the threaded engine that is the operation's own doing, never Ctrl-C (a
+    waiting main thread that runs operations holds Ctrl-C back until they are done,
+    `workers.CtrlC`). The naive engine runs operations on the caller's thread and lets Ctrl-C
+    through as itself: what the operation writes is not failed, and the next cell works."""
     record = op.record
     if record is not None:
         record.worker, record.start = where, time.perf_counter()
     error = inherited_error(op) if an_operation_failed else None
     own = error is None
-    if own:
-        try:
-            if launch is None:
-                op.fn()
-            else:
-                launch(op)
-        except (Exception, KeyboardInterrupt) as cause:  # noqa: BLE001 - any failure travels on
-            error = failure(op.name, cause)
-    if record is not None:
-        record.end = time.perf_counter()
+    try:
+        if own:
+            try:
+                if launch is None:
+                    op.fn()
+                else:
+                    launch(op)
+            except catching as cause:  # noqa: BLE001 - any failure travels on
+                error = failure(op.name, cause)
+    finally:
+        if record is not None:
+            record.end = time.perf_counter()
     return error, own and error is not None

@@ -10,9 +10,8 @@ engines of the GPU work while its cores compute; the CUDA events that order the 
 the waits for them, are all here. Virtual CPU devices share the machine's cores, and their
 BLAS threads fit the cores other programs leave free (`blas.SharedCores`); a device slowed
 down keeps its `Pace`. `running_device()` says which device's operations the current thread
-runs. `PoliteLock`, the engine's lock, keeps all these threads from convoying on the GIL. A
-helping main thread holds Ctrl-C back until the operation in hand is done (`CtrlC`). `RunNow`
-is the naive engine's policy: the caller's thread, at once. Taught in "Automatic
+runs. A helping main thread holds Ctrl-C back until the operation in hand is done (`CtrlC`).
+`RunNow` is the naive engine's policy: the caller's thread, at once. Taught in "Automatic
 Parallelism".
 """
 import collections
@@ -172,6 +171,10 @@ class Worker:
 
     def submit(self, op):
         self.queued.append(op)
+        self.wakeups.put(WAKE)
+
+    def wake(self):
+        """Have the lane's thread look at its queue (`ThreadedEngine.track` appends to it)."""
         self.wakeups.put(WAKE)
 
     def run_queued(self, finished=None, helper=False):
@@ -418,35 +421,3 @@ def use_gpu_stream(device):
     stream = cupy.cuda.Stream(non_blocking=True)
     stream.use()
     return stream
-
-
-class PoliteLock:
-    """A lock that never sleeps while holding itself hostage to the GIL.
-
-    A thread blocked in `Lock.acquire` has released the GIL; when the lock is handed to it,
-    it holds the lock while it waits to get the GIL back, and the other thread, wanting the
-    lock, must give the GIL up: from then on the two threads take turns at every operation
-    (a lock convoy). Trying without blocking, and yielding the GIL between tries, avoids it.
-    """
-
-    __slots__ = ('plain',)
-
-    def __init__(self):
-        self.plain = threading.Lock()      # itself: a caller that only tries it may use it
-
-    def acquire(self, blocking=True):
-        while not self.plain.acquire(False):
-            if not blocking:
-                return False
-            time.sleep(0)
-        return True
-
-    def release(self):
-        self.plain.release()
-
-    def __enter__(self):
-        if not self.plain.acquire(False):
-            self.acquire()
-
-    def __exit__(self, *exc_info):
-        self.plain.release()

@@ -93,9 +93,11 @@ class HeldVar(Held, engine.Var):
 
     def __init__(self, device, nbytes):
         # Each base by name, not a cooperative super().__init__: on Python 3.11 that costs
-        # about 100 ns more per array, and every operation makes one.
-        engine.Var.__init__(self)
+        # about 100 ns more per array, and every operation makes one. The bytes first: a
+        # Ctrl-C that lands between the two then leaves a variable that gives back what it
+        # holds when freed, where one with the engine's fields alone had no `counted`.
         self.hold(device, nbytes)
+        engine.Var.__init__(self)
 
 
 class NDArray(ArrayMethods):
@@ -393,22 +395,36 @@ def view(base, key):
 
 
 def assign(target, key, value):
-    """`target[key] = value` as one engine operation."""
+    """`target[key] = value` as one engine operation; `x[:] = y` replaces all of x, so it
+    clears a failure x held (`engine.push_overwrite`), as a partial write cannot."""
     check_basic_key(key)
     refuse_while_recording(target, 'item assignment')
     index_shape(target.shape, target.dtype, key)
+    reads = []
     if isinstance(value, NDArray):
         common_device('setitem', [target, value])
+        reads = reads_besides(target, value)
 
         def run():
             target.data[key] = value.data
-        engine.push(run, reads_besides(target, value), [target.var], target.device, 'setitem')
     else:
         as_device_input(value)
 
         def run():
             target.data[key] = value
-        engine.push(run, [], [target.var], target.device, 'setitem')
+    push = engine.push_overwrite if overwrites(target, key, value) else engine.push
+    push(run, reads, [target.var], target.device, 'setitem')
+
+
+def overwrites(target, key, value):
+    """Whether `target[key] = value` replaces every byte of the memory that target's variable
+    stands for, from a value of its own: a key of whole slices, into an array as large as
+    that memory (not a view of part of it), from a value that is not that memory."""
+    parts = key if isinstance(key, tuple) else (key,)
+    whole = all(part == slice(None) or part is Ellipsis for part in parts)
+    return (whole and isinstance(target.var, HeldVar)
+            and target.var.nbytes == target.size * target.dtype.itemsize
+            and not (isinstance(value, NDArray) and value.var is target.var))
 
 
 def copy_to_device(x, device):
