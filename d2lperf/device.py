@@ -318,7 +318,9 @@ class Held:
             self.counted = True
 
     def __del__(self, record=memory_changes.append):    # bound now: it runs at shutdown too
-        if self.counted:                # released bytes were taken off already, by `release`
+        # released bytes were taken off already, by `release`; one that a Ctrl-C stopped
+        # before `hold` has none counted
+        if getattr(self, 'counted', False):
             record((self.device, self.kind, -self.nbytes))
 
 

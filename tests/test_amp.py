@@ -148,6 +148,7 @@ def test_a_store_saves_and_loads_master_weights(tmp_path):
     assert numpy.load(path)['int:3'].shape == (1 + 3 * 4,)
     loaded.load_optimizer_states(path)
     loaded.push(3, np.array(numpy.full(4, 0.5, HALF)))       # restores, then steps
+    d2l.npx.waitall()                                        # the step counts as it runs
     assert loaded.optimizer.counts[3] == 2
 
 

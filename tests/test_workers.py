@@ -521,7 +521,7 @@ class FakeClock:
         return self.now
 
     def sleep(self, seconds):
-        if seconds == 0:                  # an engine thread yielding the GIL (PoliteLock)
+        if seconds == 0:                  # a thread yielding the GIL
             time.sleep(0)
             return
         self.slept.append(round(seconds, 9))

@@ -201,8 +201,11 @@ def send(source, target, start, stop, phase, owner, combine, reverse=False):
         else:
             target.data[start:stop] = data
     action = 'add' if combine else 'set'
+    # a set of the whole shard builds on none of its values: a failure it held (a step that
+    # failed) is gone with them
+    push = engine.push_overwrite if reverse and not combine else engine.push
     if source_device == target_device:
-        engine.push(lambda: write(read()), [source.var], [target.var], target_device,
+        push(lambda: write(read()), [source.var], [target.var], target_device,
                     TransferName('direct', phase, 1, owner, source_device, target_device,
                                  action))
         return
@@ -215,5 +218,5 @@ def send(source, target, start, stop, phase, owner, combine, reverse=False):
     engine.push(sent, [source.var], [buffer], copy_device,
                 TransferName('direct', phase, 1, owner, source_device, target_device, 'send',
                              nbytes), lane)
-    engine.push(lambda: write(received.pop('data')), [buffer], [target.var], target_device,
+    push(lambda: write(received.pop('data')), [buffer], [target.var], target_device,
                 TransferName('direct', phase, 1, owner, source_device, target_device, action))

@@ -5,7 +5,7 @@ Parallelism at Scale") differ in how they sum gradients, not in which parameters
 in how an optimizer applies a summed gradient; both live here once, so that a rule one of them
 honours (`rescale_grad`, running statistics left alone), all of them do.
 """
-from .. import optimizer as optimizers
+from .. import engine, optimizer as optimizers
 from ..nn.parameter import Parameter
 
 
@@ -46,7 +46,11 @@ def create_optimizer(optimizer, optimizer_params):
 def apply_updates(optimizer, scale, batch_size, updates):
     """Apply `optimizer` to every (key, weight, gradient) of `updates`, each gradient scaled by
     `scale / batch_size`: the user's rescale_grad (`scale`, as the optimizer was created) times
-    the mean over the batch, MXNet's Trainer.step rule."""
+    the mean over the batch, MXNet's Trainer.step rule. A gradient whose operation has
+    failed by now raises here, before any update; one that fails later skips its update
+    (`engine.push_update`): either way the weights and the optimizer's state stay as they were."""
+    updates = list(updates)
+    engine.raise_known_failure([grad.var for _, _, grad in updates])
     optimizer.rescale_grad = scale / batch_size
     for key, weight, grad in updates:
         optimizer.update(key, weight, grad)

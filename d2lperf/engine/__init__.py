@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 from . import blas
 blas.spin_briefly()         # before the imports below load NumPy, and with it OpenBLAS
 from .tracking import OperationError, OpRecord, Var                      # noqa: F401
+from . import engines
 from .engines import Engine, NaiveEngine, ThreadedEngine
 from .workers import COMPUTE, COPY_IN, COPY_OUT, copy_lane, gpu_lanes    # noqa: F401
 
@@ -93,6 +94,14 @@ def push_overwrite(fn: Callable[[], None], reads: Sequence[Var], writes: Sequenc
     (_engine or current()).push(fn, reads, writes, device, name, COMPUTE, True)
 
 
+def push_update(fn: Callable[[], None], reads: Sequence[Var], writes: Sequence[Var],
+                device: Device, name: str) -> None:
+    """`push` an optimizer's update of `writes` in place from `reads`: where a gradient it reads
+    failed (one bad batch), it is skipped, so that the weights and the optimizer's state keep
+    their values and the next step trains on; the failure still surfaces at the next wait."""
+    (_engine or current()).push(fn, reads, writes, device, name, COMPUTE, False, True)
+
+
 def push_short(fn: Callable[[], None], reads: Sequence[Var], writes: Sequence[Var],
                device: Device | None, name: str) -> None:
     """`push` an operation that takes less than a thread hand-off (a compiled forward at batch
@@ -114,6 +123,15 @@ def wait_for(var: Var) -> None:
 
 def wait_all() -> None:
     (_engine or current()).wait_all()
+
+
+def raise_known_failure(vars: Sequence[Var]) -> None:
+    """Raise the failure of the first of `vars` that has failed by now, without waiting for
+    the rest: a step that finds its gradient already failed raises at once, as PyTorch's does.
+    A failure still on its way skips the update instead (`push_update`)."""
+    for var in vars:
+        if var.error is not None:
+            raise engines.reported(var.error)
 
 
 def wait_to_write(var):

@@ -25,7 +25,8 @@ class Engine:
 
     in_flight, max_in_flight, recording = 0, None, None
 
-    def push(self, fn, reads, writes, device, name, lane=COMPUTE, overwrites=False):
+    def push(self, fn, reads, writes, device, name, lane=COMPUTE, overwrites=False,
+             skippable=False):
         raise NotImplementedError
 
     def push_short(self, fn, reads, writes, device, name):
@@ -93,10 +94,13 @@ class ThreadedEngine(Engine):
             self.limit = limit
             wake(self.room_sleepers)
 
-    def push(self, fn, reads, writes, device, name, lane=COMPUTE, overwrites=False):
+    def push(self, fn, reads, writes, device, name, lane=COMPUTE, overwrites=False,
+             skippable=False):
         """Queue `fn` to run on `device`'s `lane` once `reads` and `writes` allow it; where
-        `overwrites`, `fn` replaces all of what it writes (`Operation`)."""
-        op = Operation(fn, reads, writes, device, name, lane, self.recording, overwrites)
+        `overwrites`, `fn` replaces all of what it writes; where `skippable`, a failed input
+        skips it (`Operation`)."""
+        op = Operation(fn, reads, writes, device, name, lane, self.recording, overwrites,
+                       skippable)
         if device is None:
             return self.push_waiter(op)
         worker = self.workers.lanes.get((device, lane)) or self.workers.start(device, lane)
@@ -105,8 +109,8 @@ class ThreadedEngine(Engine):
                 if not self.limit or self.in_flight < self.limit:
                     return self.track(op, worker)
                 room = sleeper(self.room_sleepers)
-            granted = room.acquire()     # room, once woken; Ctrl-C here: the lock is released
-                                         # later, for nobody
+            room.acquire()      # until there is room; Ctrl-C here: the lock is released
+                                # later, for nobody
 
     def track(self, op, worker):
         """Under the lock: take `op`'s grants, count it in flight, and hand it to `worker` if
@@ -363,8 +367,10 @@ class NaiveEngine(Engine):
     def __init__(self):
         self.run_now = RunNow().run
 
-    def push(self, fn, reads, writes, device, name, lane=COMPUTE, overwrites=False):
-        op = Operation(fn, reads, writes, device, name, lane, self.recording, overwrites)
+    def push(self, fn, reads, writes, device, name, lane=COMPUTE, overwrites=False,
+             skippable=False):
+        op = Operation(fn, reads, writes, device, name, lane, self.recording, overwrites,
+                       skippable)
         error, _ = execute(op, 'caller', self.run_now, Exception)
         for var in writes:
             if error is not None or var.error is not None:

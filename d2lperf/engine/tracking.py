@@ -56,17 +56,19 @@ class Operation:
     A variable may be read twice (x * x) but never both read and written by one operation:
     an in-place update lists its target among the writes only. An operation that `overwrites`
     its writes whole (`x[:] = y`) builds on none of their values, so it does not inherit their
-    failure, and clears it. While the engine records (`recording` is a list), the operation's
-    `OpRecord` goes into it.
+    failure, and clears it. A `skippable` operation (an optimizer's update) whose input
+    failed is skipped instead (`execute`). While the engine records (`recording` is a list),
+    the operation's `OpRecord` goes into it.
     """
 
     __slots__ = ('fn', 'name', 'device', 'lane', 'reads', 'writes', 'waiting', 'record',
-                 'overwrites')
+                 'overwrites', 'skippable')
 
     def __init__(self, fn, reads, writes, device, name, lane=COMPUTE, recording=None,
-                 overwrites=False):
+                 overwrites=False, skippable=False):
         self.fn, self.name, self.device, self.lane = fn, name, device, lane
         self.reads, self.writes, self.overwrites = reads, writes, overwrites
+        self.skippable = skippable
         self.waiting = len(reads) + len(writes)          # grants still missing
         self.record = None
         if recording is not None and device is not None:
@@ -233,6 +235,14 @@ def forget_failures():
     an_operation_failed = len(failed) > 0
 
 
+def skipped(op):
+    """Whether `op`, skippable and inheriting a failure, is skipped: where only what it reads
+    failed (a gradient), what it updates in place (a weight, its optimizer state) keeps its
+    values, and stays good, rather than fail for good with it. The failure still surfaces: at
+    the wait on what failed (the loss), or at `wait_all`, which keeps it since it happened."""
+    return all(var.error is None for var in op.writes)
+
+
 def execute(op, where, launch=None, catching=(Exception, KeyboardInterrupt)):
     """Run one operation as every engine does; return (its error or None, whether its own).
 
@@ -247,6 +257,8 @@ def execute(op, where, launch=None, catching=(Exception, KeyboardInterrupt)):
     if record is not None:
         record.worker, record.start = where, time.perf_counter()
     error = inherited_error(op) if an_operation_failed else None
+    if error is not None and op.skippable and skipped(op):
+        return None, False
     own = error is None
     try:
         if own:

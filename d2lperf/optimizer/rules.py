@@ -198,10 +198,17 @@ class Adam(Optimizer):
         state = self.states.get(key)
         if state is None:
             state = self.states[key] = (new_state(weight), new_state(weight))
-        t = self.counts[key] = self.counts.get(key, 0) + 1
-        rate = self.learning_rate * math.sqrt(1 - self.beta2 ** t) / (1 - self.beta1 ** t)
+        self.counts.setdefault(key, 0)
+        rate = functools.partial(self.counted_rate, key, self.learning_rate)
         settings = (rate, self.beta1, self.beta2, self.epsilon, self.wd, self.rescale_grad)
         fused('adam_update', adam_rule, settings, grad, weight, *state)
+
+    def counted_rate(self, key, learning_rate):
+        """Count `key`'s update t and give its bias-corrected rate. The update operation calls
+        it as it runs, so that an update skipped for a failed gradient moves no count (the
+        updates of one key run in order: each writes its weight)."""
+        t = self.counts[key] = self.counts[key] + 1
+        return learning_rate * math.sqrt(1 - self.beta2 ** t) / (1 - self.beta1 ** t)
 
     def low_precision_hazard(self, dtype):
         if dtype.type(self.epsilon) == 0 < self.epsilon:
@@ -219,7 +226,8 @@ class Adam(Optimizer):
         (float64 holds every float32 and t exactly)."""
         states = {key: saved for key, (saved, _) in self.saved.items()}
         for key, (mean, var) in self.states.items():
-            parts = [[self.counts[key]], mean.asnumpy(), var.asnumpy()]
+            parts = [mean.asnumpy(), var.asnumpy()]          # waits: the count is done too
+            parts.insert(0, [self.counts[key]])
             if key in self.masters:
                 parts.append(self.masters[key].asnumpy())
             states[key] = numpy.concatenate([numpy.ravel(p) for p in parts]).astype(numpy.float64)
@@ -260,11 +268,12 @@ def fused(name, rule, settings, grad, weight, *states):
     """One engine operation that reads `grad` and updates `weight` and its `states` in place
     by `rule`, as MXNet's fused update operators do (sgd_mom_update, adam_update). Written as
     array operations, Adam is a dozen pushes a parameter, each a hand-off to a worker and a
-    temporary array; as one, a step's cost is its arithmetic."""
+    temporary array; as one, a step's cost is its arithmetic. Pushed as an update
+    (`engine.push_update`): a failed gradient skips it, and the weight stays good."""
     updated = [weight] + [state for state in states if state is not None]
     reads = [grad.var] if all(grad.var is not array.var for array in updated) else []
     run = functools.partial(run_rule, rule, weight.device.xp, settings, grad, states, weight)
-    engine.push(run, reads, [array.var for array in updated], weight.device, name)
+    engine.push_update(run, reads, [array.var for array in updated], weight.device, name)
 
 
 def run_rule(rule, xp, settings, grad, states, weight):
@@ -290,7 +299,9 @@ def sgd_rule(xp, learning_rate, momentum, wd, rescale_grad, grad, weight, veloci
 
 
 def adam_rule(xp, rate, beta1, beta2, epsilon, wd, rescale_grad, grad, weight, mean, var):
-    """MXNet's Adam on NumPy or CuPy arrays, in place, with the bias correction in `rate`."""
+    """MXNet's Adam on NumPy or CuPy arrays, in place; `rate()` counts the update and gives
+    its bias-corrected rate (`Adam.counted_rate`)."""
+    rate = rate()
     g = grad * rescale_grad if rescale_grad != 1 else grad
     if wd:
         g = g + wd * weight
