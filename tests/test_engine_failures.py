@@ -218,3 +218,36 @@ def test_operations_stop_looking_for_failures_once_none_is_held():
         print(tracking.an_operation_failed)
     """)
     assert out.split('\n')[:3] == ['True', 'True [1.0, 1.0]', 'False']
+
+
+@pytest.mark.parametrize('kvstore', ['device', 'local'])
+@pytest.mark.parametrize('optimizer', ['sgd', 'adam'])
+def test_a_trainer_over_a_store_trains_on_after_a_bad_batch(engine_kind, kvstore, optimizer):
+    """Data parallelism through the Trainer's store: the bad step raises no later than the next
+    wait, and the next clean step trains as if the bad batch had never come."""
+    devices = [d2l.cpu(1), d2l.cpu(2)]
+    x = np.array(rng.standard_normal((8, 6)).astype('float32'))
+    good, bad = np.array(numpy.arange(8) % 5), np.array(numpy.arange(8) % 5 + 20 * (
+        numpy.arange(8) == 5))
+
+    def trained(batches):
+        net = nn.HybridSequential()
+        net.add(nn.Dense(8, in_units=6, activation='relu'), nn.Dense(5, in_units=8))
+        np.random.seed(0)
+        net.initialize(device=devices)
+        trainer = d2l.Trainer(net.collect_params(), optimizer, {'learning_rate': 0.01},
+                              kvstore=kvstore)
+        for labels in batches:
+            xs, ys = d2l.split_batch(x, labels, devices)
+            try:                                # the naive engine raises in the forward pass
+                with d2l.autograd.record():
+                    losses = [LOSS(net(a), b) for a, b in zip(xs, ys)]
+                for value in losses:
+                    value.backward()
+                trainer.step(8)
+                engine.wait_all()
+            except engine.OperationError as error:
+                assert labels is bad and "'pick'" in str(error)
+        return [p.data(devices[0]).asnumpy() for p in net.collect_params().values()]
+    for a, b in zip(trained([good, bad, good]), trained([good, good])):
+        numpy.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
