@@ -396,9 +396,27 @@ def mark_variables(variables, gradients, grad_reqs='write'):
             ADDING.pop(id(x), None)
 
 
+adding_now = {}          # {id(array): array} added into for the time of `adding`
+
+
+@contextlib.contextmanager
+def adding(arrays):
+    """For the time of the block, backward adds into the `.grad` of `arrays` (grad_req 'add'
+    for them), as a pipeline step sums its micro-batches. One store on entry and one on exit,
+    where setting each array's grad_req and back could be cut short by a Ctrl-C and leave some
+    adding into later steps."""
+    global adding_now
+    before, adding_now = adding_now, {id(array): array for array in arrays}
+    try:
+        yield
+    finally:
+        adding_now = before
+
+
 def grad_req(array):
-    """'add' for an array marked so, 'write' for any other with a `.grad`, else 'null'."""
-    if ADDING.get(id(array)) is array:
+    """'add' for an array marked so (or inside `adding`), 'write' for any other with a
+    `.grad`, else 'null'."""
+    if ADDING.get(id(array)) is array or adding_now.get(id(array)) is array:
         return 'add'
     return 'null' if array.grad is None else 'write'
 

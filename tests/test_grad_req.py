@@ -5,6 +5,7 @@ import numpy
 import pytest
 from hypothesis import given, strategies as st
 
+import d2lperf as d2l
 from d2lperf import autograd, nn, np
 from strategies import checks
 
@@ -158,3 +159,38 @@ def test_a_hybridized_net_accumulates_too():
     step()
     for name, g in grads(net).items():
         numpy.testing.assert_array_equal(g, once[name] + once[name] + once[name])
+
+
+def test_a_pipeline_step_cut_short_by_ctrl_c_leaves_no_parameter_adding(monkeypatch):
+    """A Ctrl-C while a pipeline step readies its sums (here: at its third zero_grad) must
+    leave no parameter adding into the next steps: each later step's gradients are that
+    step's alone."""
+    from d2lperf.model_parallel import parallel_gpt
+    from d2lperf.nn.parameter import Parameter
+    rng = numpy.random.default_rng(0)
+    tokens, labels = (np.array(rng.integers(0, 20, (4, 8))) for _ in range(2))
+    loss = d2l.SoftmaxCrossEntropyLoss()
+
+    def split():
+        np.random.seed(0)
+        net = nn.GPT(20, 2, 16, 4, 8)
+        net.initialize(device=d2l.cpu(0))
+        return parallel_gpt(net, [d2l.cpu(1), d2l.cpu(2)], 1, 1, 2, '1f1b')
+    cut, clean = split(), split()
+    calls, zero_grad = [], Parameter.zero_grad
+
+    def interrupted(param):
+        calls.append(param)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        zero_grad(param)
+    monkeypatch.setattr(Parameter, 'zero_grad', interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        cut.forward_backward(tokens, labels, loss, 2)
+    monkeypatch.undo()
+    for _ in range(2):
+        cut.forward_backward(tokens, labels, loss, 2)
+    clean.forward_backward(tokens, labels, loss, 2)
+    for a, b in zip(cut.collect_params().values(), clean.collect_params().values()):
+        assert a.grad_req == 'write'
+        numpy.testing.assert_array_equal(a.grad().asnumpy(), b.grad().asnumpy())

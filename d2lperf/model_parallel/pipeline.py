@@ -176,19 +176,15 @@ def check_groups(stages):
 
 @contextlib.contextmanager
 def accumulating(params):
-    """The step's parameters set to grad_req 'add' and zeroed, so that each micro-batch's
-    backward adds its gradient to `.grad`; those that were 'write' are again afterwards. (One
-    the user set to 'add' keeps adding over steps, until its zero_grad().)"""
+    """The step's parameters zeroed and added into (`autograd.adding`), so that each
+    micro-batch's backward adds its gradient to `.grad`. No parameter changes its grad_req: a
+    Ctrl-C anywhere in the step leaves none adding into the next. (One the user set to 'add'
+    keeps adding over steps, until its zero_grad().)"""
     writes = [param for param in params if param.grad_req == 'write']
     for param in writes:
         param.zero_grad()
-        param.grad_req = 'add'
-    try:
+    with autograd.adding([copy for param in writes for copy in param.list_data()]):
         yield
-    finally:
-        for param in writes:
-            param.grad_req = 'write'
-
 
 def cut(length, count, sizes=None):
     """`length` layers into `count` slices of consecutive layers, `sizes` long (default: as
