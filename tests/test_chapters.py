@@ -75,9 +75,10 @@ def test_lines_fit_in_100_characters(markdown):
 
 @pytest.mark.parametrize('markdown', CHAPTERS, ids=lambda p: p.stem)
 def test_d2lperf_is_imported_before_numpy(markdown):
-    """d2lperf sets OpenBLAS's brief spin only if NumPy has not loaded OpenBLAS yet
-    (engine/blas.py, spin_briefly): a chapter that imports NumPy or matplotlib first runs with
-    OpenBLAS's idle threads spinning on the cores its devices share."""
+    """In a Jupyter kernel, whose own threads rule out restarting OpenBLAS's, d2lperf sets
+    OpenBLAS's brief spin only if NumPy has not loaded it yet (engine/blas.py, spin_briefly):
+    a chapter that imports NumPy or matplotlib first runs with OpenBLAS's idle threads
+    spinning on the cores its devices share."""
     import re
     code = '\n'.join(source for kind, source, _ in cells(markdown) if kind == 'code')
     first = {name: match.start() for name, pattern in (

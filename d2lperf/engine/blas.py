@@ -8,10 +8,12 @@ divided among the CPU devices computing at once when asked (`engine.set_blas_div
 `SharedCores` applies it before each operation of a CPU device, reading the load once per
 period however many devices ask, and keeping the count if the load cannot be read;
 `OpenBLASThreads` reads and sets the count from any thread. `spin_briefly` makes OpenBLAS's
-idle threads give their cores back soon after a product, where NumPy has not loaded it yet.
+idle threads give their cores back soon after a product, whichever of NumPy and d2lperf came
+first, where that is safe.
 Taught in "Automatic Parallelism" and "Hardware".
 """
 import collections
+import contextlib
 import ctypes
 import functools
 import itertools
@@ -288,31 +290,69 @@ def openblas_thread_functions(library):
 
 
 SPIN = 16       # OpenBLAS's idle threads spin 2**SPIN cycles (tens of µs), not 2**28 (~0.1 s)
+RESTART = ('openblas_read_env', 'blas_thread_shutdown_', 'blas_thread_init')
 
 
 def spin_briefly():
-    """Load NumPy's OpenBLAS with idle threads that sleep tens of microseconds after a product,
-    not a tenth of a second, where that is safe; called as d2lperf is imported, before anything
-    imports NumPy.
+    """Give OpenBLAS idle threads that sleep tens of microseconds after a product, not a tenth
+    of a second; called as d2lperf is imported. A value of OPENBLAS_THREAD_TIMEOUT set by the
+    user is kept.
 
     Between products OpenBLAS keeps its threads spinning, so that the next product starts at
     once. Meanwhile they hold cores that the pieces of the next operation (`engine.pieces`),
     another device's worker or another program could use: on 2 cores a LeNet step ran 1.10×
     as fast with the brief spin, and 1.13× with its large operations in pieces
     (benchmarks/training.py, OPENBLAS_THREAD_TIMEOUT=16 against unset, alternating runs).
-    OpenBLAS reads OPENBLAS_THREAD_TIMEOUT once, as it loads, and its threads keep the spin
-    until they are shut down and restarted; a shutdown while another thread's product runs
-    leaves that product waiting forever. So the variable is set only when NumPy is not loaded
-    yet, and only while it loads: programs the process starts later do not inherit it. Where
-    NumPy came first, OpenBLAS keeps its own spin; for the brief one, import d2lperf before
-    NumPy, or set OPENBLAS_THREAD_TIMEOUT=16 before Python starts. A value set is kept."""
-    if 'numpy' in sys.modules or 'OPENBLAS_THREAD_TIMEOUT' in os.environ:
+    OpenBLAS reads the variable as its threads start. Before NumPy is loaded, it is set while
+    NumPy loads; after, OpenBLAS's threads are restarted with it (`restart_alone`) where that
+    is safe. It is set only for that moment: programs the process starts do not inherit it."""
+    if 'OPENBLAS_THREAD_TIMEOUT' in os.environ:
         return
+    if 'numpy' not in sys.modules:
+        with brief_spin_variable():
+            import numpy   # noqa: F401  (its OpenBLAS reads the variable as it loads)
+    else:
+        restart_alone()
+
+
+@contextlib.contextmanager
+def brief_spin_variable():
     os.environ['OPENBLAS_THREAD_TIMEOUT'] = str(SPIN)
     try:
-        import numpy   # noqa: F401  (its OpenBLAS reads the variable as it loads)
+        yield
     finally:
         del os.environ['OPENBLAS_THREAD_TIMEOUT']
+
+
+def restart_alone():
+    """Restart every loaded OpenBLAS's threads with the brief spin, but only where no other
+    thread can be inside a product: a shutdown while another thread's product runs leaves that
+    product waiting forever. So every thread of the process but this one must be one of
+    OpenBLAS's own idle threads, counted from /proc; elsewhere (a Jupyter kernel's threads,
+    another library's pool, no /proc) OpenBLAS keeps its spin. Returns whether it restarted."""
+    import threadpoolctl      # only here: importing it costs milliseconds
+    paths = [info['filepath'] for info in threadpoolctl.threadpool_info()
+             if info['internal_api'] == 'openblas' and info.get('threading_layer') != 'openmp']
+    libraries = [ctypes.CDLL(path) for path in paths]
+    if not libraries or not all(hasattr(lib, name) for lib in libraries for name in RESTART):
+        return False
+    idle_threads = sum(openblas_thread_functions(lib)[0]() - 1 for lib in libraries)
+    if idle_threads == 0 or threads_of_this_process() != 1 + idle_threads:
+        return False
+    with brief_spin_variable():
+        for lib in libraries:
+            lib.openblas_read_env()          # the variable, read again
+            lib.blas_thread_shutdown_()      # idle threads end ...
+            lib.blas_thread_init()           # ... and start again with the brief spin
+    return True
+
+
+def threads_of_this_process():
+    """The process's threads, Python's and every library's (None where /proc is missing)."""
+    try:
+        return len(os.listdir('/proc/self/task'))
+    except OSError:
+        return None
 
 
 class _LoadedLibrary(ctypes.Structure):       # the head of glibc's struct dl_phdr_info
