@@ -14,7 +14,6 @@ import math
 
 from ..ops import REGISTRY, as_array
 from .graph import ARGUMENT_KINDS
-from .memory_plan import writes_into
 
 _programs = itertools.count()
 
@@ -98,6 +97,24 @@ def emit_into(w, node, out):
     if op == 'concatenate':
         return [f'{f(op)}(({", ".join(a)},), axis={w.literal(node.attrs.get("axis", 0))}, '
                 f'out={out})']
+    return emit_static_into(w, node, a, out)
+
+
+def emit_static_into(w, node, a, out):
+    """The out= forms of the ops planned into buffers only under static_alloc."""
+    op, attrs, f = node.op, node.attrs, w.function
+    if op in ('sum', 'mean', 'max', 'argmax'):
+        axis = attrs.get('axis')
+        axis = f'axis={w.literal(tuple(axis) if isinstance(axis, list) else axis)}'
+        dtype = f', dtype={w.dtype(node.dtype)}' if op in ('sum', 'mean') else ''
+        keepdims = '' if op == 'argmax' else f', keepdims={attrs.get("keepdims", False)!r}'
+        return [f'{f(op)}({a[0]}, {axis}{dtype}{keepdims}, out={out})']
+    if op in ('copy', 'astype'):
+        return [f'{f("copyto")}({out}, {a[0]}, casting="unsafe")']
+    if op == 'broadcast_to':
+        return [f'{f("copyto")}({out}, {f(op)}({a[0]}, {w.literal(tuple(attrs["shape"]))}))']
+    if op == 'getitem':
+        return [f'{f("copyto")}({out}, {a[0]}[{w.literal(attrs["key"])}])']
     raise AssertionError(f'no out= form for {op}')
 
 
@@ -114,7 +131,7 @@ def emit_call(w, node, name):
 
 
 def emit_node(w, index, node, slot, fused_kernel):
-    if node.op_kind == 'view' or not writes_into(node):
+    if node.op_kind == 'view' or slot.kind == 'owned':
         w.names[node] = f'v{index}'
         emit_call(w, node, w.names[node])
         return

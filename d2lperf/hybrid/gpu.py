@@ -155,6 +155,8 @@ class GraphReplay:
 
     def __init__(self, fn, num_inputs):
         self.fn, self.num_inputs, self.graph = fn, num_inputs, None
+        self.captures = 0       # a new parameter array means a new capture: the graph reads
+                                # the arrays it was captured with, by address
 
     def __call__(self, *arrays):
         cupy = cupy_module()
@@ -179,6 +181,7 @@ class GraphReplay:
         finally:
             graph = stream.end_capture()        # leaves capture mode even after a failure
         self.graph = graph
+        self.captures += 1
 
 
 class VerifiedRunner:
