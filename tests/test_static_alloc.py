@@ -296,3 +296,19 @@ def test_under_static_alloc_a_program_with_slices_and_casts_is_captured(stand_in
     else:
         assert program.runner.notes == ['CUDA graph: not captured, astype, getitem allocate '
                                         'memory while they run']
+
+
+class SoftmaxThenScale(nn.HybridBlock):
+    def forward(self, x):
+        return (d2l.npx.softmax(x) * 2 + 1).sum(axis=1)
+
+
+@pytest.mark.parametrize('static_alloc', [False, True])
+def test_a_step_written_in_place_of_a_value_its_op_allocated(static_alloc):
+    """The scaling overwrites softmax's own array in place: it must be emitted as a step into
+    that array, with either plan."""
+    net, x = SoftmaxThenScale(), np.random.normal(size=(3, 4))
+    expected = net(x).asnumpy()
+    net.hybridize(static_alloc=static_alloc)
+    numpy.testing.assert_allclose(net(x).asnumpy(), expected, rtol=1e-6)
+    assert len(net.memory_plan().in_place) == 1

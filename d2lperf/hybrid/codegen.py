@@ -14,6 +14,7 @@ import math
 
 from ..ops import REGISTRY, as_array
 from .graph import ARGUMENT_KINDS
+from .memory_plan import writes_into
 
 _programs = itertools.count()
 
@@ -41,6 +42,7 @@ class Writer:
         self.namespace = {'xp': xp}
         self.counts = itertools.count()
         self.kernels = []           # (name, source) of the GPU kernels a fuser made
+        self.static_alloc = False   # the plan's: which ops write into the buffers it gives
 
     def bind(self, value, stem):
         """Put an object into the program's namespace under a new name, and return the name."""
@@ -131,7 +133,7 @@ def emit_call(w, node, name):
 
 
 def emit_node(w, index, node, slot, fused_kernel):
-    if node.op_kind == 'view' or slot.kind == 'owned':
+    if node.op_kind == 'view' or not writes_into(node, w.static_alloc):
         w.names[node] = f'v{index}'
         emit_call(w, node, w.names[node])
         return
@@ -183,6 +185,7 @@ def generate(graph, plan, xp, fused_kernel=None, copy_outputs=True):
     `fused_kernel(writer, node, out)` may emit a fused node as one kernel (on a GPU); an
     output kept in a workspace buffer is copied unless `copy_outputs` is False."""
     w = Writer(xp)
+    w.static_alloc = plan.static_alloc
     arguments = []
     for node in graph.arguments:
         kind = 'x' if node.kind == 'input' else 'p'
