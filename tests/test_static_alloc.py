@@ -2,9 +2,9 @@
 a program is keyed on, when it is compiled again, and what a call allocates.
 Run: D2LPERF_QUICK=1 pytest -q tests/test_static_alloc.py"""
 import os
+import re
 import sys
 import tracemalloc
-from unittest import mock
 
 import numpy
 import pytest
@@ -312,3 +312,15 @@ def test_a_step_written_in_place_of_a_value_its_op_allocated(static_alloc):
     net.hybridize(static_alloc=static_alloc)
     numpy.testing.assert_allclose(net(x).asnumpy(), expected, rtol=1e-6)
     assert len(net.memory_plan().in_place) == 1
+
+
+@pytest.mark.parametrize('body, words', [
+    (lambda x: (x.wait_to_read(), x * 2)[1], 'wait_to_read() needs the value'),
+    (lambda x: x.copyto(d2l.cpu(1)), 'copyto(cpu(1)) of the traced value'),
+])
+def test_what_no_graph_can_hold_is_refused_by_name_when_traced(body, words):
+    """A wait or a copy to another device never reaches a compiled program, so none reaches
+    a CUDA graph either: the trace refuses it, naming it (an allocation is refused at capture
+    time, in the runner's notes: see above)."""
+    with pytest.raises(hybrid.TraceError, match=re.escape(words)):
+        hybrid.trace(body, [hybrid.Spec((2, 3))])
