@@ -37,12 +37,12 @@ def is_plain_attr(x):
 class Writer:
     """The state of one generation: lines written so far, names given, objects bound."""
 
-    def __init__(self, xp):
+    def __init__(self, xp, static_alloc=False):
         self.xp, self.lines, self.names = xp, [], {}
         self.namespace = {'xp': xp}
         self.counts = itertools.count()
         self.kernels = []           # (name, source) of the GPU kernels a fuser made
-        self.static_alloc = False   # the plan's: which ops write into the buffers it gives
+        self.static_alloc = static_alloc    # the plan's: which ops write into its buffers
 
     def bind(self, value, stem):
         """Put an object into the program's namespace under a new name, and return the name."""
@@ -184,8 +184,7 @@ def generate(graph, plan, xp, fused_kernel=None, copy_outputs=True):
 
     `fused_kernel(writer, node, out)` may emit a fused node as one kernel (on a GPU); an
     output kept in a workspace buffer is copied unless `copy_outputs` is False."""
-    w = Writer(xp)
-    w.static_alloc = plan.static_alloc
+    w = Writer(xp, plan.static_alloc)
     arguments = []
     for node in graph.arguments:
         kind = 'x' if node.kind == 'input' else 'p'
