@@ -87,15 +87,24 @@ def test_what_static_alloc_cannot_plan_is_named():
     assert 'inside convolution' in str(net.memory_plan())
 
 
+def gradients(net, x):
+    with autograd.record():
+        loss = (net(x) ** 2).sum()
+    loss.backward()
+    return [p.grad().asnumpy() for p in net.collect_params().values()]
+
+
 @SETTINGS
 @given(net_specs)
 def test_random_nets_with_static_alloc_equal_the_imperative_ones(spec):
     net = build_net(spec)
     x = np.random.normal(size=(spec['batch'], spec['features']))
-    expected = net(x).asnumpy()
+    expected, expected_grads = net(x).asnumpy(), gradients(net, x)
     net.hybridize(static_alloc=True, static_shape=True)
     for _ in range(2):                                 # the second call reuses every buffer
         numpy.testing.assert_allclose(net(x).asnumpy(), expected, rtol=1e-5, atol=1e-6)
+    for grad, expected_grad in zip(gradients(net, x), expected_grads):
+        numpy.testing.assert_allclose(grad, expected_grad, rtol=1e-5, atol=1e-6)
 
 
 @SETTINGS
