@@ -7,6 +7,12 @@ engine's helping waits on and off), and PyTorch eager,
 torch.jit.trace and torch.compile when PyTorch is installed. On a GPU, also hybridized with
 CUDA-graph replay against eager CuPy and PyTorch eager on the same GPU.
 
+`hybridize(static_alloc=True, static_shape=True)` gets a row beside the compiled one, and a
+table of its own on a forward where it changes the plan (a slice, a cast and reductions after
+the dense layer, which a plain plan leaves to NumPy to allocate on every call), with ratios to
+the un-hybridized forward from the same run. Without a GPU, the GPU rows say they were left
+out.
+
     python benchmarks/hybridize.py [--calls 1000] [--repeats 7] [--batches 1 256] [--breakdown]
 
 `--breakdown` adds where the time of one waited call at batch 1 goes, each piece timed alone.
@@ -72,8 +78,12 @@ def d2lperf_modes(batch, device):
     hybridized = get_net(device)
     hybridized.hybridize()
     hybridized(x).wait_to_read()
+    static = get_net(device)
+    static.hybridize(static_alloc=True, static_shape=True)
+    static(x).wait_to_read()
     return {'d2lperf imperative': (lambda: imperative(x), npx.waitall),
             'd2lperf hybridized': (lambda: hybridized(x), npx.waitall),
+            'd2lperf hybridized, static_alloc': (lambda: static(x), npx.waitall),
             'd2lperf hybridized, each call waited for': (lambda: hybridized(x).asnumpy(), noop),
             'd2lperf hybridized, each call waited for, helping off':
                 (without_helping(lambda: hybridized(x).asnumpy()), noop)}, imperative
@@ -216,9 +226,50 @@ def main():
           f'{os.environ.get("D2LPERF_ENGINE", "threaded")}; {args.calls} calls, median of '
           f'{args.repeats}\n')
     print(table(main_rows(args.batches, args.calls, args.repeats)))
+    print(static_alloc_table(args.batches, args.calls, args.repeats))
     print(naive_engine_line(args.calls, args.repeats))
     if args.breakdown:
         print(breakdown(args.calls, args.repeats))
+
+
+class SlicesAndSums(nn.HybridBlock):
+    """The dense layer, then a slice, a cast, a sum and a mean: what static_alloc plans."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = nn.Dense(256, activation='relu')
+
+    def forward(self, x):
+        h = self.dense(x)
+        return (h[:, :128] * 2).sum(axis=1) + h.astype('float64').mean()
+
+
+def static_alloc_modes(batch, device):
+    x = np.random.normal(size=(batch, FEATURES), device=device)
+    nets = {'d2lperf imperative (floor)': SlicesAndSums().initialize(device=device),
+            'd2lperf hybridized': SlicesAndSums().initialize(device=device),
+            'd2lperf hybridized, static_alloc': SlicesAndSums().initialize(device=device)}
+    nets['d2lperf hybridized'].hybridize()
+    nets['d2lperf hybridized, static_alloc'].hybridize(static_alloc=True, static_shape=True)
+    for net in nets.values():
+        net(x).wait_to_read()
+    return {name: (lambda net=net: net(x), npx.waitall) for name, net in nets.items()}
+
+
+def static_alloc_table(batches, calls, repeats):
+    """The forward that static_alloc changes, against itself un-hybridized; GPU rows only
+    where there is a GPU, and a line saying so where there is none."""
+    rows, floors = [], {}
+    devices = [('cpu', d2l.cpu())] + ([('gpu', d2l.gpu(0))] if d2l.num_gpus() else [])
+    for name, device in devices:
+        for batch in batches:
+            rows += rows_for(name, 'd2lperf imperative (floor)', static_alloc_modes(batch, device),
+                             batch, calls, repeats, floors)
+    left_out = '' if d2l.num_gpus() else (
+        '\ngpu rows (static_alloc, the forward replayed as a CUDA graph): left out, no GPU '
+        'on this machine')
+    return ('\nDense(256) -> slice, cast, sum and mean: static_alloc against the un-hybridized '
+            'forward\n\n' + table(sorted(rows, key=lambda row: (row[0], row[1]))) + left_out)
 
 
 def naive_engine_line(calls, repeats):

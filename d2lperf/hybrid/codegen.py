@@ -37,11 +37,12 @@ def is_plain_attr(x):
 class Writer:
     """The state of one generation: lines written so far, names given, objects bound."""
 
-    def __init__(self, xp):
+    def __init__(self, xp, static_alloc=False):
         self.xp, self.lines, self.names = xp, [], {}
         self.namespace = {'xp': xp}
         self.counts = itertools.count()
         self.kernels = []           # (name, source) of the GPU kernels a fuser made
+        self.static_alloc = static_alloc    # the plan's: which ops write into its buffers
 
     def bind(self, value, stem):
         """Put an object into the program's namespace under a new name, and return the name."""
@@ -98,6 +99,24 @@ def emit_into(w, node, out):
     if op == 'concatenate':
         return [f'{f(op)}(({", ".join(a)},), axis={w.literal(node.attrs.get("axis", 0))}, '
                 f'out={out})']
+    return emit_static_into(w, node, a, out)
+
+
+def emit_static_into(w, node, a, out):
+    """The out= forms of the ops planned into buffers only under static_alloc."""
+    op, attrs, f = node.op, node.attrs, w.function
+    if op in ('sum', 'mean', 'max', 'argmax'):
+        axis = attrs.get('axis')
+        axis = f'axis={w.literal(tuple(axis) if isinstance(axis, list) else axis)}'
+        dtype = f', dtype={w.dtype(node.dtype)}' if op in ('sum', 'mean') else ''
+        keepdims = '' if op == 'argmax' else f', keepdims={attrs.get("keepdims", False)!r}'
+        return [f'{f(op)}({a[0]}, {axis}{dtype}{keepdims}, out={out})']
+    if op in ('copy', 'astype'):
+        return [f'{f("copyto")}({out}, {a[0]}, casting="unsafe")']
+    if op == 'broadcast_to':
+        return [f'{f("copyto")}({out}, {f(op)}({a[0]}, {w.literal(tuple(attrs["shape"]))}))']
+    if op == 'getitem':
+        return [f'{f("copyto")}({out}, {a[0]}[{w.literal(attrs["key"])}])']
     raise AssertionError(f'no out= form for {op}')
 
 
@@ -114,7 +133,7 @@ def emit_call(w, node, name):
 
 
 def emit_node(w, index, node, slot, fused_kernel):
-    if node.op_kind == 'view' or not writes_into(node):
+    if node.op_kind == 'view' or not writes_into(node, w.static_alloc):
         w.names[node] = f'v{index}'
         emit_call(w, node, w.names[node])
         return
@@ -165,7 +184,7 @@ def generate(graph, plan, xp, fused_kernel=None, copy_outputs=True):
 
     `fused_kernel(writer, node, out)` may emit a fused node as one kernel (on a GPU); an
     output kept in a workspace buffer is copied unless `copy_outputs` is False."""
-    w = Writer(xp)
+    w = Writer(xp, plan.static_alloc)
     arguments = []
     for node in graph.arguments:
         kind = 'x' if node.kind == 'input' else 'p'

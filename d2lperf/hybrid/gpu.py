@@ -155,6 +155,8 @@ class GraphReplay:
 
     def __init__(self, fn, num_inputs):
         self.fn, self.num_inputs, self.graph = fn, num_inputs, None
+        self.captures = 0       # a new parameter array means a new capture: the graph reads
+                                # the arrays it was captured with, by address
 
     def __call__(self, *arrays):
         cupy = cupy_module()
@@ -179,6 +181,7 @@ class GraphReplay:
         finally:
             graph = stream.end_capture()        # leaves capture mode even after a failure
         self.graph = graph
+        self.captures += 1
 
 
 class VerifiedRunner:
@@ -206,10 +209,18 @@ class VerifiedRunner:
         return reference
 
 
-def allocating_ops(graph):
+# CuPy's reductions may take scratch memory of their own (CUB's temporary storage) even when
+# given `out=`: a program with one is not captured, static_alloc or not.
+REDUCTIONS = {'sum', 'mean', 'max', 'argmax'}
+
+
+def allocating_ops(graph, static_alloc=False):
     """Only a program that allocates nothing can be a CUDA graph: memory allocated while
-    capturing would be freed by Python yet written by every replay."""
-    return sorted({n.op for n in graph.nodes if n.kind == 'call' and not writes_into(n)})
+    capturing would be freed by Python yet written by every replay. Under static_alloc the
+    copies, casts and slices write into buffers (`copyto`), so they no longer stand in the
+    way."""
+    return sorted({n.op for n in graph.nodes if n.kind == 'call' and (
+        not writes_into(n, static_alloc) or n.op in REDUCTIONS)})
 
 
 def build_program(graph, plan, device):
@@ -218,14 +229,15 @@ def build_program(graph, plan, device):
     with cupy.cuda.Device(device.index):
         plain = generate(graph, plan, cupy)
         fused = generate(graph, plan, cupy, fused_kernel=fused_kernel)
-        allocating = allocating_ops(graph)
+        allocating = allocating_ops(graph, plan.static_alloc)
         candidates = [('fused kernels', fused.fn)]
         if not allocating:
-            static = generate(graph, plan_memory(graph, static_outputs=True), cupy,
-                              fused_kernel=fused_kernel, copy_outputs=False)
+            static_plan = plan_memory(graph, static_outputs=True, static_alloc=plan.static_alloc)
+            static = generate(graph, static_plan, cupy, fused_kernel=fused_kernel,
+                              copy_outputs=False)
             candidates.insert(0, ('CUDA graph', GraphReplay(static.fn, len(graph.inputs))))
     fused.runner = VerifiedRunner(plain.fn, candidates)
     if allocating:
         fused.runner.notes.append(f'CUDA graph: not captured, {", ".join(allocating)} '
-                                  'allocate their results')
+                                  'allocate memory while they run')
     return fused

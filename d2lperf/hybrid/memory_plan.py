@@ -12,18 +12,34 @@ buffer, an argument or another output is copied (`codegen.outputs_to_copy`,
 """
 import math
 
+from ..ops import REGISTRY
 from .graph import ARGUMENT_KINDS
 
 NEVER = math.inf
 
 
-def writes_into(node):
+# Ops NumPy and CuPy can also compute into a given array (`out=`, `copyto`): planned into
+# buffers under static_alloc only. On a GPU a program with them is still not captured as a
+# CUDA graph (`gpu.allocating_ops`): CuPy's reductions may take scratch memory of their own.
+STATIC_OUT_FORMS = {'sum', 'mean', 'max', 'argmax', 'copy', 'astype', 'broadcast_to', 'getitem'}
+
+
+def writes_into(node, static_alloc=False):
     """Can the generated code compute this node into a buffer it is given (`out=`)?"""
     if node.kind == 'fused':
         return True
     if node.op == 'dot':
         return all(1 <= x.ndim <= 2 for x in node.inputs)
+    if static_alloc and node.op in STATIC_OUT_FORMS:
+        return node.op != 'getitem' or is_basic_index(node.attrs['key'])
     return node.op_kind in ('elementwise', 'compare', 'contraction') or node.op == 'concatenate'
+
+
+def is_basic_index(key):
+    """An index that NumPy answers with a view (integers, slices, None, ...): copied into a
+    buffer, it allocates nothing; an array of indices would make a copy first."""
+    keys = key if isinstance(key, tuple) else (key,)
+    return all(type(k) in (int, slice, type(None), type(Ellipsis)) for k in keys)
 
 
 def first_step(node):
@@ -43,8 +59,8 @@ class Slot:
 
 
 class MemoryPlan:
-    def __init__(self, graph):
-        self.graph = graph
+    def __init__(self, graph, static_alloc=False):
+        self.graph, self.static_alloc = graph, static_alloc
         self.slots = {}         # node -> Slot it is written into (or, for a view, read from)
         self.in_place = {}      # node -> the input whose slot it overwrites
         self.buffers = []       # the workspace: Slots allocated once per compiled program
@@ -64,9 +80,22 @@ class MemoryPlan:
             where = {'buffer': slot.name, 'fresh': 'new array per call',
                      'owned': 'allocated by the op'}[slot.kind]
             lines.append(f'  {node!r:<22} {node.type:<18} -> {where}{note}')
+        if self.static_alloc:
+            lines.append('still allocated per call: the outputs'
+                         + ''.join(f', inside {op}' for op in self.allocating()))
         return '\n'.join(lines)
 
     __repr__ = __str__
+
+    def allocating(self):
+        """The ops that allocate when the program runs, besides its outputs: those computed by
+        their own function (a convolution's im2col columns and result, a softmax), and the
+        elementwise steps without a ufunc, whose result is computed and then stored."""
+        steps = [m for n in self.slots for m in (n.body if n.kind == 'fused' else [n])]
+        return sorted({n.op for n in steps if n.op_kind != 'view' and (
+            not writes_into(n, self.static_alloc) or
+            (n.op_kind in ('elementwise', 'compare') and not REGISTRY[n.op].ufunc
+             and n.op not in ('relu', 'sigmoid')))})
 
 
 def plural(count, noun):
@@ -138,11 +167,12 @@ def _free_buffer(plan, node, index):
     return slot
 
 
-def plan_memory(graph, static_outputs=False):
+def plan_memory(graph, static_outputs=False, static_alloc=False):
     """Give every computed value a slot; reuse dead buffers; overwrite dying inputs in place.
 
-    With `static_outputs`, outputs too go into workspace buffers (for CUDA-graph replay)."""
-    plan, last, outputs = MemoryPlan(graph), last_uses(graph), set(graph.outputs)
+    With `static_outputs`, outputs too go into workspace buffers (for CUDA-graph replay); with
+    `static_alloc`, the ops in STATIC_OUT_FORMS write into buffers as well."""
+    plan, last, outputs = MemoryPlan(graph, static_alloc), last_uses(graph), set(graph.outputs)
     for index, node in enumerate(graph.nodes):
         if node.kind in ARGUMENT_KINDS or node.kind == 'constant':
             continue
@@ -153,7 +183,7 @@ def plan_memory(graph, static_outputs=False):
                 source.free_at = max(source.free_at, last[node])
                 plan.slots[node] = source
             continue
-        if not writes_into(node):
+        if not writes_into(node, static_alloc):
             plan.slots[node] = Slot('owned', name, node.shape, node.dtype, last[node])
         elif node in outputs and not static_outputs:
             plan.slots[node] = Slot('fresh', name, node.shape, node.dtype, NEVER)

@@ -38,20 +38,28 @@ def build_program(graph, plan, device):
     return generate(graph, plan, device.xp)
 
 
+class ParameterTypesChanged(Exception):
+    """A parameter was given arrays of another shape or dtype (`net.cast('float64')`): the
+    program planned for the old ones must be compiled again."""
+
+
 class Executable:
     """One compiled forward: the graph at every stage, the memory plan and the program.
 
-    `param_arrays()` returns the parameters' current arrays, in the graph's order."""
+    `param_arrays()` returns the parameters' current arrays, in the graph's order;
+    `static_alloc` plans the reductions, copies and slices into buffers too."""
 
-    def __init__(self, traced, device, param_arrays, recording, name='hybrid_forward'):
+    def __init__(self, traced, device, param_arrays, recording, name='hybrid_forward',
+                 static_alloc=False):
         self.traced, self.device, self.name = traced, device, name
         self.param_arrays, self.recording = param_arrays, recording
         self.simplified = simplify(traced)      # one op per node: export and autograd use it
         self.graph = fuse_elementwise(self.simplified)
+        self.param_types = [(n.shape, n.dtype) for n in self.simplified.params]
         if recording:
             self.aliased = aliased_outputs(self.simplified)
         else:
-            self.plan = plan_memory(self.graph)
+            self.plan = plan_memory(self.graph, static_alloc=static_alloc)
             self.program = build_program(self.graph, self.plan, device)
             self.runner = self.program.runner
         self.workspace = engine.Var()           # orders the calls that share its buffers
@@ -68,9 +76,13 @@ class Executable:
         self.run = self.run_recorded if recording else self.run_one if single else self.run_many
 
     def params(self):
-        """The parameters' arrays; their engine variables re-read when they are new arrays."""
+        """The parameters' arrays; their engine variables re-read when they are new arrays,
+        and ParameterTypesChanged raised if those are not of the types the program was
+        planned for."""
         params = self.param_arrays()
         if params is not self._params:
+            if [(p.shape, p.dtype) for p in params] != self.param_types:
+                raise ParameterTypesChanged(self.name)
             self._params = params
             self._param_vars = [p.var for i, p in enumerate(params) if i not in self.written]
             self._written_vars = [params[i].var for i in self.written]
@@ -189,13 +201,18 @@ def _signature(args):
 class CompiledFunction:
     """`forward`, traced and compiled once per input signature, then run from the cache.
 
-    `params()` returns the block's parameters by name (objects with `.data(device)`);
-    `param_arrays(params, device)` makes the function each call uses to read their arrays."""
+    The cache key is what a program is specialized to: the inputs' shapes and dtypes, their
+    device, and whether the call records for autograd and trains. The parameters' arrays are
+    arguments of the program, read afresh when a parameter is given new ones; a program whose
+    parameters come back with another shape or dtype is compiled again in its place.
+    `compiles` counts the traces. `params()` returns the block's parameters by name (objects
+    with `.data(device)`); `param_arrays(params, device)` makes the function each call uses
+    to read their arrays. `static_alloc`: see `Executable`."""
 
-    def __init__(self, forward, params, name, param_arrays):
+    def __init__(self, forward, params, name, param_arrays, static_alloc=False):
         self.forward, self.params, self.name = forward, params, name
-        self.make_param_arrays = param_arrays
-        self.cache, self.last = {}, None
+        self.make_param_arrays, self.static_alloc = param_arrays, static_alloc
+        self.cache, self.last, self.compiles = {}, None, 0
 
     def run(self, args):
         """Run the program compiled for `args`' signature, compiling it first on a miss."""
@@ -208,14 +225,20 @@ class CompiledFunction:
         if executable is None:
             executable = self.cache[key] = self.compile(args)
         self.last = executable
-        return executable.run(args)
+        try:
+            return executable.run(args)
+        except ParameterTypesChanged:           # raised before anything was pushed
+            del self.cache[key]
+            return self.run(args)
 
     def compile(self, args):
         names = ['data'] if len(args) == 1 else [f'data{i}' for i in range(len(args))]
         graph = trace(self.forward, args, names, self.param_name)
         params, device = self.params(), args[0].device
         param_arrays = self.make_param_arrays([params[n.name] for n in graph.params], device)
-        return Executable(graph, device, param_arrays, TAPE.recording, self.name)
+        self.compiles += 1
+        return Executable(graph, device, param_arrays, TAPE.recording, self.name,
+                          self.static_alloc)
 
     def param_name(self, array):
         """The name of the parameter whose value on `array`'s device is `array`, or None."""

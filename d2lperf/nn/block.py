@@ -92,10 +92,19 @@ class Block:
             out = out if replaced is None else replaced
         return out
 
-    def hybridize(self, active=True):
-        """Compile every HybridBlock inside this block (a plain Block itself stays imperative)."""
+    def hybridize(self, active=True, static_alloc=False, static_shape=False):
+        """Compile every HybridBlock inside this block (a plain Block itself stays imperative).
+
+        MXNet's flags. `static_alloc` plans every value an op can write into a given array
+        into buffers allocated once, so that a call allocates its outputs and little else.
+        `static_shape` (which needs `static_alloc`, as in MXNet) declares that input shapes
+        stay the same; here every program is compiled for its input shapes anyway (a new
+        shape is a new program, planned afresh), so it adds nothing to `static_alloc` yet."""
+        if static_shape and not static_alloc:
+            raise ValueError('static_shape=True needs static_alloc=True (as in MXNet): '
+                             'call hybridize(static_alloc=True, static_shape=True)')
         for child in self._children.values():
-            child.hybridize(active)
+            child.hybridize(active, static_alloc, static_shape)
         return self
 
     def forward(self, *args):
@@ -151,11 +160,12 @@ class HybridBlock(Block):
         super().__init__()
         object.__setattr__(self, '_compiled', None)
 
-    def hybridize(self, active=True):
-        """From the next call on, trace `forward` once per input shape and run compiled code."""
-        super().hybridize(active)
+    def hybridize(self, active=True, static_alloc=False, static_shape=False):
+        """From the next call on, trace `forward` once per input shape and run compiled code
+        (a fresh cache: every program compiled before is dropped). The flags: `Block`'s."""
+        super().hybridize(active, static_alloc, static_shape)
         compiled = hybrid.CompiledFunction(self.forward, self.collect_params, type(self).__name__,
-                                           current_arrays) if active else None
+                                           current_arrays, static_alloc) if active else None
         object.__setattr__(self, '_compiled', compiled)
         return self
 
