@@ -458,28 +458,34 @@ def memory_rows():
 GPT_SIZES = dict(vocab_size=96, num_layers=d2l.workload(4, 2), num_hiddens=d2l.workload(128, 64),
                  num_heads=4, max_len=d2l.workload(128, 32))
 GPT_BATCH = d2l.workload(16, 4)
+# The rows against PyTorch: "4×128" (the sizes above) and "4×256": 4 layers, 256 wide, 8 heads,
+# sequence 256, batch 8 (smaller in quick mode).
+GPT_SHAPES = {'4×128': (GPT_SIZES, GPT_BATCH),
+              '4×256': (dict(vocab_size=96, num_layers=d2l.workload(4, 2),
+                             num_hiddens=d2l.workload(256, 64), num_heads=d2l.workload(8, 4),
+                             max_len=d2l.workload(256, 32)), d2l.workload(8, 2))}
 
 
-def gpt_data():
+def gpt_data(sizes=GPT_SIZES, batch=GPT_BATCH):
     rng = numpy.random.default_rng(0)
-    shape = (GPT_BATCH, GPT_SIZES['max_len'])
-    return (rng.integers(0, GPT_SIZES['vocab_size'], shape),
-            rng.integers(0, GPT_SIZES['vocab_size'], shape))
+    shape = (batch, sizes['max_len'])
+    return (rng.integers(0, sizes['vocab_size'], shape),
+            rng.integers(0, sizes['vocab_size'], shape))
 
 
-def small_gpt(device=None):
+def small_gpt(device=None, sizes=GPT_SIZES):
     np.random.seed(0)
-    net = d2l.nn.GPT(**GPT_SIZES)
+    net = d2l.nn.GPT(**sizes)
     net.initialize(device=device)
     return net
 
 
-def gpt_step_fn(hybridize, device=None):
-    net = small_gpt(device)
+def gpt_step_fn(hybridize, device=None, sizes=GPT_SIZES, batch=GPT_BATCH):
+    net = small_gpt(device, sizes)
     if hybridize:
         net.hybridize()
     trainer = d2l.Trainer(net.collect_params(), 'adam', {'learning_rate': 1e-3})
-    tokens, labels = (np.array(a, device=device) for a in gpt_data())
+    tokens, labels = (np.array(a, device=device) for a in gpt_data(sizes, batch))
     loss = d2l.SoftmaxCrossEntropyLoss()
 
     def step():
@@ -491,9 +497,9 @@ def gpt_step_fn(hybridize, device=None):
     return step
 
 
-def torch_gpt_step_fn():
+def torch_gpt_step_fn(sizes=GPT_SIZES, batch=GPT_BATCH):
     """The same GPT in PyTorch eager (tests/test_gpt.py writes it with torch.nn.functional over
-    our parameters' names), the same weights, Adam."""
+    our parameters' names, attention by hand), the same weights, Adam."""
     try:
         import torch
     except ImportError:
@@ -506,15 +512,69 @@ def torch_gpt_step_fn():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     weights = {name: torch.tensor(p.data().asnumpy(), requires_grad=True)
-               for name, p in small_gpt().collect_params().items()}
+               for name, p in small_gpt(sizes=sizes).collect_params().items()}
     optimizer = torch.optim.Adam(weights.values(), lr=1e-3)
-    tokens, labels = (torch.from_numpy(a) for a in gpt_data())
+    tokens, labels = (torch.from_numpy(a) for a in gpt_data(sizes, batch))
 
     def step():
         optimizer.zero_grad()
         _, value = module.torch_gpt_loss(torch, weights, tokens, labels,
-                                         GPT_SIZES['num_layers'], GPT_SIZES['num_heads'])
+                                         sizes['num_layers'], sizes['num_heads'])
         value.backward()
+        optimizer.step()
+    return step, torch
+
+
+def torch_module_gpt_step_fn(sizes=GPT_SIZES, batch=GPT_BATCH):
+    """The GPT as PyTorch's users write it: nn.Module layers, nn.LayerNorm,
+    F.scaled_dot_product_attention(is_causal=True), tanh GELU, an untied head with a bias,
+    torch.optim.Adam. Same shapes and FLOPs as d2lperf's; its own initial weights (a row
+    times a step)."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    nn, F = torch.nn, torch.nn.functional
+    width, heads = sizes['num_hiddens'], sizes['num_heads']
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
+            self.qkv, self.out = nn.Linear(width, 3 * width), nn.Linear(width, width)
+            self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+        def forward(self, x):
+            b, s, _ = x.shape
+            q, k, v = (t.view(b, s, heads, width // heads).transpose(1, 2)
+                       for t in self.qkv(self.norm1(x)).split(width, dim=-1))
+            attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + self.out(attended.transpose(1, 2).reshape(b, s, width))
+            return x + self.down(F.gelu(self.up(self.norm2(x)), approximate='tanh'))
+
+    class GPT(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tokens = nn.Embedding(sizes['vocab_size'], width)
+            self.positions = nn.Embedding(sizes['max_len'], width)
+            self.layers = nn.ModuleList(Layer() for _ in range(sizes['num_layers']))
+            self.norm, self.head = nn.LayerNorm(width), nn.Linear(width, sizes['vocab_size'])
+
+        def forward(self, ids):
+            x = self.tokens(ids) + self.positions(torch.arange(ids.shape[1]))
+            for layer in self.layers:
+                x = layer(x)
+            return self.head(self.norm(x))
+
+    torch.manual_seed(0)
+    net = GPT()
+    optimizer = torch.optim.Adam(net.parameters(), lr=1e-3)
+    tokens, labels = (torch.from_numpy(a) for a in gpt_data(sizes, batch))
+
+    def step():
+        optimizer.zero_grad()
+        logits = net(tokens)
+        F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)).backward()
         optimizer.step()
     return step, torch
 
@@ -534,19 +594,21 @@ def d2lperf_seconds(threads, step, steps=STEPS):
                      'a core)' if fewest < threads else '')
 
 
-def gpt_rows(cores):
-    """(what, threads, seconds a step) for one device."""
-    steps = {'d2lperf, imperative': gpt_step_fn(False),
-             'd2lperf, hybridized': gpt_step_fn(True)}
-    torch_step = torch_gpt_step_fn()
+def gpt_rows(cores, sizes=GPT_SIZES, batch=GPT_BATCH):
+    """(what, threads, seconds a step) for one device. "PyTorch eager" is the row the ratios
+    are taken against: PyTorch's GPT as its users write it (`torch_module_gpt_step_fn`)."""
+    steps = {'d2lperf, imperative': gpt_step_fn(False, None, sizes, batch),
+             'd2lperf, hybridized': gpt_step_fn(True, None, sizes, batch)}
+    torch_steps = {'PyTorch eager': torch_module_gpt_step_fn(sizes, batch),
+                   'PyTorch eager, attention by hand': torch_gpt_step_fn(sizes, batch)}
     rows = []
     for threads in sorted({1, 2, cores}):
         for name, step in steps.items():
             seconds, note = d2lperf_seconds(threads, step)
             rows.append((name + note, threads, seconds))
-        if torch_step is not None:
-            rows.append(('PyTorch eager', threads,
-                         with_threads(threads, torch_step[0], torch_step[1])))
+        for name, torch_step in torch_steps.items():
+            if torch_step is not None:
+                rows.append((name, threads, with_threads(threads, *torch_step)))
     return rows
 
 
@@ -619,13 +681,15 @@ def against_torch(rows):
 
 
 def gpt_section(cores):
-    sizes = ', '.join(f'{k} {v}' for k, v in GPT_SIZES.items())
-    print(f'\nThe small GPT ({sizes}), batch {GPT_BATCH}, one Adam step; {load_average()}')
-    rows = gpt_rows(cores)
-    ratio = against_torch(rows)
-    print('| what | threads | ms per step | × PyTorch |\n|---|--:|--:|--:|')
-    for name, threads, seconds in rows:
-        print(f'| {name} | {threads} | {seconds * 1e3:.1f} | {ratio(threads, seconds)} |')
+    for shape, (sizes, batch) in GPT_SHAPES.items():
+        described = ', '.join(f'{k} {v}' for k, v in sizes.items())
+        print(f'\nThe small GPT {shape} ({described}), batch {batch}, one Adam step; '
+              f'{load_average()}')
+        rows = gpt_rows(cores, sizes, batch)
+        ratio = against_torch(rows)
+        print('| what | threads | ms per step | × PyTorch |\n|---|--:|--:|--:|')
+        for name, threads, seconds in rows:
+            print(f'| {name} | {threads} | {seconds * 1e3:.1f} | {ratio(threads, seconds)} |')
     print('\nThe same GPT split over four virtual devices, and its peak memory (naive engine)')
     print_time_and_peak(parallel_gpt_rows(), 'one device')
 
@@ -955,6 +1019,16 @@ SECTIONS = {'lenet': lenet_section, 'data_parallel': data_parallel_section,
             'gpu': gpu_section}
 
 
+def blas_kernels():
+    """Which BLAS kernels run, and the two variables that choose them on some machines (a
+    VM may set OPENBLAS_CORETYPE to an older core; a reader's laptop sets neither)."""
+    kernels = ', '.join(f"{info['internal_api']} {info.get('version')} {info.get('architecture')}"
+                        for info in threadpool_info() if info['user_api'] == 'blas')
+    chosen = ', '.join(f'{name}={os.environ.get(name, "(unset)")}'
+                       for name in ('OPENBLAS_CORETYPE', 'OPENBLAS_L2_SIZE'))
+    return f'# BLAS: {kernels}; {chosen}'
+
+
 def main(names=None):
     names = names or list(SECTIONS)
     unknown = [name for name in names if name not in SECTIONS]
@@ -963,6 +1037,7 @@ def main(names=None):
     cores = available_cores()
     print(f'# {platform.machine()}, {cores} cores, Python {platform.python_version()}, '
           f'NumPy {numpy.__version__}; batch {BATCH}, 28x28, best of {REPEATS}')
+    print(blas_kernels())
     for name in names:
         SECTIONS[name](cores)
 
