@@ -1,6 +1,7 @@
 """A unit of sharded training (FSDP's wrapping unit): a child block's parameters as one flat
-buffer a device, of which device d owns chunk d, and the one-device halves of the collectives
-that move it: a gather onto one device, and one device's sends to the chunks' owners.
+buffer a device, of which device d owns chunk d, moved by one device's half of a collective
+at a time (`comm.device_halves`): a gather onto one device, and one device's sends to the
+chunks' owners.
 
 The parameters are views of the flat buffer, so one copy moves a whole unit. Each device's
 half is what its own process would run (in a real job the halves of all devices meet in one
@@ -11,8 +12,7 @@ import numpy
 
 from .. import comm, engine, np
 from ..comm import chunk_bounds
-from ..comm.allreduce import TransferName
-from ..device import label, release, restore, transfer
+from ..device import label, release, restore
 from ..np.multiarray import NDArray
 
 
@@ -101,8 +101,7 @@ class Unit:
         def allocate():
             flat.data = flat.device.xp.empty(flat.shape, flat.dtype)
         engine.push(allocate, [], [flat.var], flat.device, f'unit {self.index} memory')
-        for owner, (shard, (start, stop)) in enumerate(zip(self.weight_shards, self.bounds)):
-            send(shard, flat, start, stop, 'all-gather', owner, combine=False)
+        comm.receive_from_owners(self.weight_shards, flat, self.bounds)
         self.bind_views(d)
         self.gathered[d] = True
 
@@ -135,9 +134,7 @@ class Unit:
         to its shard (the first to send since the update sets it): device d's half of a
         reduce-scatter."""
         flat = self.take_gradients(d, kept_only)
-        for owner, (shard, (start, stop)) in enumerate(zip(self.grad_shards, self.bounds)):
-            send(flat, shard, start, stop, 'reduce-scatter', owner, combine=self.sent > 0,
-                 reverse=True)
+        comm.send_to_owners(flat, self.grad_shards, self.bounds, combine=self.sent > 0)
         self.sent += 1
 
     def sum_kept_gradients(self, algorithm):
@@ -180,43 +177,3 @@ def made_or_zero(view, slot):
         return np.zeros(view.shape, view.dtype, view.device)
     return view.grad
 
-
-def send(source, target, start, stop, phase, owner, combine, reverse=False):
-    """Copy chunk [start, stop) between a flat array and a shard on another device (or the
-    same one), and set or add it there: from the owner's shard into `target`'s chunk (a
-    gather), or, `reverse`, from `source`'s chunk into the owner's shard (a reduction).
-    Named as comm names a transfer, so `comm.bytes_sent` counts it."""
-    if stop == start:
-        return
-    source_device, target_device = source.device, target.device
-    nbytes = (stop - start) * source.dtype.itemsize
-    read = (lambda: source.data[start:stop]) if reverse else (lambda: source.data)
-
-    def write(data):
-        if reverse:
-            if combine:
-                target.data += data
-            else:
-                target.data[...] = data
-        else:
-            target.data[start:stop] = data
-    action = 'add' if combine else 'set'
-    # a set of the whole shard builds on none of its values: a failure it held (a step that
-    # failed) is gone with them
-    push = engine.push_overwrite if reverse and not combine else engine.push
-    if source_device == target_device:
-        push(lambda: write(read()), [source.var], [target.var], target_device,
-                    TransferName('direct', phase, 1, owner, source_device, target_device,
-                                 action))
-        return
-    received, move = {}, transfer(source_device, target_device)
-    copy_device, lane = engine.copy_lane(source_device, target_device)
-    buffer = engine.Var()
-
-    def sent():
-        received['data'] = move(read())
-    engine.push(sent, [source.var], [buffer], copy_device,
-                TransferName('direct', phase, 1, owner, source_device, target_device, 'send',
-                             nbytes), lane)
-    push(lambda: write(received.pop('data')), [buffer], [target.var], target_device,
-                TransferName('direct', phase, 1, owner, source_device, target_device, action))

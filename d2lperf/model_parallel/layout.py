@@ -17,8 +17,7 @@ import collections
 import numbers
 from typing import Sequence
 
-from .. import comm, np
-from ..data_parallel import buckets
+from .. import comm
 from ..device import Device
 from ..nn.transformer import GPT
 from ..np.multiarray import NDArray
@@ -54,6 +53,12 @@ class ParallelGPT:
         self.replicas = [Pipeline(net, [self.grid[s][r] for s in range(pipeline)], schedule,
                                   chunks, algorithm=algorithm, sequence=sequence)
                          for r in range(data)]
+        self.gradient_groups = replicated_groups(self.replicas) if data > 1 else []
+        # The buffers are counted as temporaries, as they were when each step made its own:
+        # the calculator (`predict.device_plan`) counts a device's gradients, not them.
+        self.summed = comm.FlatBufferSum(
+            [[[param.data() for param in params] for params in copies]
+             for copies in self.gradient_groups], algorithm, kind='temporaries')
 
     def forward_backward(self, tokens: NDArray, labels: NDArray, loss,
                          microbatches: int) -> list[NDArray]:
@@ -76,30 +81,28 @@ class ParallelGPT:
         return losses
 
     def sum_gradients(self):
-        """Each gradient summed over its d copies. The gradients a device holds are packed
-        into one flat buffer, as DDP's buckets do, so that a device's copies take one
-        allreduce rather than one a parameter (`data_parallel.buckets`)."""
-        if self.data == 1:
-            return
-        per_replica = [[p for p in replica.params() if p.grad_req == 'write']
-                       for replica in self.replicas]
-        on_device = collections.defaultdict(list)    # a device of replica 0 -> its params' k
-        for k, param in enumerate(per_replica[0]):
-            on_device[param.data().device].append(k)
-        for index, ks in enumerate(on_device.values()):
-            grads = [[params[k].grad() for k in ks] for params in per_replica]
-            size = sum(grad.size for grad in grads[0])
-            buffers = [np.zeros((size,), group[0].dtype, group[0].device) for group in grads]
-            for buffer, group in zip(buffers, grads):
-                buckets.pack(buffer, group, index)
-            comm.allreduce(buffers, self.algorithm)
-            for buffer, group in zip(buffers, grads):
-                buckets.unpack(buffer, group, index)
+        """Each gradient summed over its d copies: the gradients a device holds go as one
+        group (`comm.FlatBufferSum`), packed into one flat buffer, so that a device's copies
+        take one allreduce rather than one a parameter, as DDP's buckets do."""
+        for index, copies in enumerate(self.gradient_groups):
+            self.summed.sum(index, [[param.grad() for param in params] for params in copies])
 
     def collect_params(self):
         """Every device's parameters, each where it lives (a Trainer updates each there)."""
         return {f'replica{r}.{k}': param for r, replica in enumerate(self.replicas)
                 for k, param in enumerate(replica.params())}
+
+
+def replicated_groups(replicas):
+    """The trained parameters grouped by the device replica 0 holds them on: group[r] is
+    replica r's copies of a group, in one order (the replicas' parameters correspond one to
+    one)."""
+    per_replica = [[p for p in replica.params() if p.grad_req == 'write']
+                   for replica in replicas]
+    on_device = collections.defaultdict(list)    # a device of replica 0 -> its params' k
+    for k, param in enumerate(per_replica[0]):
+        on_device[param.data().device].append(k)
+    return [[[params[k] for k in ks] for params in per_replica] for ks in on_device.values()]
 
 
 def at_least_one(name, size):
