@@ -8,7 +8,8 @@
                 operation named by a TransferName, whose fields a profile's reader counts.
     flat_sum    `FlatBufferSum`: a group of gradients summed by one allreduce, packed into a
                 flat buffer a device that is allocated once; buckets and 3D layouts sum so.
-    device_halves  one device's half of a reduce-scatter or an all-gather over owners' shards,
+    device_halves
+                one device's half of a reduce-scatter or an all-gather over owners' shards,
                 as its own process would run it: ZeRO's units move so.
     cost        what each algorithm costs on a topology, in the α-β model.
     replay      an allreduce replayed from the profiler's records: each chunk's contents
@@ -29,4 +30,5 @@ from . import cost
 __all__ = ['slice_sizes', 'split_and_load', 'split_batch', 'chunk_bounds', 'half', 'schedule',
            'REDUCTIONS', 'allreduce', 'allreduce_on_first', 'reduce_scatter', 'all_gather',
            'all_gather_into', 'fill', 'TransferName', 'transfers_in', 'bytes_sent',
-           'FlatBufferSum', 'send_to_owners', 'receive_from_owners', 'chunk_states', 'draw_chunk_states', 'draw_transfers', 'cost']
+           'FlatBufferSum', 'send_to_owners', 'receive_from_owners', 'chunk_states',
+           'draw_chunk_states', 'draw_transfers', 'cost']

@@ -64,8 +64,8 @@ class Unit:
             label(np.zeros((stop - start,), dtype, device), 'gradients')
             for device, (start, stop) in zip(devices, self.bounds)]
         self.slots = [[unmade_like(view) for view in views] for views in self.views]
-        self.kept = [None] * len(devices)       # gradients summed here, not sent yet
-        self.full_grads, self.sent = None, 0
+        self.full_grads = None
+        self.drop_gradients()
 
     # -- weights ------------------------------------------------------------------------------
     def bind_views(self, d):
@@ -106,47 +106,52 @@ class Unit:
         self.gathered[d] = True
 
     # -- gradients -----------------------------------------------------------------------------
-    def expect_gradients(self):
-        """Mark every view as wanting a gradient without making one: backward makes it."""
-        for views, slots in zip(self.views, self.slots):
-            for view, slot in zip(views, slots):
+    def expect_gradients(self, d=None):
+        """Mark device d's views (every device's by default) as wanting a gradient without
+        making one: backward makes it."""
+        for d in range(len(self.devices)) if d is None else [d]:
+            for view, slot in zip(self.views[d], self.slots[d]):
                 view.grad = slot
 
-    def take_gradients(self, d, kept_only=False):
-        """Device d's gradients of the unit, one flat array (made from backward's, which are
-        dropped), with what earlier micro-batches kept here added in."""
-        if kept_only:
-            kept, self.kept[d] = self.kept[d], None
-            return kept
+    def made_gradients(self):
+        """The views holding a gradient that backward made and nobody has taken yet: the next
+        micro-batch's backward adds into them (`autograd.adding`)."""
+        return [view for views, slots in zip(self.views, self.slots)
+                for view, slot in zip(views, slots) if view.grad is not slot]
+
+    def take_gradients(self, d):
+        """Device d's gradients of the unit, one flat array made from the views' (which are
+        dropped): their sum over the micro-batches since the last take, as autograd added it."""
         flat = label(np.concatenate([made_or_zero(view, slot).reshape(-1)
                                      for view, slot in zip(self.views[d], self.slots[d])]),
                      'gradients')
-        for view, slot in zip(self.views[d], self.slots[d]):
-            view.grad = slot
-        kept, self.kept[d] = self.kept[d], None
-        return flat if kept is None else label(kept + flat, 'gradients')
+        self.expect_gradients(d)
+        self.unsent[d] = False
+        return flat
 
     def keep_gradients(self, d):
-        self.kept[d] = self.take_gradients(d)
+        """Device d's gradients stay on the views, unsent, for the next micro-batch's backward
+        to add to (FSDP's no_sync) or, stage 1, for the update to reduce-scatter."""
+        self.unsent[d] = True
 
-    def send_chunks(self, d, kept_only=False):
+    def send_chunks(self, d):
         """Stages 2 and 3: device d's chunk of each owner's part to that owner, which adds it
         to its shard (the first to send since the update sets it): device d's half of a
         reduce-scatter."""
-        flat = self.take_gradients(d, kept_only)
+        flat = self.take_gradients(d)
         comm.send_to_owners(flat, self.grad_shards, self.bounds, combine=self.sent > 0)
         self.sent += 1
 
     def sum_kept_gradients(self, algorithm):
-        """Before the update: stage 1 reduce-scatters the whole gradients every device kept;
-        stages 2 and 3 send what a last micro-batch without sync left."""
+        """Before the update: stage 1 reduce-scatters every device's whole gradients, packed
+        flat; stages 2 and 3 send what the micro-batches since the last sync left."""
         if self.stage == 1:
-            self.full_grads, self.kept = self.kept, [None] * len(self.devices)
+            self.full_grads = [self.take_gradients(d) for d in range(len(self.devices))]
             self.grad_shards = comm.reduce_scatter(self.full_grads, algorithm)
             return
-        for d, kept in enumerate(self.kept):
-            if kept is not None:
-                self.send_chunks(d, kept_only=True)
+        for d, unsent in enumerate(self.unsent):
+            if unsent:
+                self.send_chunks(d)
 
     def sends_done(self, d):
         """A variable written once device d's sends of this unit have all been added in."""
@@ -157,9 +162,10 @@ class Unit:
 
     def drop_gradients(self):
         """Forget the step's gradients, whether made, kept or sent: the next step starts from
-        zero (after an update, or after a step that failed or was interrupted midway)."""
+        zero (after an update, or after a step that failed or was interrupted midway). The
+        views keep their slots, so that every forward's tape records them."""
         self.expect_gradients()
-        self.sent, self.kept = 0, [None] * len(self.devices)
+        self.sent, self.unsent = 0, [False] * len(self.devices)
         if self.stage == 1:
             self.full_grads = self.grad_shards = None
 

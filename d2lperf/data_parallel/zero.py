@@ -97,11 +97,11 @@ class Zero:
         whole and sends nothing, so the bytes of one reduction serve many micro-batches, at
         the price of every full gradient held until the next micro-batch that syncs."""
         try:
-            for unit in self.units:     # before forward, so that the tape records the weights
-                unit.expect_gradients()
-            with autograd.record():
-                losses = list(forward())
-            self.backward(losses, sync)
+            # gradients earlier micro-batches left unsent: backward adds into them
+            with autograd.adding([view for unit in self.units for view in unit.made_gradients()]):
+                with autograd.record():
+                    losses = list(forward())
+                self.backward(losses, sync)
         except BaseException:
             # A micro-batch that fails or is interrupted (Ctrl-C) midway has sent and kept
             # part of its gradients: the whole step is dropped, so the next starts from zero.
