@@ -8,7 +8,7 @@ stage's d replicas come next (data parallelism sums gradients once a step), and 
 are farthest apart (a pipeline sends one micro-batch's activations a boundary). Each replica
 trains on 1/d of the batch; after every replica's pipeline has run its micro-batches, each
 parameter's gradient is summed over the d copies of it, a device's gradients packed into one
-buffer, as the data-parallel chapters do.
+flat buffer (`comm.FlatBufferSum`), as the data-parallel chapters' buckets are.
 Taught in "Parallelism in Three Dimensions".
 """
 from __future__ import annotations
@@ -53,12 +53,7 @@ class ParallelGPT:
         self.replicas = [Pipeline(net, [self.grid[s][r] for s in range(pipeline)], schedule,
                                   chunks, algorithm=algorithm, sequence=sequence)
                          for r in range(data)]
-        self.gradient_groups = replicated_groups(self.replicas) if data > 1 else []
-        # The buffers are counted as temporaries, as they were when each step made its own:
-        # the calculator (`predict.device_plan`) counts a device's gradients, not them.
-        self.summed = comm.FlatBufferSum(
-            [[[param.data() for param in params] for params in copies]
-             for copies in self.gradient_groups], algorithm, kind='temporaries')
+        self.groups, self.summed = sum_over_replicas(self.replicas, algorithm)
 
     def forward_backward(self, tokens: NDArray, labels: NDArray, loss,
                          microbatches: int) -> list[NDArray]:
@@ -81,10 +76,10 @@ class ParallelGPT:
         return losses
 
     def sum_gradients(self):
-        """Each gradient summed over its d copies: the gradients a device holds go as one
-        group (`comm.FlatBufferSum`), packed into one flat buffer, so that a device's copies
-        take one allreduce rather than one a parameter, as DDP's buckets do."""
-        for index, copies in enumerate(self.gradient_groups):
+        """Each gradient summed over its d copies, a group at a time: the gradients that one
+        device of replica 0 holds, and their copies in the other replicas, packed into one
+        flat buffer a device and allreduced (`comm.FlatBufferSum`, as DDP's buckets)."""
+        for index, copies in enumerate(self.groups):
             self.summed.sum(index, [[param.grad() for param in params] for params in copies])
 
     def collect_params(self):
@@ -93,16 +88,22 @@ class ParallelGPT:
                 for k, param in enumerate(replica.params())}
 
 
-def replicated_groups(replicas):
-    """The trained parameters grouped by the device replica 0 holds them on: group[r] is
-    replica r's copies of a group, in one order (the replicas' parameters correspond one to
-    one)."""
+def sum_over_replicas(replicas, algorithm):
+    """The trained parameters grouped by the device that holds them in replica 0 (`group[r]`:
+    replica r's copies of the group, in one order), and the flat-buffer sum of each group over
+    the replicas, its buffers made once. None where there is one replica: nothing to sum."""
+    if len(replicas) == 1:
+        return [], None
     per_replica = [[p for p in replica.params() if p.grad_req == 'write']
                    for replica in replicas]
     on_device = collections.defaultdict(list)    # a device of replica 0 -> its params' k
     for k, param in enumerate(per_replica[0]):
         on_device[param.data().device].append(k)
-    return [[[params[k] for k in ks] for params in per_replica] for ks in on_device.values()]
+    groups = [[[params[k] for k in ks] for params in per_replica] for ks in on_device.values()]
+    # counted as temporaries, as when each step made its own buffers: the calculator
+    # (`predict.device_plan`) counts a device's gradients, not the buffers that sum them
+    return groups, comm.FlatBufferSum([[[p.data() for p in params] for params in copies]
+                                       for copies in groups], algorithm, kind='temporaries')
 
 
 def at_least_one(name, size):
