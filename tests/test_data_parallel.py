@@ -1,12 +1,13 @@
 """Buckets and ZeRO's stages train as one device with the whole batch does; the calculator's
 memory and traffic are what the counter and the engine's records measure."""
+import collections
 import math
 
 import numpy
 import pytest
 
 import d2lperf as d2l
-from d2lperf import comm, nn, np, npx
+from d2lperf import autograd, comm, nn, np, npx
 from d2lperf.data_parallel import Buckets, Zero, plan_buckets, predict
 from test_memory import settle
 
@@ -377,6 +378,33 @@ def test_accumulating_micro_batches_equals_one_step_on_their_whole(stage, sync):
     whole, halves = run(1), run(2)
     for key in whole:
         numpy.testing.assert_allclose(halves[key], whole[key], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize('stage', [1, 2, 3])
+def test_without_sync_autograd_adds_each_micro_batch_into_the_parameters_grad(stage):
+    """no_sync's accumulation is autograd's (`autograd.adding`): between micro-batches each
+    device's gradients stay on its parameters, the sum of the micro-batches so far, to the bit
+    what one device's backward passes give added up; no gradient is held anywhere else."""
+    devices = [d2l.cpu(1), d2l.cpu(2)]
+    net, reference = mlp(devices), mlp(devices)
+    strategy = Zero(net, stage, 'sgd')
+    expected = collections.defaultdict(int)
+    for rows in (slice(0, 12), slice(12, 24)):
+        X_parts, y_parts = d2l.split_batch(X[rows], y[rows], devices)
+        strategy.accumulate(lambda: [loss(net(a), b) for a, b in zip(X_parts, y_parts)],
+                            sync=False)
+        with autograd.record():
+            losses = [loss(reference(a), b) for a, b in zip(X_parts, y_parts)]
+        for one in losses:
+            one.backward()
+        for name, param in reference.collect_params().items():
+            for d, grad in enumerate(param.list_grad()):
+                expected[name, d] = expected[name, d] + grad.asnumpy()
+    for name, param in net.collect_params().items():
+        for d, grad in enumerate(param.list_grad()):
+            numpy.testing.assert_array_equal(grad.asnumpy(), expected[name, d])
+    if stage == 1:
+        assert all(unit.full_grads is None for unit in strategy.units)
 
 
 @pytest.mark.parametrize('sync', [True, False])

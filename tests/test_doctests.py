@@ -14,7 +14,8 @@ import d2lperf as d2l
 pytestmark = pytest.mark.chapter('parameter_servers')
 
 MODULES_WITH_EXAMPLES = ['d2lperf.kvstore.base', 'd2lperf.kvstore.local',
-                         'd2lperf.comm.allreduce', 'd2lperf.nn.transformer']
+                         'd2lperf.comm.allreduce', 'd2lperf.comm.flat_sum',
+                         'd2lperf.nn.transformer']
 
 
 @pytest.mark.parametrize('name', MODULES_WITH_EXAMPLES)

@@ -1,14 +1,17 @@
 """Data × tensor × pipeline parallelism on virtual devices, with and without sequence
 parallelism: every layout trains as one device does, and each device holds and sends, to the
 byte, what the calculator predicts."""
+import ast
 import collections
 import gc
+import inspect
 
 import numpy
 import pytest
 
 import d2lperf as d2l
-from d2lperf import autograd, comm, nn, np
+from d2lperf import autograd, comm, nn, np, npx
+from d2lperf.model_parallel import layout as layout_module
 from d2lperf.model_parallel import Pipeline, parallel_gpt, predict, schedule, simulate
 from d2lperf.model_parallel import bubble as simulated_bubble
 
@@ -245,3 +248,26 @@ def test_bad_layouts_are_named():
         split.forward_backward(np.array(TOKENS), np.array(LABELS), LOSS, 3)
     with pytest.raises(ValueError, match='not a mix'):
         Pipeline(gpt(), [d2l.cpu(1), [d2l.cpu(2)]])
+
+
+def test_the_replicas_sum_through_the_same_buffers_every_step():
+    """The flat buffers of the sum over the replicas are made once (`comm.FlatBufferSum`):
+    each step packs the gradients into the arrays the step before packed them into."""
+    split, _ = layout(2, 2, 1, '1f1b', 1)
+    packed = []
+    for _ in range(2):
+        with d2l.profiler.profile() as records:
+            split.forward_backward(np.array(TOKENS), np.array(LABELS), LOSS, 1)
+            npx.waitall()
+        packed.append({v for r in records if r.name.endswith(' pack') for v in r.writes})
+    assert packed[0] and packed[0] == packed[1]
+
+
+def test_the_layout_imports_nothing_from_data_parallel():
+    """model_parallel sits above data_parallel in the package's chain but borrows nothing from
+    it: the sum over replicas is comm's, as data parallelism's is."""
+    tree = ast.parse(inspect.getsource(layout_module))
+    imported = [node.module or '' for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]
+    imported += [name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                 for name in (alias.name for alias in node.names)]
+    assert not [name for name in imported if 'data_parallel' in name], imported

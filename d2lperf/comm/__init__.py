@@ -6,6 +6,11 @@
     allreduce   a schedule run as engine operations, in place, with any of four reductions;
                 reduce_scatter and all_gather, the halves that sharded training uses; every
                 operation named by a TransferName, whose fields a profile's reader counts.
+    flat_sum    `FlatBufferSum`: a group of gradients summed by one allreduce, packed into a
+                flat buffer a device that is allocated once; buckets and 3D layouts sum so.
+    device_halves
+                one device's half of a reduce-scatter or an all-gather over owners' shards,
+                as its own process would run it: ZeRO's units move so.
     cost        what each algorithm costs on a topology, in the α-β model.
     replay      an allreduce replayed from the profiler's records: each chunk's contents
                 after every step, and when each transfer ran, drawn.
@@ -17,10 +22,13 @@ from .split import slice_sizes, split_and_load, split_batch
 from .schedules import chunk_bounds, half, schedule
 from .allreduce import (REDUCTIONS, TransferName, all_gather, all_gather_into, allreduce,
                         allreduce_on_first, bytes_sent, fill, reduce_scatter, transfers_in)
+from .flat_sum import FlatBufferSum
+from .device_halves import receive_from_owners, send_to_owners
 from .replay import chunk_states, draw_chunk_states, draw_transfers
 from . import cost
 
 __all__ = ['slice_sizes', 'split_and_load', 'split_batch', 'chunk_bounds', 'half', 'schedule',
            'REDUCTIONS', 'allreduce', 'allreduce_on_first', 'reduce_scatter', 'all_gather',
-           'all_gather_into', 'fill', 'TransferName', 'transfers_in', 'bytes_sent', 'chunk_states',
+           'all_gather_into', 'fill', 'TransferName', 'transfers_in', 'bytes_sent',
+           'FlatBufferSum', 'send_to_owners', 'receive_from_owners', 'chunk_states',
            'draw_chunk_states', 'draw_transfers', 'cost']

@@ -15,8 +15,7 @@ from __future__ import annotations
 import math
 from typing import Callable, Sequence
 
-from .. import autograd, comm, engine, np
-from ..device import label
+from .. import autograd, comm, engine
 from ..nn.parameter import Parameter
 from ..np.multiarray import NDArray
 from .overlap import backward_all, backward_reporting, one_loss_a_device
@@ -58,22 +57,15 @@ class Buckets:
         self.names, self.params = trained(params)
         self.devices = check_devices(self.params)
         self.buckets = plan_buckets(self.params, cap_bytes)
-        self.overlap, self.algorithm = overlap, algorithm
+        self.overlap = overlap
         self.optimizer = create_optimizer(optimizer, optimizer_params)
         self.scale = self.optimizer.rescale_grad       # the user's; step(b) scales by scale / b
         bucket_of = {id(param): i for i, bucket in enumerate(self.buckets) for param in bucket}
         self.bucket_of = [bucket_of[id(param)] for param in self.params]
-        self.buffers = [self._buffers(bucket) for bucket in self.buckets]
-
-    def _buffers(self, bucket):
-        """One flat buffer a device for a bucket of several parameters (None for one: its
-        gradients are summed where they are)."""
-        if len(bucket) == 1:
-            return None
-        weight = bucket[0].list_data()[0]
-        size = sum(p.list_data()[0].size for p in bucket)
-        return [label(np.zeros((size,), weight.dtype, device), 'gradients')
-                for device in self.devices]
+        # one flat buffer a device for each bucket of several parameters, made once
+        self.summed = comm.FlatBufferSum([[[p.list_data()[d] for p in bucket]
+                                           for d in range(len(self.devices))]
+                                          for bucket in self.buckets], algorithm)
 
     def step(self, forward: Callable[[], Sequence[NDArray]], batch_size: int) -> None:
         with autograd.record():
@@ -100,17 +92,11 @@ class Buckets:
         backward_reporting(losses, self.params, ready)
 
     def sum_bucket(self, index):
-        """Sum one bucket's gradients over the devices: in place for one parameter, else
-        packed into the flat buffers, allreduced, and unpacked."""
-        bucket, buffers = self.buckets[index], self.buffers[index]
-        if buffers is None:
-            comm.allreduce(bucket[0].list_grad(), self.algorithm)
-            return
-        for device, buffer in enumerate(buffers):
-            pack(buffer, [p.list_grad()[device] for p in bucket], index)
-        comm.allreduce(buffers, self.algorithm)
-        for device, buffer in enumerate(buffers):
-            unpack(buffer, [p.list_grad()[device] for p in bucket], index)
+        """Sum one bucket's gradients over the devices: packed into a flat buffer a device,
+        allreduced and unpacked (`comm.FlatBufferSum`); a bucket of one is summed in place."""
+        bucket = self.buckets[index]
+        self.summed.sum(index, [[p.list_grad()[d] for p in bucket]
+                                for d in range(len(self.devices))])
 
     def update(self, batch_size):
         apply_updates(self.optimizer, self.scale, batch_size, copies_of(self.params))
@@ -119,23 +105,3 @@ class Buckets:
         """{name: NumPy array}: the first device's copy of every weight (all copies agree)."""
         return {name: p.list_data()[0].asnumpy() for name, p in zip(self.names, self.params)}
 
-
-def pack(buffer, grads, index):
-    """One engine operation: the gradients, one after the other, into the flat buffer."""
-    def run():
-        start = 0
-        for grad in grads:
-            buffer.data[start:start + grad.size] = grad.data.reshape(-1)
-            start += grad.size
-    engine.push(run, [g.var for g in grads], [buffer.var], buffer.device, f'bucket {index} pack')
-
-
-def unpack(buffer, grads, index):
-    """One engine operation: the summed flat buffer back into the gradients."""
-    def run():
-        start = 0
-        for grad in grads:
-            grad.data[...] = buffer.data[start:start + grad.size].reshape(grad.shape)
-            start += grad.size
-    engine.push(run, [buffer.var], [g.var for g in grads], buffer.device,
-                f'bucket {index} unpack')

@@ -1,6 +1,7 @@
 """A unit of sharded training (FSDP's wrapping unit): a child block's parameters as one flat
-buffer a device, of which device d owns chunk d, and the one-device halves of the collectives
-that move it: a gather onto one device, and one device's sends to the chunks' owners.
+buffer a device, of which device d owns chunk d, moved by one device's half of a collective
+at a time (`comm.device_halves`): a gather onto one device, and one device's sends to the
+chunks' owners.
 
 The parameters are views of the flat buffer, so one copy moves a whole unit. Each device's
 half is what its own process would run (in a real job the halves of all devices meet in one
@@ -11,8 +12,7 @@ import numpy
 
 from .. import comm, engine, np
 from ..comm import chunk_bounds
-from ..comm.allreduce import TransferName
-from ..device import label, release, restore, transfer
+from ..device import label, release, restore
 from ..np.multiarray import NDArray
 
 
@@ -64,8 +64,8 @@ class Unit:
             label(np.zeros((stop - start,), dtype, device), 'gradients')
             for device, (start, stop) in zip(devices, self.bounds)]
         self.slots = [[unmade_like(view) for view in views] for views in self.views]
-        self.kept = [None] * len(devices)       # gradients summed here, not sent yet
-        self.full_grads, self.sent = None, 0
+        self.full_grads = None
+        self.drop_gradients()
 
     # -- weights ------------------------------------------------------------------------------
     def bind_views(self, d):
@@ -101,55 +101,57 @@ class Unit:
         def allocate():
             flat.data = flat.device.xp.empty(flat.shape, flat.dtype)
         engine.push(allocate, [], [flat.var], flat.device, f'unit {self.index} memory')
-        for owner, (shard, (start, stop)) in enumerate(zip(self.weight_shards, self.bounds)):
-            send(shard, flat, start, stop, 'all-gather', owner, combine=False)
+        comm.receive_from_owners(self.weight_shards, flat, self.bounds)
         self.bind_views(d)
         self.gathered[d] = True
 
     # -- gradients -----------------------------------------------------------------------------
-    def expect_gradients(self):
-        """Mark every view as wanting a gradient without making one: backward makes it."""
-        for views, slots in zip(self.views, self.slots):
-            for view, slot in zip(views, slots):
+    def expect_gradients(self, d=None):
+        """Mark device d's views (every device's by default) as wanting a gradient without
+        making one: backward makes it."""
+        for d in range(len(self.devices)) if d is None else [d]:
+            for view, slot in zip(self.views[d], self.slots[d]):
                 view.grad = slot
 
-    def take_gradients(self, d, kept_only=False):
-        """Device d's gradients of the unit, one flat array (made from backward's, which are
-        dropped), with what earlier micro-batches kept here added in."""
-        if kept_only:
-            kept, self.kept[d] = self.kept[d], None
-            return kept
+    def made_gradients(self):
+        """The views holding a gradient that backward made and nobody has taken yet: the next
+        micro-batch's backward adds into them (`autograd.adding`)."""
+        return [view for views, slots in zip(self.views, self.slots)
+                for view, slot in zip(views, slots) if view.grad is not slot]
+
+    def take_gradients(self, d):
+        """Device d's gradients of the unit, one flat array made from the views' (which are
+        dropped): their sum over the micro-batches since the last take, as autograd added it."""
         flat = label(np.concatenate([made_or_zero(view, slot).reshape(-1)
                                      for view, slot in zip(self.views[d], self.slots[d])]),
                      'gradients')
-        for view, slot in zip(self.views[d], self.slots[d]):
-            view.grad = slot
-        kept, self.kept[d] = self.kept[d], None
-        return flat if kept is None else label(kept + flat, 'gradients')
+        self.expect_gradients(d)
+        self.unsent[d] = False
+        return flat
 
     def keep_gradients(self, d):
-        self.kept[d] = self.take_gradients(d)
+        """Device d's gradients stay on the views, unsent, for the next micro-batch's backward
+        to add to (FSDP's no_sync) or, stage 1, for the update to reduce-scatter."""
+        self.unsent[d] = True
 
-    def send_chunks(self, d, kept_only=False):
+    def send_chunks(self, d):
         """Stages 2 and 3: device d's chunk of each owner's part to that owner, which adds it
         to its shard (the first to send since the update sets it): device d's half of a
         reduce-scatter."""
-        flat = self.take_gradients(d, kept_only)
-        for owner, (shard, (start, stop)) in enumerate(zip(self.grad_shards, self.bounds)):
-            send(flat, shard, start, stop, 'reduce-scatter', owner, combine=self.sent > 0,
-                 reverse=True)
+        flat = self.take_gradients(d)
+        comm.send_to_owners(flat, self.grad_shards, self.bounds, combine=self.sent > 0)
         self.sent += 1
 
     def sum_kept_gradients(self, algorithm):
-        """Before the update: stage 1 reduce-scatters the whole gradients every device kept;
-        stages 2 and 3 send what a last micro-batch without sync left."""
+        """Before the update: stage 1 reduce-scatters every device's whole gradients, packed
+        flat; stages 2 and 3 send what the micro-batches since the last sync left."""
         if self.stage == 1:
-            self.full_grads, self.kept = self.kept, [None] * len(self.devices)
+            self.full_grads = [self.take_gradients(d) for d in range(len(self.devices))]
             self.grad_shards = comm.reduce_scatter(self.full_grads, algorithm)
             return
-        for d, kept in enumerate(self.kept):
-            if kept is not None:
-                self.send_chunks(d, kept_only=True)
+        for d, unsent in enumerate(self.unsent):
+            if unsent:
+                self.send_chunks(d)
 
     def sends_done(self, d):
         """A variable written once device d's sends of this unit have all been added in."""
@@ -160,9 +162,10 @@ class Unit:
 
     def drop_gradients(self):
         """Forget the step's gradients, whether made, kept or sent: the next step starts from
-        zero (after an update, or after a step that failed or was interrupted midway)."""
+        zero (after an update, or after a step that failed or was interrupted midway). The
+        views keep their slots, so that every forward's tape records them."""
         self.expect_gradients()
-        self.sent, self.kept = 0, [None] * len(self.devices)
+        self.sent, self.unsent = 0, [False] * len(self.devices)
         if self.stage == 1:
             self.full_grads = self.grad_shards = None
 
@@ -180,43 +183,3 @@ def made_or_zero(view, slot):
         return np.zeros(view.shape, view.dtype, view.device)
     return view.grad
 
-
-def send(source, target, start, stop, phase, owner, combine, reverse=False):
-    """Copy chunk [start, stop) between a flat array and a shard on another device (or the
-    same one), and set or add it there: from the owner's shard into `target`'s chunk (a
-    gather), or, `reverse`, from `source`'s chunk into the owner's shard (a reduction).
-    Named as comm names a transfer, so `comm.bytes_sent` counts it."""
-    if stop == start:
-        return
-    source_device, target_device = source.device, target.device
-    nbytes = (stop - start) * source.dtype.itemsize
-    read = (lambda: source.data[start:stop]) if reverse else (lambda: source.data)
-
-    def write(data):
-        if reverse:
-            if combine:
-                target.data += data
-            else:
-                target.data[...] = data
-        else:
-            target.data[start:stop] = data
-    action = 'add' if combine else 'set'
-    # a set of the whole shard builds on none of its values: a failure it held (a step that
-    # failed) is gone with them
-    push = engine.push_overwrite if reverse and not combine else engine.push
-    if source_device == target_device:
-        push(lambda: write(read()), [source.var], [target.var], target_device,
-                    TransferName('direct', phase, 1, owner, source_device, target_device,
-                                 action))
-        return
-    received, move = {}, transfer(source_device, target_device)
-    copy_device, lane = engine.copy_lane(source_device, target_device)
-    buffer = engine.Var()
-
-    def sent():
-        received['data'] = move(read())
-    engine.push(sent, [source.var], [buffer], copy_device,
-                TransferName('direct', phase, 1, owner, source_device, target_device, 'send',
-                             nbytes), lane)
-    push(lambda: write(received.pop('data')), [buffer], [target.var], target_device,
-                TransferName('direct', phase, 1, owner, source_device, target_device, action))

@@ -93,15 +93,17 @@ class Zero:
     def accumulate(self, forward: Callable[[], Sequence[NDArray]], sync: bool = True) -> None:
         """One micro-batch: forward and backward, its gradients added to the step's.
 
-        `sync=False` is DDP's and FSDP's `no_sync`: each device keeps its gradients summed
-        whole and sends nothing, so the bytes of one reduction serve many micro-batches, at
-        the price of every full gradient held until the next micro-batch that syncs."""
+        `sync=False` is DDP's and FSDP's `no_sync`: each device keeps its gradients whole on
+        the parameters, where autograd adds the next micro-batch's (`autograd.adding`, as a
+        pipeline's micro-batches add up), and sends nothing, so the bytes of one reduction
+        serve many micro-batches, at the price of every full gradient held until the next
+        micro-batch that syncs."""
         try:
-            for unit in self.units:     # before forward, so that the tape records the weights
-                unit.expect_gradients()
-            with autograd.record():
-                losses = list(forward())
-            self.backward(losses, sync)
+            # gradients earlier micro-batches left unsent: backward adds into them
+            with autograd.adding([view for unit in self.units for view in unit.made_gradients()]):
+                with autograd.record():
+                    losses = list(forward())
+                self.backward(losses, sync)
         except BaseException:
             # A micro-batch that fails or is interrupted (Ctrl-C) midway has sent and kept
             # part of its gradients: the whole step is dropped, so the next starts from zero.
@@ -130,9 +132,10 @@ class Zero:
                     self.gradients_made(unit, device, sync)
 
     def gradients_made(self, unit, device, sync=True):
-        """A device's backward has made a unit's gradients: stage 1 keeps them (whole, as it
-        holds them anyway) for one reduce-scatter at the update; stages 2 and 3 send this
-        device's chunks to their owners now, and drop them, unless told not to sync."""
+        """A device's backward has made a unit's gradients: stage 1 leaves them on the
+        parameters (whole, as it holds them anyway) for one reduce-scatter at the update;
+        stages 2 and 3 send this device's chunks to their owners now (`comm.send_to_owners`),
+        and drop them, unless told not to sync."""
         if self.stage == 1 or not sync:
             unit.keep_gradients(device)
         else:

@@ -8,7 +8,7 @@ stage's d replicas come next (data parallelism sums gradients once a step), and 
 are farthest apart (a pipeline sends one micro-batch's activations a boundary). Each replica
 trains on 1/d of the batch; after every replica's pipeline has run its micro-batches, each
 parameter's gradient is summed over the d copies of it, a device's gradients packed into one
-buffer, as the data-parallel chapters do.
+flat buffer (`comm.FlatBufferSum`), as the data-parallel chapters' buckets are.
 Taught in "Parallelism in Three Dimensions".
 """
 from __future__ import annotations
@@ -17,8 +17,7 @@ import collections
 import numbers
 from typing import Sequence
 
-from .. import comm, np
-from ..data_parallel import buckets
+from .. import comm
 from ..device import Device
 from ..nn.transformer import GPT
 from ..np.multiarray import NDArray
@@ -54,6 +53,7 @@ class ParallelGPT:
         self.replicas = [Pipeline(net, [self.grid[s][r] for s in range(pipeline)], schedule,
                                   chunks, algorithm=algorithm, sequence=sequence)
                          for r in range(data)]
+        self.groups, self.summed = sum_over_replicas(self.replicas, algorithm)
 
     def forward_backward(self, tokens: NDArray, labels: NDArray, loss,
                          microbatches: int) -> list[NDArray]:
@@ -76,30 +76,34 @@ class ParallelGPT:
         return losses
 
     def sum_gradients(self):
-        """Each gradient summed over its d copies. The gradients a device holds are packed
-        into one flat buffer, as DDP's buckets do, so that a device's copies take one
-        allreduce rather than one a parameter (`data_parallel.buckets`)."""
-        if self.data == 1:
-            return
-        per_replica = [[p for p in replica.params() if p.grad_req == 'write']
-                       for replica in self.replicas]
-        on_device = collections.defaultdict(list)    # a device of replica 0 -> its params' k
-        for k, param in enumerate(per_replica[0]):
-            on_device[param.data().device].append(k)
-        for index, ks in enumerate(on_device.values()):
-            grads = [[params[k].grad() for k in ks] for params in per_replica]
-            size = sum(grad.size for grad in grads[0])
-            buffers = [np.zeros((size,), group[0].dtype, group[0].device) for group in grads]
-            for buffer, group in zip(buffers, grads):
-                buckets.pack(buffer, group, index)
-            comm.allreduce(buffers, self.algorithm)
-            for buffer, group in zip(buffers, grads):
-                buckets.unpack(buffer, group, index)
+        """Each gradient summed over its d copies, a group at a time: the gradients that one
+        device of replica 0 holds, and their copies in the other replicas, packed into one
+        flat buffer a device and allreduced (`comm.FlatBufferSum`, as DDP's buckets)."""
+        for index, copies in enumerate(self.groups):
+            self.summed.sum(index, [[param.grad() for param in params] for params in copies])
 
     def collect_params(self):
         """Every device's parameters, each where it lives (a Trainer updates each there)."""
         return {f'replica{r}.{k}': param for r, replica in enumerate(self.replicas)
                 for k, param in enumerate(replica.params())}
+
+
+def sum_over_replicas(replicas, algorithm):
+    """The trained parameters grouped by the device that holds them in replica 0 (`group[r]`:
+    replica r's copies of the group, in one order), and the flat-buffer sum of each group over
+    the replicas, its buffers made once. None where there is one replica: nothing to sum."""
+    if len(replicas) == 1:
+        return [], None
+    per_replica = [[p for p in replica.params() if p.grad_req == 'write']
+                   for replica in replicas]
+    on_device = collections.defaultdict(list)    # a device of replica 0 -> its params' k
+    for k, param in enumerate(per_replica[0]):
+        on_device[param.data().device].append(k)
+    groups = [[[params[k] for k in ks] for params in per_replica] for ks in on_device.values()]
+    # counted as temporaries, as when each step made its own buffers: the calculator
+    # (`predict.device_plan`) counts a device's gradients, not the buffers that sum them
+    return groups, comm.FlatBufferSum([[[p.data() for p in params] for params in copies]
+                                       for copies in groups], algorithm, kind='temporaries')
 
 
 def at_least_one(name, size):

@@ -61,3 +61,19 @@ def allreduce_cases(draw):
     elements = st.floats(low, high, width=dtype.itemsize * 8)
     arrays = [draw(hnp.arrays(dtype, shape, elements=elements)) for _ in range(count)]
     return arrays, draw(st.sampled_from(ALGORITHMS)), op
+
+
+@st.composite
+def gradient_groups(draw):
+    """Groups of float32 host arrays to sum over 2 to 4 devices: `groups[i][d][k]` is device
+    d's array k of group i; array k has one shape on every device, and a group one array or
+    several."""
+    count = draw(st.integers(2, len(DEVICES)))
+    elements = st.floats(-100, 100, width=32)
+    groups = []
+    for _ in range(draw(st.integers(1, 3))):
+        shapes = draw(st.lists(hnp.array_shapes(min_dims=0, max_dims=3, max_side=4),
+                               min_size=1, max_size=4))
+        groups.append([[draw(hnp.arrays(numpy.float32, shape, elements=elements))
+                        for shape in shapes] for _ in range(count)])
+    return groups
