@@ -8,13 +8,14 @@ import numpy
 import pytest
 
 import d2lperf as d2l
-from d2lperf import autograd, comm, nn, np
+from d2lperf import autograd, comm, np
 from d2lperf.model_parallel import Pipeline, parallel_gpt, predict, schedule, simulate
 from d2lperf.model_parallel import bubble as simulated_bubble
+from model_parallel_helpers import SEQ, VOCAB, devices, gpt as layered_gpt
 
 pytestmark = pytest.mark.chapter('parallel_layouts')
 
-VOCAB, LAYERS, HIDDEN, HEADS, SEQ, BATCH = 20, 4, 16, 4, 8, 8
+LAYERS, BATCH = 4, 8
 LOSS = d2l.SoftmaxCrossEntropyLoss()
 rng = numpy.random.default_rng(0)
 TOKENS = rng.integers(0, VOCAB, (BATCH, SEQ))
@@ -29,14 +30,7 @@ PLANNED = LAYOUTS[:3] + LAYOUTS[6:]
 
 
 def gpt(layers=LAYERS):
-    np.random.seed(0)
-    net = nn.GPT(VOCAB, layers, HIDDEN, HEADS, SEQ)
-    net.initialize(device=d2l.cpu(0))
-    return net
-
-
-def devices(count):
-    return [d2l.cpu(i + 1) for i in range(count)]
+    return layered_gpt(layers)
 
 
 def one_device_losses(steps):

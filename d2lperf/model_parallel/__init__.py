@@ -3,6 +3,7 @@
     schedules   pipeline schedules as data (GPipe, 1F1B, interleaved 1F1B), what they imply
                 before anything runs (the bubble, the micro-batches a stage holds), and a
                 simulator that times them.
+    stage       what a pipeline calls on each part of a model: the Stage interface.
     pipeline    a net's layers cut into stages on devices and trained by a schedule, the
                 copies between stages engine operations.
     tensor      Megatron-LM's split of each Transformer layer over devices: attention by
@@ -12,10 +13,12 @@
 
 Taught in "Model Parallelism".
 """
-from .schedules import Action, SCHEDULES, bubble, in_flight, schedule, simulate
-from .pipeline import Pipeline
+from .schedules import Action, SCHEDULES, bubble, held_microbatches, schedule, simulate
+from .stage import Stage
+from .pipeline import Part, Pipeline
 from .tensor import TensorParallelGPT, tensor_parallel
 from .layout import ParallelGPT, parallel_gpt
 
-__all__ = ['Action', 'SCHEDULES', 'ParallelGPT', 'Pipeline', 'TensorParallelGPT', 'bubble',
-           'in_flight', 'parallel_gpt', 'schedule', 'simulate', 'tensor_parallel']
+__all__ = ['Action', 'SCHEDULES', 'ParallelGPT', 'Part', 'Pipeline', 'Stage',
+           'TensorParallelGPT', 'bubble', 'held_microbatches', 'parallel_gpt', 'schedule',
+           'simulate', 'tensor_parallel']

@@ -32,6 +32,7 @@ from ..device import Device
 from ..nn.transformer import (GPT, CausalSelfAttention, GPTEmbedding, LanguageModelHead, MLP,
                               TransformerLayer)
 from ..np.multiarray import NDArray
+from .stage import Stage
 
 
 def tensor_parallel(net: GPT, devices: Sequence[Device], algorithm: str = 'ring',
@@ -41,12 +42,13 @@ def tensor_parallel(net: GPT, devices: Sequence[Device], algorithm: str = 'ring'
     return TensorParallelGPT(net, devices, algorithm, sequence)
 
 
-class TensorParallelGPT:
+class TensorParallelGPT(Stage):
     """The GPT as t device programs run side by side: `ranks[r]` holds device r's part.
 
     `net(tokens)` returns the logits on every device (the same values); `backward(losses)`
-    runs every device's backward pass at once; `collect_params()` has every device's
-    parameters (each on one device: a Trainer updates each where it lives)."""
+    runs every device's backward pass at once, and `finish_gradients()` ends the step;
+    `collect_params()` has every device's parameters (each on one device: a Trainer updates
+    each where it lives). As a pipeline's `Stage` it holds some of the units only."""
 
     def __init__(self, net, devices, algorithm='ring', sequence=False, units=slice(None)):
         """`units`: the slice of `net`'s children this holds (a pipeline part), all by
@@ -63,13 +65,16 @@ class TensorParallelGPT:
                       for rank, device in enumerate(self.devices)]
         self.hidden = net[0].token.weight.shape[1]
 
-    def __call__(self, x: NDArray | list[NDArray], tokens_shape=None) -> list[NDArray]:
-        """The tokens (one array, or a copy on each device) through the embedding, the layers
-        and the head, or, for a pipeline part holding some of them, what reaches that part
-        (one array on each device: with sequence parallelism, each device's tokens of the
-        micro-batch whose tokens have `tokens_shape`) through those it holds."""
+    def __call__(self, tokens: NDArray) -> list[NDArray]:
+        """The tokens through the embedding, the layers and the head: the logits on every
+        device."""
+        return self.forward([tokens.copyto(device) for device in self.devices], tokens.shape)
+
+    def forward(self, xs, tokens_shape):
+        """What reaches this part (one array on each device: the tokens, or with sequence
+        parallelism each device's tokens of the micro-batch whose tokens have `tokens_shape`)
+        through the units it holds."""
         ranks = self.ranks
-        xs = x if isinstance(x, list) else [x.copyto(rank.device) for rank in ranks]
         if ranks[0].embedding is not None:
             xs = [rank.embedding(tokens) for rank, tokens in zip(ranks, xs)]
             shape = xs[0].shape
@@ -151,17 +156,10 @@ class TensorParallelGPT:
         outs = [part.copy() for part in parts]
         return self.allreduce(outs)
 
-    def backward(self, losses: Sequence[NDArray],
-                 head_grads: Sequence[NDArray] | None = None) -> None:
-        """Every device's backward pass side by side (from `head_grads`, one a device, for a
-        pipeline part's outputs), then `finish_gradients`."""
-        self.walk_back(losses, head_grads)
-        self.finish_gradients()
-
-    def walk_back(self, outs, heads):
-        """A pipeline part's backward of one micro-batch, from `heads` (None at the loss).
-        One head (and head gradient) a device, or a device's walk would be left out and the
-        collectives in backward would pair the wrong arrays: a drift raises."""
+    def backward(self, outs, heads=None):
+        """Every device's backward pass of one micro-batch side by side, from `heads` (None
+        at the loss). One head (and head gradient) a device, or a device's walk would be left
+        out and the collectives in backward would pair the wrong arrays: a drift raises."""
         t = len(self.ranks)
         if len(outs) != t:
             raise ValueError(f'{len(outs)} heads for {t} devices: a tensor-parallel backward '
