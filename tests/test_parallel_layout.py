@@ -2,6 +2,7 @@
 parallelism: every layout trains as one device does, and each device holds and sends, to the
 byte, what the calculator predicts."""
 import collections
+import dataclasses
 import gc
 
 import numpy
@@ -239,3 +240,37 @@ def test_bad_layouts_are_named():
         split.forward_backward(np.array(TOKENS), np.array(LABELS), LOSS, 3)
     with pytest.raises(ValueError, match='not a mix'):
         Pipeline(gpt(), [d2l.cpu(1), [d2l.cpu(2)]])
+
+
+def test_the_calculator_counts_the_model_it_is_given(monkeypatch):
+    """Change the GPT (an MLP twice as wide as GPT-2's) and the count follows, whole and
+    split: nothing in the calculator spells out a layer's parameters."""
+    from d2lperf.nn import transformer
+    defaults = transformer.MLP.__init__.__defaults__
+    monkeypatch.setattr(transformer.MLP.__init__, '__defaults__', (8,) + defaults[1:])
+    sizes = predict.GPTSizes(VOCAB, 3, 16, 4, SEQ - 1)       # sizes no other test counted
+    net = transformer.GPT(*dataclasses.astuple(sizes))
+    net.initialize()
+    assert sizes.params() == sum(p.data().size for p in net.collect_params().values())
+    split = d2l.model_parallel.tensor_parallel(net, devices(2))
+    for rank, held in enumerate(split.ranks):
+        for unit, block in enumerate(held.units):
+            params = block.collect_params().values()
+            assert predict.unit_values(sizes, unit, 2, rank=rank) == sum(
+                p.data().size for p in params)
+            assert predict.unit_values(sizes, unit, 2, True, rank) == sum(
+                p.data().size for p in params if p.grad_req != 'null')
+
+
+def test_model_parallel_imports_nothing_from_data_parallel():
+    """The calculator's counts of model states come from nn.footprint, below both. (The
+    layout's sum over replicas still borrows data_parallel's buckets until comm has a
+    flat-buffer sum: the one import left.)"""
+    import ast
+    import pathlib
+    folder = pathlib.Path(d2l.model_parallel.__file__).parent
+    reaching = [f'{path.name}: {node.module}' for path in folder.glob('*.py')
+                for node in ast.walk(ast.parse(path.read_text()))
+                if isinstance(node, ast.ImportFrom) and node.module
+                and node.module.startswith('data_parallel') and node.level == 2]
+    assert reaching == [] or reaching == ['layout.py: data_parallel']

@@ -44,7 +44,7 @@ def test_logits_and_gradients_equal_one_devices(t):
         numpy.testing.assert_allclose(logits, whole, atol=1e-6, rtol=0)
     grad = lambda param: param.grad().asnumpy()
     for depth, layer in enumerate(net[1:-1]):
-        parts = [rank.layers[depth] for rank in tp.ranks]
+        parts = [rank.units[1 + depth] for rank in tp.ranks]
         for name in ('query', 'key', 'value'):          # split by rows: this device's heads
             numpy.testing.assert_allclose(numpy.concatenate(
                 [grad(getattr(p.attention, name).weight) for p in parts]),
@@ -58,7 +58,7 @@ def test_logits_and_gradients_equal_one_devices(t):
             numpy.testing.assert_allclose(grad(p.mlp_norm.gamma), grad(layer.mlp_norm.gamma),
                                           atol=1e-5)
     for rank in tp.ranks:
-        numpy.testing.assert_allclose(grad(rank.embedding.token.weight),
+        numpy.testing.assert_allclose(grad(rank.units[0].token.weight),
                                       grad(net[0].token.weight), atol=1e-5)
 
 
@@ -120,12 +120,12 @@ def test_sequence_parallel_logits_and_gradients_equal_one_devices(t):
         numpy.testing.assert_allclose(logits, whole, atol=1e-6, rtol=0)
     grad = lambda param: param.grad().asnumpy()
     for rank in tp.ranks:          # copies that saw 1/t of the tokens: summed after backward
-        numpy.testing.assert_allclose(grad(rank.layers[1].mlp_norm.gamma),
+        numpy.testing.assert_allclose(grad(rank.units[2].mlp_norm.gamma),
                                       grad(net[2].mlp_norm.gamma), atol=1e-6)
-        numpy.testing.assert_allclose(grad(rank.embedding.token.weight),
+        numpy.testing.assert_allclose(grad(rank.units[0].token.weight),
                                       grad(net[0].token.weight), atol=1e-5)
     numpy.testing.assert_allclose(numpy.concatenate(
-        [grad(rank.layers[1].attention.query.weight) for rank in tp.ranks]),
+        [grad(rank.units[2].attention.query.weight) for rank in tp.ranks]),
         grad(net[2].attention.query.weight), atol=1e-6)
 
 
@@ -202,9 +202,9 @@ def test_the_split_keeps_every_parameters_dtype_and_value(split):
         for name, param in rank.collect_params().items():
             assert param.data().dtype == ('float32' if 'norm' in name else 'float16'), name
     first = ranks[0]
-    numpy.testing.assert_array_equal(first.embedding.token.weight.data().asnumpy(),
+    numpy.testing.assert_array_equal(first.units[0].token.weight.data().asnumpy(),
                                      net[0].token.weight.data().asnumpy())
-    numpy.testing.assert_array_equal(first.layers[0].attention.query.weight.data().asnumpy(),
+    numpy.testing.assert_array_equal(first.units[1].attention.query.weight.data().asnumpy(),
                                      net[1].attention.query.weight.data().asnumpy()[:HIDDEN // 2])
     if split == 'tensor_parallel':
         tp = tensor_parallel(net, devices(2))
@@ -213,3 +213,42 @@ def test_the_split_keeps_every_parameters_dtype_and_value(split):
         for out in logits:
             assert out.dtype == whole.dtype
             numpy.testing.assert_allclose(out.asnumpy(), whole, atol=1e-3)
+
+
+def test_each_device_runs_the_gpts_own_forward_with_f_and_g_inside_its_layers(monkeypatch):
+    """A device's share is a GPT made of column- and row-parallel layers: its layers'
+    forward is TransformerLayer.forward (count the calls: one a layer a device), and the
+    split layers' collectives are the only places the devices meet (f: three projections
+    share one; so two meets forward a block, the MLP's and the attention's)."""
+    from d2lperf.model_parallel.layers import (ColumnParallelDense, RowParallelDense,
+                                               TensorGroup)
+    t = 2
+    tp = tensor_parallel(gpt(LAYERS, HOME), devices(t))
+    for rank in tp.ranks:
+        layers = rank.units[1:-1]
+        assert all(type(layer) is d2l.nn.TransformerLayer for layer in layers)
+        for layer in layers:
+            assert [type(d) for d in (layer.attention.query, layer.attention.key,
+                                      layer.attention.value, layer.mlp.hidden)] == \
+                [ColumnParallelDense] * 4
+            assert type(layer.attention.output) is type(layer.mlp.output) is RowParallelDense
+    calls, meets = [], []
+    forward = d2l.nn.TransformerLayer.forward
+    monkeypatch.setattr(d2l.nn.TransformerLayer, 'forward',
+                        lambda self, x: calls.append(1) or forward(self, x))
+    meet = TensorGroup.meet
+    monkeypatch.setattr(TensorGroup, 'meet',
+                        lambda self, rank, x, c: meets.append(rank) or meet(self, rank, x, c))
+    tp(np.array(TOKENS))
+    assert len(calls) == t * LAYERS and len(meets) == t * LAYERS * 4
+
+
+def test_an_error_on_one_device_reaches_the_caller_and_the_group_runs_again():
+    """A device's program that fails ends the others (none waits forever at a collective),
+    the caller gets the error, and the group runs the next forward as before."""
+    tp = tensor_parallel(gpt(LAYERS, HOME), devices(4), sequence=True)
+    with pytest.raises(ValueError, match='6 tokens'):
+        tp(np.array(TOKENS[:3, :2]))
+    logits = tp(np.array(TOKENS))
+    numpy.testing.assert_allclose(logits[3].asnumpy(), gpt(LAYERS, HOME)(
+        np.array(TOKENS, device=HOME)).asnumpy(), atol=1e-6)
