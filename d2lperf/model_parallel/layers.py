@@ -30,7 +30,7 @@ import threading
 from .. import autograd, comm
 from ..nn.block import Dense
 from ..nn.init import Normal
-from ..nn.transformer import INIT_SIGMA, LayerSpec, projection
+from ..nn.transformer import INIT_SIGMA, LayerSpec
 
 
 class TensorGroup:
@@ -68,8 +68,9 @@ class TensorGroup:
             raise
         finally:
             self.arrived = self.entered = self.results = None     # hold no arrays
-        if self.failure is not None:
-            raise self.failure
+        failure, self.failure = self.failure, None
+        if failure is not None:
+            raise failure
         return outputs
 
     def meet(self, rank, array, collective):
@@ -221,14 +222,18 @@ class RowParallelDense(ParallelDense):
             self.bias.set_data(whole.bias.data().copy())
 
 
-class GatheredDense(ParallelDense):
-    """A whole layer on every device that reads every token, where each device holds some of
-    them (the head, under sequence parallelism): an all-gather, then the product; backward,
-    each device keeps its own tokens' gradients (its weights' are whole already)."""
+class ReplicatedDense(ParallelDense):
+    """A layer whole on every device (the head's). With sequence parallelism, where each
+    device holds some of the tokens, it reads every token: an all-gather, then the product;
+    backward, each device keeps its own tokens' gradients (its weights' are whole already)."""
 
     def forward(self, x):
-        return super().forward(self.group.meet(
-            self.rank, x, lambda shards: self.group.gather_tokens(shards, summed=False)))
+        if self.group.sequence:
+            x = self.group.meet(self.rank, x, self.every_token)
+        return super().forward(x)
+
+    def every_token(self, shards):
+        return self.group.gather_tokens(shards, summed=False)
 
     def take(self, whole):
         copied(self, whole)
@@ -249,9 +254,7 @@ class DeviceSpec(LayerSpec):
         return RowParallelDense(units, in_units, self.group, self.rank)
 
     def replicated(self, units, in_units):
-        if self.group.sequence:
-            return GatheredDense(units, in_units, self.group, self.rank)
-        return projection(units, in_units)
+        return ReplicatedDense(units, in_units, self.group, self.rank)
 
     def local_tokens(self, x):
         """Of the whole (batch, sequence, hidden), the device's 1/t of the tokens, as

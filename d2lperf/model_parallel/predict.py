@@ -1,14 +1,15 @@
 """Predict, then run: what each device of a data × tensor × pipeline layout of a GPT holds,
 sends and leaves idle, from the model's sizes and the layout alone.
 
-Two calculators share the counting. `device_plan` counts this package's small GPT to the
-byte (float32, its tape's activations, its split that keeps each split layer's output biases
-on every device), so that a run on virtual devices can be checked against it. The parameters
-are counted on the model itself: each device's share of each unit, built as `tensor_parallel`
-builds it, in shapes alone (nothing is drawn), so that a change to the GPT changes the count. `layout_costs`
-prices a real model on a real cluster with the papers' counts (Megatron-LM's 16-bit values and
-18 bytes a parameter, or 6 + 12/d with its distributed optimizer; Korthikanti et al.'s
-activations) and the α-β links of `comm.cost`, to choose a layout before renting the machines.
+Two calculators share the counting. `device_plan` counts this package's small GPT to the byte
+(float32, its tape's activations, its split that keeps each split layer's output biases on
+every device), so that a run on virtual devices can be checked against it. The parameters are
+counted on the model itself: each device's share of each unit, built as `tensor_parallel`
+builds it, in shapes alone (nothing is drawn), so that a change to the GPT changes the count.
+`layout_costs` prices a real model on a real cluster with the papers' counts (Megatron-LM's
+16-bit values and 18 bytes a parameter, or 6 + 12/d with its distributed optimizer; Korthikanti
+et al.'s activations) and the α-β links of `comm.cost`, to choose a layout before renting the
+machines.
 Taught in "Parallelism in Three Dimensions".
 """
 from __future__ import annotations
@@ -45,10 +46,10 @@ class GPTSizes:
 
 
 @functools.cache
-def device_units(sizes, t, rank, sequence=False):
+def device_units(sizes, t, rank):
     """Device `rank`'s share of each unit of the GPT of `sizes` split over t devices, as
     `tensor_parallel` makes it, in shapes alone: a group that never runs, nothing drawn."""
-    group = TensorGroup([None] * t, sequence=sequence)
+    group = TensorGroup([None] * t)
     return share(dataclasses.astuple(sizes), DeviceSpec(group, rank)).children()
 
 
@@ -100,7 +101,7 @@ def unit_activations(sizes, unit, batch, t, sequence=False, alone=False):
 def token_values(sizes, unit):
     """Values of a unit's whole copies that see a device's tokens only under sequence
     parallelism (the embeddings and the norms), whose gradients are summed after a step."""
-    return values_of(whole_copies(device_units(sizes, 1, 0, sequence=True)[unit]))
+    return values_of(whole_copies(device_units(sizes, 1, 0)[unit]))
 
 
 def peak_activations(sizes, t, pipeline, stage, name, microbatches, batch, chunks=1,

@@ -3,9 +3,9 @@
 A model cut into p stages, one a device, runs m micro-batches through them. A schedule says,
 for each stage, its ordered actions: `Action(kind, microbatch, chunk, stage)`, kind 'F'
 (forward) or 'B' (backward), on the model's part `stage` (the virtual stage s + chunk·p of
-Megatron's layout, as PyTorch's pipelining numbers its stages). It is plain data, computed from p, m and the chunks v alone, as
-`comm/schedules.py` is for allreduce: an executor runs it, `simulate` times it, a chapter prints
-and draws it. Three schedules:
+Megatron's layout, as PyTorch's pipelining numbers its stages). It is plain data, computed from
+p, m and the chunks v alone, as `comm/schedules.py` is for allreduce: an executor runs it,
+`simulate` times it, a chapter prints and draws it. Three schedules:
 
 * 'gpipe' (Huang et al., 2019): every forward, then every backward. A stage holds the
   activations of all m micro-batches at once.
