@@ -1,23 +1,22 @@
 """Data × tensor × pipeline parallelism on virtual devices, with and without sequence
 parallelism: every layout trains as one device does, and each device holds and sends, to the
 byte, what the calculator predicts."""
-import ast
 import collections
+import dataclasses
 import gc
-import inspect
 
 import numpy
 import pytest
 
 import d2lperf as d2l
 from d2lperf import autograd, comm, nn, np, npx
-from d2lperf.model_parallel import layout as layout_module
 from d2lperf.model_parallel import Pipeline, parallel_gpt, predict, schedule, simulate
 from d2lperf.model_parallel import bubble as simulated_bubble
+from model_parallel_helpers import SEQ, VOCAB, devices, gpt as layered_gpt
 
 pytestmark = pytest.mark.chapter('parallel_layouts')
 
-VOCAB, LAYERS, HIDDEN, HEADS, SEQ, BATCH = 20, 4, 16, 4, 8, 8
+LAYERS, BATCH = 4, 8
 LOSS = d2l.SoftmaxCrossEntropyLoss()
 rng = numpy.random.default_rng(0)
 TOKENS = rng.integers(0, VOCAB, (BATCH, SEQ))
@@ -32,14 +31,7 @@ PLANNED = LAYOUTS[:3] + LAYOUTS[6:]
 
 
 def gpt(layers=LAYERS):
-    np.random.seed(0)
-    net = nn.GPT(VOCAB, layers, HIDDEN, HEADS, SEQ)
-    net.initialize(device=d2l.cpu(0))
-    return net
-
-
-def devices(count):
-    return [d2l.cpu(i + 1) for i in range(count)]
+    return layered_gpt(layers)
 
 
 def one_device_losses(steps):
@@ -263,11 +255,34 @@ def test_the_replicas_sum_through_the_same_buffers_every_step():
     assert packed[0] and packed[0] == packed[1]
 
 
-def test_the_layout_imports_nothing_from_data_parallel():
-    """model_parallel sits above data_parallel in the package's chain but borrows nothing from
-    it: the sum over replicas is comm's, as data parallelism's is."""
-    tree = ast.parse(inspect.getsource(layout_module))
-    imported = [node.module or '' for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]
-    imported += [name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
-                 for name in (alias.name for alias in node.names)]
-    assert not [name for name in imported if 'data_parallel' in name], imported
+def test_the_calculator_counts_the_model_it_is_given(monkeypatch):
+    """Change the GPT (an MLP twice as wide as GPT-2's) and the count follows, whole and
+    split: nothing in the calculator spells out a layer's parameters."""
+    from d2lperf.nn import transformer
+    defaults = transformer.MLP.__init__.__defaults__
+    monkeypatch.setattr(transformer.MLP.__init__, '__defaults__', (8,) + defaults[1:])
+    sizes = predict.GPTSizes(VOCAB, 3, 16, 4, SEQ - 1)       # sizes no other test counted
+    net = transformer.GPT(*dataclasses.astuple(sizes))
+    net.initialize()
+    assert sizes.params() == sum(p.data().size for p in net.collect_params().values())
+    split = d2l.model_parallel.tensor_parallel(net, devices(2))
+    for rank, held in enumerate(split.ranks):
+        for unit, block in enumerate(held.units):
+            params = block.collect_params().values()
+            assert predict.unit_values(sizes, unit, 2, rank=rank) == sum(
+                p.data().size for p in params)
+            assert predict.unit_values(sizes, unit, 2, True, rank) == sum(
+                p.data().size for p in params if p.grad_req != 'null')
+
+
+def test_model_parallel_imports_nothing_from_data_parallel():
+    """The calculator's counts of model states come from nn.footprint, below both, and the
+    layout's sum over replicas is comm's flat-buffer sum, as data parallelism's is."""
+    import ast
+    import pathlib
+    folder = pathlib.Path(d2l.model_parallel.__file__).parent
+    reaching = [f'{path.name}: {node.module}' for path in folder.glob('*.py')
+                for node in ast.walk(ast.parse(path.read_text()))
+                if isinstance(node, ast.ImportFrom) and node.module
+                and node.module.startswith('data_parallel') and node.level == 2]
+    assert reaching == []

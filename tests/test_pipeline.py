@@ -5,7 +5,9 @@ import pytest
 
 import d2lperf as d2l
 from d2lperf import autograd, nn, np
-from d2lperf.model_parallel import Pipeline, in_flight, schedule
+from d2lperf.model_parallel import Part, Pipeline, Stage, held_microbatches, schedule
+from d2lperf.model_parallel import TensorParallelGPT
+from model_parallel_helpers import devices, gpt
 from test_memory import settle
 
 pytestmark = pytest.mark.chapter('model_parallelism')
@@ -66,8 +68,8 @@ def test_every_schedule_trains_as_one_device(name, devices, micro, chunks):
 def test_each_part_lives_on_its_device():
     _, pipeline = trained_in_a_pipeline([d2l.cpu(1), d2l.cpu(2)], 'interleaved', 2, chunks=2,
                                         steps=1)
-    assert [len(part) for part in pipeline.parts] == [2, 2, 1, 1]
-    for k, part in enumerate(pipeline.parts):
+    assert [len(part) for part in pipeline.stages] == [2, 2, 1, 1]
+    for k, part in enumerate(pipeline.stages):
         for layer in part:
             for param in layer.collect_params().values():
                 assert param.list_device() == [d2l.cpu(1 + k % 2)]
@@ -99,7 +101,7 @@ def test_a_stage_holds_the_micro_batches_its_schedule_says(name):
                 for d, b in zip(devices, before)]
     finally:
         d2l.engine.use('threaded')
-    counts = [in_flight(actions) for actions in schedule(name, 3, micro)]
+    counts = [held_microbatches(actions) for actions in schedule(name, 3, micro)]
     assert min(one) > 0 and held == [c * o for c, o in zip(counts, one)]
     assert counts == ([micro] * 3 if name == 'gpipe' else [3, 2, 1])
 
@@ -111,7 +113,7 @@ def test_uneven_sizes_and_a_net_too_shallow_are_named():
         Pipeline(mlp(), [d2l.cpu(1), d2l.cpu(2)], sizes=[4, 1])
     _, pipeline = trained_in_a_pipeline([d2l.cpu(1), d2l.cpu(2)], '1f1b', 3, sizes=[5, 1],
                                         steps=1)
-    assert [len(part) for part in pipeline.parts] == [5, 1]
+    assert [len(part) for part in pipeline.stages] == [5, 1]
 
 
 def gradients_of_a_bfloat16_mlp(devices):
@@ -183,3 +185,44 @@ def test_a_net_set_to_add_accumulates_over_pipeline_steps():
     pipeline.forward_backward(inputs, labels, LOSS)
     for param, g in zip(net.collect_params().values(), once):
         numpy.testing.assert_array_equal(param.grad().asnumpy(), g)
+
+
+def test_every_part_is_a_declared_stage_built_once_from_the_devices():
+    """A Device per stage gives Parts, a group per stage TensorParallelGPTs: both Stages,
+    which a pipeline calls through the interface alone; a Stage that leaves one out cannot
+    be made."""
+    one = Pipeline(mlp(), [d2l.cpu(1), d2l.cpu(2)], schedule='gpipe')
+    assert all(isinstance(stage, Part) for stage in one.stages)
+    grouped = Pipeline(gpt(2), [devices(2, 1), devices(2, 3)], schedule='1f1b')
+    assert all(isinstance(stage, TensorParallelGPT) for stage in grouped.stages)
+    assert all(isinstance(stage, Stage) for stage in one.stages + grouped.stages)
+
+    class NoBackward(Stage):
+        devices = [d2l.cpu(1)]
+
+        def forward(self, xs, shape):
+            return xs
+
+        def params(self):
+            return []
+    with pytest.raises(TypeError, match='backward'):
+        NoBackward()
+    with pytest.raises(TypeError, match="'name'"):
+        Pipeline(mlp(), [d2l.cpu(1), d2l.cpu(2)], name='gpipe')
+
+
+def test_a_step_runs_without_the_schedules_timing(monkeypatch):
+    """The executor follows each stage's actions and their dependencies, not the unit-cost
+    simulator's start times (which broke ties by stage): a step runs with it gone."""
+    def no_timing(*args, **kwargs):
+        raise AssertionError('a step asked the simulator for times')
+    monkeypatch.setattr(d2l.model_parallel.schedules, 'simulate', no_timing)
+    monkeypatch.setattr(d2l.model_parallel.pipeline, 'simulate', no_timing, raising=False)
+    inputs, labels = micro_batches(4)
+    losses = Pipeline(mlp(), [d2l.cpu(1), d2l.cpu(2)], 'interleaved', 2).forward_backward(
+        inputs, labels, LOSS)
+    net = mlp()
+    with autograd.record():
+        whole = [LOSS(net(x), y).sum() for x, y in zip(inputs, labels)]
+    numpy.testing.assert_allclose([l.item() for l in losses], [l.item() for l in whole],
+                                  rtol=1e-6)

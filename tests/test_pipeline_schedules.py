@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given, strategies as st
 
 from d2lperf import model_parallel
-from d2lperf.model_parallel import bubble, in_flight, schedule, simulate
+from d2lperf.model_parallel import bubble, held_microbatches, schedule, simulate
+from d2lperf.model_parallel.schedules import in_order
 
 pytestmark = pytest.mark.chapter('model_parallelism')
 
@@ -20,16 +21,37 @@ def test_every_stage_runs_each_pass_once_and_each_backward_after_its_forward(lay
     v = v if name == 'interleaved' else 1
     plan = schedule(name, p, m, v)
     assert len(plan) == p
-    for actions in plan:
+    for s, actions in enumerate(plan):
         assert collections.Counter(actions) == collections.Counter(
-            model_parallel.Action(kind, i, c) for kind in 'FB' for i in range(m)
+            model_parallel.Action(kind, i, c, s + c * p) for kind in 'FB' for i in range(m)
             for c in range(v))
         seen = set()
         for action in actions:
             if action.kind == 'B':
-                assert ('F', action.microbatch, action.chunk) in seen
-            seen.add(tuple(action))
+                assert action._replace(kind='F') in seen
+            seen.add(action)
     simulate(plan)                       # and no stage waits for what comes after it
+
+
+@given(layouts, st.sampled_from(model_parallel.SCHEDULES))
+def test_in_order_runs_each_stage_in_its_order_and_each_pass_after_what_it_needs(layout, name):
+    """The executor's order: every action once, each stage's in the schedule's order, a
+    forward after the part before's, a backward after its forward and the part after's."""
+    p, m, v = layout
+    v = v if name == 'interleaved' else 1
+    plan = schedule(name, p, m, v)
+    order = list(in_order(plan))
+    assert sorted(order) == sorted(a for actions in plan for a in actions)
+    for s, actions in enumerate(plan):
+        assert [a for a in order if a.stage % p == s] == actions
+    ran, last = set(), p * v - 1
+    for action in order:
+        k, i = action.stage, action.microbatch
+        if action.kind == 'F':
+            assert k == 0 or ('F', i, k - 1) in ran
+        else:
+            assert ('F', i, k) in ran and (k == last or ('B', i, k + 1) in ran)
+        ran.add((action.kind, i, k))
 
 
 @pytest.mark.parametrize('name', ['gpipe', '1f1b'])
@@ -47,8 +69,8 @@ def test_interleaving_divides_the_bubble_by_the_chunks(p, m, v):
 
 @pytest.mark.parametrize('p, m', [(4, 8), (4, 2), (3, 3), (5, 12)])
 def test_gpipe_holds_every_micro_batch_and_1f1b_at_most_p_minus_s(p, m):
-    assert [in_flight(actions) for actions in schedule('gpipe', p, m)] == [m] * p
-    assert [in_flight(actions) for actions in schedule('1f1b', p, m)] == [
+    assert [held_microbatches(actions) for actions in schedule('gpipe', p, m)] == [m] * p
+    assert [held_microbatches(actions) for actions in schedule('1f1b', p, m)] == [
         min(p - s, m) for s in range(p)]
 
 

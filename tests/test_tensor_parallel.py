@@ -4,28 +4,18 @@ import numpy
 import pytest
 
 import d2lperf as d2l
-from d2lperf import autograd, comm, nn, np
+from d2lperf import autograd, comm, np
 from d2lperf.model_parallel import tensor_parallel
+from model_parallel_helpers import HIDDEN, SEQ, VOCAB, devices, gpt
 from test_memory import settle
 
 pytestmark = pytest.mark.chapter('model_parallelism')
 
-VOCAB, LAYERS, HIDDEN, HEADS, SEQ, BATCH = 20, 2, 16, 4, 8, 3
+LAYERS, BATCH, HOME = 2, 3, d2l.cpu(5)          # HOME: the whole net's device
 LOSS = d2l.SoftmaxCrossEntropyLoss()
 rng = numpy.random.default_rng(0)
 TOKENS = rng.integers(0, VOCAB, (BATCH, SEQ))
 LABELS = rng.integers(0, VOCAB, (BATCH, SEQ))
-
-
-def gpt():
-    np.random.seed(0)
-    net = nn.GPT(VOCAB, LAYERS, HIDDEN, HEADS, SEQ)
-    net.initialize(device=d2l.cpu(5))
-    return net
-
-
-def devices(t):
-    return [d2l.cpu(i + 1) for i in range(t)]
 
 
 def one_device_step(net):
@@ -41,19 +31,20 @@ def split_step(tp):
         logits = tp(np.array(TOKENS))
         losses = [LOSS(out, np.array(LABELS, device=out.device)).sum() for out in logits]
     tp.backward(losses)
+    tp.finish_gradients()
     return [out.asnumpy() for out in logits]
 
 
 @pytest.mark.parametrize('t', [1, 2, 4])
 def test_logits_and_gradients_equal_one_devices(t):
-    net = gpt()
+    net = gpt(LAYERS, HOME)
     tp = tensor_parallel(net, devices(t))
     whole = one_device_step(net)
     for logits in split_step(tp):
         numpy.testing.assert_allclose(logits, whole, atol=1e-6, rtol=0)
     grad = lambda param: param.grad().asnumpy()
     for depth, layer in enumerate(net[1:-1]):
-        parts = [rank.layers[depth] for rank in tp.ranks]
+        parts = [rank.units[1 + depth] for rank in tp.ranks]
         for name in ('query', 'key', 'value'):          # split by rows: this device's heads
             numpy.testing.assert_allclose(numpy.concatenate(
                 [grad(getattr(p.attention, name).weight) for p in parts]),
@@ -67,12 +58,12 @@ def test_logits_and_gradients_equal_one_devices(t):
             numpy.testing.assert_allclose(grad(p.mlp_norm.gamma), grad(layer.mlp_norm.gamma),
                                           atol=1e-5)
     for rank in tp.ranks:
-        numpy.testing.assert_allclose(grad(rank.embedding.token.weight),
+        numpy.testing.assert_allclose(grad(rank.units[0].token.weight),
                                       grad(net[0].token.weight), atol=1e-5)
 
 
 def test_training_steps_keep_the_split_net_equal_to_one_device():
-    net = gpt()
+    net = gpt(LAYERS, HOME)
     tp = tensor_parallel(net, devices(2))
     one = d2l.Trainer(net.collect_params(), 'adam', {'learning_rate': 0.01})
     split = d2l.Trainer(tp.collect_params(), 'adam', {'learning_rate': 0.01})
@@ -87,7 +78,7 @@ def test_training_steps_keep_the_split_net_equal_to_one_device():
 
 @pytest.mark.parametrize('t', [2, 4])
 def test_each_layer_moves_two_allreduces_forward_and_two_backward(t):
-    tp = tensor_parallel(gpt(), devices(t))
+    tp = tensor_parallel(gpt(LAYERS, HOME), devices(t))
     with d2l.profiler.profile() as records:
         split_step(tp)
         d2l.npx.waitall()
@@ -99,7 +90,7 @@ def test_each_layer_moves_two_allreduces_forward_and_two_backward(t):
 def test_a_device_holds_a_tth_of_each_layers_split_weights(t):
     settle()
     before = [d2l.device.memory(d).by_kind['weights'] for d in devices(t)]
-    net = gpt()
+    net = gpt(LAYERS, HOME)
     tp = tensor_parallel(net, devices(t))
     settle()
     held = [d2l.device.memory(d).by_kind['weights'] - b for d, b in zip(devices(t), before)]
@@ -117,24 +108,24 @@ def test_a_device_holds_a_tth_of_each_layers_split_weights(t):
 
 def test_devices_that_do_not_divide_the_heads_are_named():
     with pytest.raises(ValueError, match='4 attention heads do not split among 3 devices'):
-        tensor_parallel(gpt(), devices(3))
+        tensor_parallel(gpt(LAYERS, HOME), devices(3))
 
 
 @pytest.mark.parametrize('t', [2, 4])
 def test_sequence_parallel_logits_and_gradients_equal_one_devices(t):
-    net = gpt()
+    net = gpt(LAYERS, HOME)
     tp = tensor_parallel(net, devices(t), sequence=True)
     whole = one_device_step(net)
     for logits in split_step(tp):
         numpy.testing.assert_allclose(logits, whole, atol=1e-6, rtol=0)
     grad = lambda param: param.grad().asnumpy()
     for rank in tp.ranks:          # copies that saw 1/t of the tokens: summed after backward
-        numpy.testing.assert_allclose(grad(rank.layers[1].mlp_norm.gamma),
+        numpy.testing.assert_allclose(grad(rank.units[2].mlp_norm.gamma),
                                       grad(net[2].mlp_norm.gamma), atol=1e-6)
-        numpy.testing.assert_allclose(grad(rank.embedding.token.weight),
+        numpy.testing.assert_allclose(grad(rank.units[0].token.weight),
                                       grad(net[0].token.weight), atol=1e-5)
     numpy.testing.assert_allclose(numpy.concatenate(
-        [grad(rank.layers[1].attention.query.weight) for rank in tp.ranks]),
+        [grad(rank.units[2].attention.query.weight) for rank in tp.ranks]),
         grad(net[2].attention.query.weight), atol=1e-6)
 
 
@@ -145,7 +136,7 @@ def test_sequence_parallelism_sends_what_tensor_parallelism_does_and_the_heads_g
     device's tokens only (embeddings and norms)."""
     sent = {}
     for sequence in (False, True):
-        tp = tensor_parallel(gpt(), devices(t), sequence=sequence)
+        tp = tensor_parallel(gpt(LAYERS, HOME), devices(t), sequence=sequence)
         with d2l.profiler.profile() as records:
             split_step(tp)
             d2l.npx.waitall()
@@ -158,9 +149,7 @@ def test_sequence_parallelism_sends_what_tensor_parallelism_does_and_the_heads_g
 
 def activations_of(layers, t, sequence):
     """Activations a forward leaves on the first device."""
-    np.random.seed(0)
-    net = nn.GPT(VOCAB, layers, HIDDEN, HEADS, SEQ)
-    net.initialize(device=d2l.cpu(5))
+    net = gpt(layers, HOME)
     tp = tensor_parallel(net, devices(t), sequence=sequence)
     settle()
     before = d2l.device.memory(d2l.cpu(1)).by_kind['activations']
@@ -185,14 +174,14 @@ def test_sequence_parallelism_keeps_a_tth_of_the_residual_stream_and_norm_inputs
 
 
 def test_tokens_that_do_not_split_are_named():
-    tp = tensor_parallel(gpt(), devices(4), sequence=True)
+    tp = tensor_parallel(gpt(LAYERS, HOME), devices(4), sequence=True)
     with pytest.raises(ValueError, match='6 tokens .* do not split among 4 devices'):
         tp(np.array(TOKENS[:3, :2]))
 
 
-def mixed_precision_gpt():
+def mixed_precision_gpt(LAYERS, HOME):
     """The GPT in float16 but for its norms, kept in float32 (as mixed precision keeps them)."""
-    net = gpt().cast('float16')
+    net = gpt(LAYERS, HOME).cast('float16')
     for norm in [net[-1].norm] + [n for layer in net[1:-1]
                                   for n in (layer.attention_norm, layer.mlp_norm)]:
         norm.cast('float32')
@@ -203,19 +192,19 @@ def mixed_precision_gpt():
 def test_the_split_keeps_every_parameters_dtype_and_value(split):
     """Each part's parameters in the dtype of the parameter they come from (float16, the
     norms float32), the values bit for bit; the logits those of the whole net, in its dtype."""
-    net = mixed_precision_gpt()
+    net = mixed_precision_gpt(LAYERS, HOME)
     if split == 'tensor_parallel':
         ranks = tensor_parallel(net, devices(2)).ranks
     else:
         parts = d2l.model_parallel.parallel_gpt(net, devices(4), tensor=2, pipeline=2)
-        ranks = [rank for part in parts.replicas[0].parts for rank in part.ranks]
+        ranks = [rank for part in parts.replicas[0].stages for rank in part.ranks]
     for rank in ranks:
         for name, param in rank.collect_params().items():
             assert param.data().dtype == ('float32' if 'norm' in name else 'float16'), name
     first = ranks[0]
-    numpy.testing.assert_array_equal(first.embedding.token.weight.data().asnumpy(),
+    numpy.testing.assert_array_equal(first.units[0].token.weight.data().asnumpy(),
                                      net[0].token.weight.data().asnumpy())
-    numpy.testing.assert_array_equal(first.layers[0].attention.query.weight.data().asnumpy(),
+    numpy.testing.assert_array_equal(first.units[1].attention.query.weight.data().asnumpy(),
                                      net[1].attention.query.weight.data().asnumpy()[:HIDDEN // 2])
     if split == 'tensor_parallel':
         tp = tensor_parallel(net, devices(2))
@@ -224,3 +213,42 @@ def test_the_split_keeps_every_parameters_dtype_and_value(split):
         for out in logits:
             assert out.dtype == whole.dtype
             numpy.testing.assert_allclose(out.asnumpy(), whole, atol=1e-3)
+
+
+def test_each_device_runs_the_gpts_own_forward_with_f_and_g_inside_its_layers(monkeypatch):
+    """A device's share is a GPT made of column- and row-parallel layers: its layers'
+    forward is TransformerLayer.forward (count the calls: one a layer a device), and the
+    split layers' collectives are the only places the devices meet (f: three projections
+    share one; so two meets forward a block, the MLP's and the attention's)."""
+    from d2lperf.model_parallel.layers import (ColumnParallelDense, RowParallelDense,
+                                               TensorGroup)
+    t = 2
+    tp = tensor_parallel(gpt(LAYERS, HOME), devices(t))
+    for rank in tp.ranks:
+        layers = rank.units[1:-1]
+        assert all(type(layer) is d2l.nn.TransformerLayer for layer in layers)
+        for layer in layers:
+            assert [type(d) for d in (layer.attention.query, layer.attention.key,
+                                      layer.attention.value, layer.mlp.hidden)] == \
+                [ColumnParallelDense] * 4
+            assert type(layer.attention.output) is type(layer.mlp.output) is RowParallelDense
+    calls, meets = [], []
+    forward = d2l.nn.TransformerLayer.forward
+    monkeypatch.setattr(d2l.nn.TransformerLayer, 'forward',
+                        lambda self, x: calls.append(1) or forward(self, x))
+    meet = TensorGroup.meet
+    monkeypatch.setattr(TensorGroup, 'meet',
+                        lambda self, rank, x, c: meets.append(rank) or meet(self, rank, x, c))
+    tp(np.array(TOKENS))
+    assert len(calls) == t * LAYERS and len(meets) == t * LAYERS * 4
+
+
+def test_an_error_on_one_device_reaches_the_caller_and_the_group_runs_again():
+    """A device's program that fails ends the others (none waits forever at a collective),
+    the caller gets the error, and the group runs the next forward as before."""
+    tp = tensor_parallel(gpt(LAYERS, HOME), devices(4), sequence=True)
+    with pytest.raises(ValueError, match='6 tokens'):
+        tp(np.array(TOKENS[:3, :2]))
+    logits = tp(np.array(TOKENS))
+    numpy.testing.assert_allclose(logits[3].asnumpy(), gpt(LAYERS, HOME)(
+        np.array(TOKENS, device=HOME)).asnumpy(), atol=1e-6)

@@ -3,19 +3,25 @@
     schedules   pipeline schedules as data (GPipe, 1F1B, interleaved 1F1B), what they imply
                 before anything runs (the bubble, the micro-batches a stage holds), and a
                 simulator that times them.
+    stage       what a pipeline calls on each part of a model: the Stage interface.
     pipeline    a net's layers cut into stages on devices and trained by a schedule, the
                 copies between stages engine operations.
+    layers      Megatron-LM's column- and row-parallel Dense layers, f and g inside them, and
+                the group whose devices meet at those collectives.
     tensor      Megatron-LM's split of each Transformer layer over devices: attention by
-                heads, the MLP by features, an allreduce after each block forward and before
-                it in backward.
+                heads, the MLP by features; a device's share is the GPT made of the
+                parallel layers, its forward the GPT's own.
     layout      the three at once: data × tensor × pipeline on a grid of devices.
 
 Taught in "Model Parallelism".
 """
-from .schedules import Action, SCHEDULES, bubble, in_flight, schedule, simulate
-from .pipeline import Pipeline
+from .schedules import Action, SCHEDULES, bubble, held_microbatches, schedule, simulate
+from .stage import Stage
+from .pipeline import Part, Pipeline
+from .layers import ColumnParallelDense, RowParallelDense, TensorGroup
 from .tensor import TensorParallelGPT, tensor_parallel
 from .layout import ParallelGPT, parallel_gpt
 
-__all__ = ['Action', 'SCHEDULES', 'ParallelGPT', 'Pipeline', 'TensorParallelGPT', 'bubble',
-           'in_flight', 'parallel_gpt', 'schedule', 'simulate', 'tensor_parallel']
+__all__ = ['Action', 'SCHEDULES', 'ColumnParallelDense', 'ParallelGPT', 'Part', 'Pipeline',
+           'RowParallelDense', 'Stage', 'TensorGroup', 'TensorParallelGPT', 'bubble',
+           'held_microbatches', 'parallel_gpt', 'schedule', 'simulate', 'tensor_parallel']

@@ -50,8 +50,9 @@ class ParallelGPT:
         self.data, self.tensor, self.pipeline, self.algorithm = data, tensor, pipeline, algorithm
         self.grid = [[devices[(s * data + r) * tensor:(s * data + r + 1) * tensor]
                       for r in range(data)] for s in range(pipeline)]
-        self.replicas = [Pipeline(net, [self.grid[s][r] for s in range(pipeline)], schedule,
-                                  chunks, algorithm=algorithm, sequence=sequence)
+        self.replicas = [Pipeline(net, [self.grid[s][r] for s in range(pipeline)],
+                                  schedule=schedule, chunks=chunks, algorithm=algorithm,
+                                  sequence=sequence)
                          for r in range(data)]
         self.groups, self.summed = sum_over_replicas(self.replicas, algorithm)
 

@@ -2,9 +2,12 @@
 order a schedule gives (`schedules.py`).
 
 Part k of the p·v parts lives on stage k mod p (Megatron's layout: with v chunks, stage s
-holds parts s, s + p, ...). A stage is one device, or a group of t devices that split each of
-its layers by tensor parallelism (`tensor.py`): a part then computes a list of t arrays, one a
-device, and every step below acts on each. A forward pass of a part runs under
+holds parts s, s + p, ...). Each part is a `Stage` (`stage.py`), built once from what the
+caller gave for its stage: one device (a `Part`), or a group of t devices that split each of
+its layers by tensor parallelism (`tensor.py`). A part computes a list of arrays, one a
+device, and the pipeline calls only the Stage's methods; the schedule's actions name the part
+they run on, and a step runs each stage's actions in their order, each as soon as what it
+needs has run (`schedules.in_order`). A forward pass of a part runs under
 `autograd.record` from a copy of the part before's output, taken as a leaf, so that the part's
 backward stops at its own border and hands the gradient of that copy back to the part before.
 The copies between stages are engine operations like any other, so the engine runs a part as
@@ -26,92 +29,77 @@ from ..device import Device
 from ..nn.block import Block
 from ..ops import differentiable
 from ..np.multiarray import NDArray
-from .schedules import check, schedule, simulate
+from .schedules import check, in_order, schedule
+from .stage import Stage
 from .tensor import TensorParallelGPT
 
 
 class Pipeline:
     """`net`'s children cut into `len(devices) · chunks` consecutive parts, trained by the
-    schedule `name` ('gpipe', '1f1b' or 'interleaved'). `sizes` gives the number of layers in
-    each part (default: as even as they come), for stages of unequal cost.
+    schedule `schedule` ('gpipe', '1f1b' or 'interleaved'). `sizes` gives the number of layers
+    in each part (default: as even as they come), for stages of unequal cost.
 
     `devices[s]` is stage s: a Device, whose parts' layers are moved there (the net itself is
     split), or a list of t Devices, whose parts are tensor-parallel copies of a GPT's layers
     (the net is left as it is; `sequence=True` splits their residual stream by tokens too,
-    so that a stage sends each device's tokens only)."""
+    so that a stage sends each device's tokens only). `stages[k]` is the model's part k, a
+    `Stage`, on devices[k mod p]; the pipeline calls nothing else of it."""
 
     def __init__(self, net: Block, devices: Sequence[Device | Sequence[Device]],
-                 name: str = '1f1b', chunks: int = 1, sizes: Sequence[int] | None = None,
+                 schedule: str = '1f1b', chunks: int = 1, sizes: Sequence[int] | None = None,
                  algorithm: str = 'ring', sequence: bool = False):
-        self.devices, self.name, self.chunks = list(devices), name, chunks
+        self.devices, self.schedule, self.chunks = list(devices), schedule, chunks
         self.sent = collections.Counter()      # bytes each device sent to another stage
         p = len(self.devices)
         if p == 0:
             raise ValueError('a Pipeline needs at least one stage: devices is empty')
-        check(name, p, p, chunks)
+        check(schedule, p, p, chunks)
         spans = cut(len(net.children()), p * chunks, sizes)
-        if all(isinstance(stage, Device) for stage in self.devices):
-            self.parts = [Part(net.children()[span], self.devices[k % p])
-                          for k, span in enumerate(spans)]
-        elif all(isinstance(stage, (list, tuple)) for stage in self.devices):
-            check_groups(self.devices)
-            self.parts = [TensorParallelGPT(net, self.devices[k % p], algorithm, sequence, span)
-                          for k, span in enumerate(spans)]
-        else:
-            raise ValueError('each stage is a Device, or each is a list of Devices (a tensor-'
-                             f'parallel group), not a mix: {self.devices}')
-
-    def order(self, microbatches):
-        """Every (stage, action) of the schedule, in an order that meets every dependency: by
-        when the schedule's own simulation starts it."""
-        plan = schedule(self.name, len(self.devices), microbatches, self.chunks)
-        timeline = simulate(plan)
-        return sorted(((start, stage, action) for stage, actions in timeline.items()
-                       for action, start, _ in actions), key=lambda row: row[:2])
+        self.stages = build_stages(net, self.devices, spans, algorithm, sequence)
 
     def forward_backward(self, inputs: Sequence[NDArray], labels: Sequence[NDArray], loss):
         """Forward and backward of every micro-batch (`inputs[i]`, `labels[i]`), by the schedule;
         each parameter's `.grad` becomes the sum over the micro-batches (autograd adds them:
         grad_req 'add' for the step). Returns the losses (each summed over its micro-batch), on
         the last part's (first) device."""
-        m, p, last = len(inputs), len(self.devices), len(self.parts) - 1
+        m, last = len(inputs), len(self.stages) - 1
         if m == 0 or len(labels) != m:
             raise ValueError(f'{m} micro-batches of inputs and {len(labels)} of labels: give '
                              'one label array an input, and at least one (no micro-batches, '
                              'no step)')
+        plan = schedule(self.schedule, len(self.devices), m, self.chunks)
         outputs, borders, grads_in, losses = {}, {}, {}, [None] * m
         with accumulating(self.params()):
-            for _, stage, action in self.order(m):
-                part, mb = stage + action.chunk * p, action.microbatch
+            for action in in_order(plan):
+                k, mb, stage = action.stage, action.microbatch, self.stages[action.stage]
                 if action.kind == 'F':
-                    source = inputs[mb] if part == 0 else outputs[mb, part - 1]
-                    borders[mb, part] = border = self.arrive(source, part, leaf=part > 0,
-                                                             count=part > 0)
+                    source = inputs[mb] if k == 0 else outputs[mb, k - 1]
+                    borders[mb, k] = border = self.arrive(source, k, leaf=k > 0, count=k > 0)
                     with autograd.record():
-                        outs = self.parts[part](border, inputs[mb].shape)
-                        if part == last:
+                        outs = stage.forward(border, inputs[mb].shape)
+                        if k == last:
                             outs = [loss(out, labels[mb].copyto(out.device)).sum()
                                     for out in outs]
                             losses[mb] = outs[0]
-                    outputs[mb, part] = outs
+                    outputs[mb, k] = outs
                 else:
-                    outs = outputs.pop((mb, part))
-                    heads = None if part == last else \
-                        self.arrive(grads_in.pop((mb, part + 1)), part, leaf=False)
-                    self.parts[part].walk_back(outs, heads)
-                    border = borders.pop((mb, part))
-                    if part > 0:
-                        grads_in[mb, part] = [x.grad for x in border]
-        for part in self.parts:
-            part.finish_gradients()
+                    outs = outputs.pop((mb, k))
+                    heads = None if k == last else \
+                        self.arrive(grads_in.pop((mb, k + 1)), k, leaf=False)
+                    stage.backward(outs, heads)
+                    border = borders.pop((mb, k))
+                    if k > 0:
+                        grads_in[mb, k] = [x.grad for x in border]
+        for stage in self.stages:
+            stage.finish_gradients()
         return losses
 
-    def arrive(self, arrays, part, leaf=True, count=True):
-        """`arrays` copied to part's devices, one each (an array given alone goes to all), as
+    def arrive(self, arrays, k, leaf=True, count=True):
+        """`arrays` copied to part k's devices, one each (an array given alone goes to all), as
         engine operations outside the tape; leaves with a gradient buffer where the part's
         backward must hand one back. What crosses between devices is added to `sent` (the
         micro-batches' inputs, from the host, are not: `count` False)."""
-        devices = self.parts[part].devices
+        devices = self.stages[k].devices
         arrays = arrays if isinstance(arrays, list) else [arrays] * len(devices)
         for x, device in zip(arrays, devices, strict=True):     # stages are groups alike
             if count and x.device != device:
@@ -126,10 +114,24 @@ class Pipeline:
 
     def params(self):
         """Every part's parameters, in order, each where it lives."""
-        return [param for part in self.parts for param in part.params()]
+        return [param for stage in self.stages for param in stage.params()]
 
 
-class Part:
+def build_stages(net, devices, spans, algorithm, sequence):
+    """Part k of `net` (its children `spans[k]`) as the Stage that stage k mod p runs: a
+    `Part` on one Device, or a `TensorParallelGPT` on a group of Devices."""
+    p = len(devices)
+    if all(isinstance(stage, Device) for stage in devices):
+        return [Part(net.children()[span], devices[k % p]) for k, span in enumerate(spans)]
+    if all(isinstance(stage, (list, tuple)) for stage in devices):
+        check_groups(devices)
+        return [TensorParallelGPT(net, devices[k % p], algorithm, sequence, span)
+                for k, span in enumerate(spans)]
+    raise ValueError('each stage is a Device, or each is a list of Devices (a tensor-'
+                     f'parallel group), not a mix: {devices}')
+
+
+class Part(Stage):
     """Consecutive layers on one device: a pipeline part of any net, moved there in place."""
 
     def __init__(self, layers, device):
@@ -143,17 +145,16 @@ class Part:
     def __iter__(self):
         return iter(self.layers)
 
-    def __call__(self, xs, tokens_shape=None):
-        x = xs[0]
+    def forward(self, xs, shape):
+        """The layers in turn (one device: `shape` tells it nothing it does not see)."""
+        x, = xs
         for layer in self.layers:
             x = layer(x)
         return [x]
 
-    def walk_back(self, outs, heads):
-        outs[0].backward(None if heads is None else heads[0])
-
-    def finish_gradients(self):
-        """Nothing to do once the micro-batches' gradients are summed."""
+    def backward(self, outs, heads=None):
+        out, = outs
+        out.backward(None if heads is None else heads[0])
 
     def params(self):
         return [p for layer in self.layers for p in layer.collect_params().values()]

@@ -1,24 +1,30 @@
 """Predict, then run: what each device of a data × tensor × pipeline layout of a GPT holds,
 sends and leaves idle, from the model's sizes and the layout alone.
 
-Two calculators share the counting. `device_plan` counts this package's small GPT to the
-byte (float32, its tape's activations, its split that keeps each split layer's output biases
-on every device), so that a run on virtual devices can be checked against it. `layout_costs`
-prices a real model on a real cluster with the papers' counts (Megatron-LM's 16-bit values and
-18 bytes a parameter, or 6 + 12/d with its distributed optimizer; Korthikanti et al.'s
-activations) and the α-β links of `comm.cost`, to choose a layout before renting the machines.
+Two calculators share the counting. `device_plan` counts this package's small GPT to the byte
+(float32, its tape's activations, its split that keeps each split layer's output biases on
+every device), so that a run on virtual devices can be checked against it. The parameters are
+counted on the model itself: each device's share of each unit, built as `tensor_parallel`
+builds it, in shapes alone (nothing is drawn), so that a change to the GPT changes the count.
+`layout_costs` prices a real model on a real cluster with the papers' counts (Megatron-LM's
+16-bit values and 18 bytes a parameter, or 6 + 12/d with its distributed optimizer; Korthikanti
+et al.'s activations) and the α-β links of `comm.cost`, to choose a layout before renting the
+machines.
 Taught in "Parallelism in Three Dimensions".
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
+import math
 
 from ..comm import cost
-from ..data_parallel.predict import (MEGATRON, STATE_VALUES, model_states,
-                                      transformer_layer_activations)
+from ..nn.footprint import MEGATRON, STATE_VALUES, model_states, transformer_layer_activations
+from .layers import DeviceSpec, TensorGroup
 from .pipeline import cut
 from .schedules import schedule
+from .tensor import share, whole_copies
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,27 +38,31 @@ class GPTSizes:
 
     @classmethod
     def of(cls, net):
-        embedding, layer = net[0], net[1]
-        vocab, hidden = embedding.token.weight.shape
-        return cls(vocab, len(net.children()) - 2, hidden, layer.attention.num_heads,
-                   embedding.position.shape[0])
+        return cls(*net.config)
 
     def params(self):
         """Every parameter of the whole model, unsplit."""
         return sum(unit_values(self, unit, 1) for unit in range(self.layers + 2))
 
 
+@functools.cache
+def device_units(sizes, t, rank):
+    """Device `rank`'s share of each unit of the GPT of `sizes` split over t devices, as
+    `tensor_parallel` makes it, in shapes alone: a group that never runs, nothing drawn."""
+    group = TensorGroup([None] * t)
+    return share(dataclasses.astuple(sizes), DeviceSpec(group, rank)).children()
+
+
+def values_of(params):
+    return sum(math.prod(param.shape) for param in params)
+
+
 def unit_values(sizes, unit, t, trained=False, rank=0):
-    """Values one of t devices holds of a unit (its trained ones, if `trained`): a layer's
-    products 1/t each, with their biases (12h² + 7h), whole norms (4h), and the two output
-    biases whole on every device, trained on the first only."""
-    h, vocab = sizes.hidden, sizes.vocab
-    if unit == 0:
-        return (vocab + sizes.seq) * h
-    if unit == sizes.layers + 1:
-        return 2 * h + h * vocab + vocab
-    output_biases = 0 if trained and rank > 0 else 2 * h
-    return (12 * h * h + 7 * h) // t + 4 * h + output_biases
+    """Values one of t devices holds of a unit (its trained ones, if `trained`), counted on
+    the device's share of it: for a layer, 1/t of each split product and its bias, the norms
+    whole, and the two output biases whole on every device, trained on the first only."""
+    params = device_units(sizes, t, rank)[unit].collect_params().values()
+    return values_of(p for p in params if not trained or p.grad_req != 'null')
 
 
 def stage_units(sizes, pipeline, chunks, stage, unit_sizes=None):
@@ -91,9 +101,7 @@ def unit_activations(sizes, unit, batch, t, sequence=False, alone=False):
 def token_values(sizes, unit):
     """Values of a unit's whole copies that see a device's tokens only under sequence
     parallelism (the embeddings and the norms), whose gradients are summed after a step."""
-    if unit == 0:
-        return (sizes.vocab + sizes.seq) * sizes.hidden
-    return 2 * sizes.hidden if unit == sizes.layers + 1 else 4 * sizes.hidden
+    return values_of(whole_copies(device_units(sizes, 1, 0)[unit]))
 
 
 def peak_activations(sizes, t, pipeline, stage, name, microbatches, batch, chunks=1,

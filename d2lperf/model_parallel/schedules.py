@@ -1,10 +1,11 @@
 """Pipeline schedules as data: in which order each stage runs its micro-batches' passes.
 
 A model cut into p stages, one a device, runs m micro-batches through them. A schedule says,
-for each stage, its ordered actions: `Action(kind, microbatch, chunk)`, kind 'F' (forward) or
-'B' (backward). It is plain data, computed from p, m and the chunks v alone, as
-`comm/schedules.py` is for allreduce: an executor runs it, `simulate` times it, a chapter prints
-and draws it. Three schedules:
+for each stage, its ordered actions: `Action(kind, microbatch, chunk, stage)`, kind 'F'
+(forward) or 'B' (backward), on the model's part `stage` (the virtual stage s + chunk·p of
+Megatron's layout, as PyTorch's pipelining numbers its stages). It is plain data, computed from
+p, m and the chunks v alone, as `comm/schedules.py` is for allreduce: an executor runs it,
+`simulate` times it, a chapter prints and draws it. Three schedules:
 
 * 'gpipe' (Huang et al., 2019): every forward, then every backward. A stage holds the
   activations of all m micro-batches at once.
@@ -18,7 +19,7 @@ and draws it. Three schedules:
 """
 import collections
 
-Action = collections.namedtuple('Action', 'kind microbatch chunk')
+Action = collections.namedtuple('Action', 'kind microbatch chunk stage')
 SCHEDULES = ('gpipe', '1f1b', 'interleaved')
 
 
@@ -26,24 +27,24 @@ def schedule(name, stages, microbatches, chunks=1):
     """[[Action, ...] for each stage]: the order in which each stage runs its passes."""
     check(name, stages, microbatches, chunks)
     if name == 'gpipe':
-        return [gpipe(microbatches) for _ in range(stages)]
+        return [gpipe(stage, microbatches) for stage in range(stages)]
     if name == '1f1b':
         return [one_f_one_b(stage, stages, microbatches) for stage in range(stages)]
     return [interleaved(stage, stages, microbatches, chunks) for stage in range(stages)]
 
 
-def gpipe(m):
-    return [Action('F', i, 0) for i in range(m)] + [Action('B', i, 0) for i in range(m)]
+def gpipe(s, m):
+    return [Action('F', i, 0, s) for i in range(m)] + [Action('B', i, 0, s) for i in range(m)]
 
 
 def one_f_one_b(s, p, m):
     """Warm up with the forwards the later stages need before the first backward comes back,
     then one forward, one backward, and drain the backwards left."""
     warmup = min(p - s - 1, m)
-    actions = [Action('F', i, 0) for i in range(warmup)]
+    actions = [Action('F', i, 0, s) for i in range(warmup)]
     for i in range(m - warmup):
-        actions += [Action('F', warmup + i, 0), Action('B', i, 0)]
-    return actions + [Action('B', i, 0) for i in range(m - warmup, m)]
+        actions += [Action('F', warmup + i, 0, s), Action('B', i, 0, s)]
+    return actions + [Action('B', i, 0, s) for i in range(m - warmup, m)]
 
 
 def interleaved(s, p, m, v):
@@ -53,7 +54,8 @@ def interleaved(s, p, m, v):
 
     def action(kind, k):
         chunk = (k % (p * v)) // p
-        return Action(kind, (k // (p * v)) * p + k % p, chunk if kind == 'F' else v - 1 - chunk)
+        chunk = chunk if kind == 'F' else v - 1 - chunk
+        return Action(kind, (k // (p * v)) * p + k % p, chunk, virtual_stage(s, chunk, p))
     warmup = min((p - s - 1) * 2 + (v - 1) * p, total)
     actions = [action('F', k) for k in range(warmup)]
     for k in range(total - warmup):
@@ -83,6 +85,27 @@ def virtual_stage(stage, chunk, stages):
     return stage + chunk * stages
 
 
+def in_order(plan):
+    """Every action of the plan, one at a time, in an order an executor can run them: going
+    round the stages, each runs its next action once what that action needs has run. Each
+    stage keeps its own order; what runs between the stages follows from the dependencies
+    alone, and no timing decides it."""
+    last = max(a.stage for actions in plan for a in actions)
+    done, position = set(), [0] * len(plan)
+    while any(k < len(actions) for k, actions in zip(position, plan)):
+        progressed = False
+        for s, actions in enumerate(plan):
+            if position[s] < len(actions) and all(
+                    need in done for need in needs(actions[position[s]], last)):
+                action = actions[position[s]]
+                yield action
+                done.add((action.kind, action.microbatch, action.stage))
+                position[s], progressed = position[s] + 1, True
+        if not progressed:
+            raise ValueError('this schedule deadlocks: an action waits for one that comes '
+                             'after it on its own stage')
+
+
 def simulate(plan, forward=1.0, backward=2.0):
     """When each action starts and ends if every forward takes `forward` and every backward
     `backward` (per chunk), and nothing else costs time: {stage: [(Action, start, end)]}.
@@ -91,40 +114,31 @@ def simulate(plan, forward=1.0, backward=2.0):
     backward for its backward on the virtual stage after it (the last one, for its own
     forward); every action for the one before it on its device."""
     p = len(plan)
-    last = p * max(a.chunk for actions in plan for a in actions) + p - 1
-    done, timeline, position = {}, {s: [] for s in range(p)}, [0] * p
-    clock = [0.0] * p
-    while any(position[s] < len(plan[s]) for s in range(p)):
-        progressed = False
-        for s in range(p):
-            if position[s] == len(plan[s]):
-                continue
-            action = plan[s][position[s]]
-            ready = dependency_end(action, s, p, last, done)
-            if ready is None:
-                continue
-            start = max(clock[s], ready)
-            end = start + (forward if action.kind == 'F' else backward)
-            virtual = virtual_stage(s, action.chunk, p)
-            done[action.kind, action.microbatch, virtual] = end
-            timeline[s].append((action, start, end))
-            clock[s], position[s], progressed = end, position[s] + 1, True
-        if not progressed:
-            raise ValueError('this schedule deadlocks: an action waits for one that comes '
-                             'after it on its own stage')
+    last = max(a.stage for actions in plan for a in actions)
+    done, timeline, clock = {}, {s: [] for s in range(p)}, [0.0] * p
+    for action in in_order(plan):
+        s = action.stage % p
+        start = max(clock[s], dependency_end(action, last, done))
+        end = start + (forward if action.kind == 'F' else backward)
+        done[action.kind, action.microbatch, action.stage] = end
+        timeline[s].append((action, start, end))
+        clock[s] = end
     return timeline
 
 
-def dependency_end(action, s, p, last, done):
-    """When what `action` waits for (on other stages) ended: None if it has not run yet."""
-    virtual = virtual_stage(s, action.chunk, p)
+def needs(action, last):
+    """The (kind, micro-batch, stage) passes `action` waits for: a forward, the forward on the
+    part before; a backward, its own forward and the backward on the part after (the last
+    part's, its forward only). `last` is the last part's index."""
+    mb, k = action.microbatch, action.stage
     if action.kind == 'F':
-        needed = [('F', action.microbatch, virtual - 1)] if virtual > 0 else []
-    else:
-        needed = [('F', action.microbatch, virtual)]
-        if virtual < last:
-            needed.append(('B', action.microbatch, virtual + 1))
-    ends = [done.get(key) for key in needed]
+        return [('F', mb, k - 1)] if k > 0 else []
+    return [('F', mb, k)] + ([('B', mb, k + 1)] if k < last else [])
+
+
+def dependency_end(action, last, done):
+    """When what `action` waits for ended: None if it has not run yet."""
+    ends = [done.get(key) for key in needs(action, last)]
     return None if None in ends else max(ends, default=0.0)
 
 
@@ -137,7 +151,7 @@ def bubble(timeline):
     return idle / (len(timeline) * makespan), idle / busy
 
 
-def in_flight(actions):
+def held_microbatches(actions):
     """The most micro-batches (chunk passes) a stage holds the activations of at once: those
     whose forward has run and whose backward has not."""
     held = peak = 0

@@ -5,8 +5,11 @@ Parallelism", which splits it across devices.
 The network is a flat sequence of units, embedding, one block per layer, head, because
 ZeRO-3 and FSDP shard a net by its children and pipeline parallelism cuts it between them.
 Inside a layer, the attention's query, key, value and output projections and the MLP's two
-Dense layers are separate, named parameters: tensor parallelism splits the first three by
-heads (columns) and the output by rows, and the MLP the same way.
+Dense layers are separate, named parameters. Each block makes them through a `LayerSpec`
+(Megatron-LM's module specs): the default makes whole Dense layers; tensor parallelism hands
+in one that makes a device's share of each, a column-parallel layer for the query, key, value
+and the MLP's first, a row-parallel one for the two outputs, with the collectives inside them
+(`model_parallel.layers`). So each block's forward is written once, split or not.
 """
 import math
 import numbers
@@ -24,6 +27,36 @@ def projection(units, in_units):
     dense = Dense(units, in_units=in_units, flatten=False)
     dense.weight.init = Normal(INIT_SIGMA)
     return dense
+
+
+class LayerSpec:
+    """Which Dense layers the GPT's blocks are made of, and how many devices share each block
+    (`parts`). This spec makes them whole, on one device; a tensor-parallel spec makes one
+    device's share of each, with the collectives that join the devices inside the layers.
+
+    * `column(units, in_units)`: a layer that may be split by its output features (the
+      attention's query, key and value, by heads; the MLP's first): it reads the whole input;
+    * `row(units, in_units)`: one that may be split by its input features (the attention's
+      and the MLP's output projections): the block's output leaves it whole;
+    * `replicated(units, in_units)`: one whole on every device (the head's);
+    * `local_tokens(x)`: of the embeddings' output, the tokens this device holds."""
+
+    parts = 1
+
+    def column(self, units, in_units):
+        return projection(units, in_units)
+
+    def row(self, units, in_units):
+        return projection(units, in_units)
+
+    def replicated(self, units, in_units):
+        return projection(units, in_units)
+
+    def local_tokens(self, x):
+        return x
+
+
+WHOLE = LayerSpec()
 
 
 class Embedding(HybridBlock):
@@ -60,32 +93,36 @@ class LayerNorm(HybridBlock):
 class GPTEmbedding(HybridBlock):
     """Each token's vector plus its position's: (batch, seq) ids -> (batch, seq, units)."""
 
-    def __init__(self, vocab_size, num_hiddens, max_len):
+    def __init__(self, vocab_size, num_hiddens, max_len, spec=WHOLE):
         super().__init__()
+        self.spec = spec
         self.token = Embedding(vocab_size, num_hiddens)
         self.position = Parameter('position', (max_len, num_hiddens), init=Normal(INIT_SIGMA))
 
     def forward(self, tokens):
-        return npx.add_position_embedding(self.token(tokens), self.position.data(tokens.device))
+        x = npx.add_position_embedding(self.token(tokens), self.position.data(tokens.device))
+        return self.spec.local_tokens(x)
 
 
 class CausalSelfAttention(HybridBlock):
     """Multi-head attention in which each position attends to itself and earlier ones.
 
-    `width`: the features of the queries, keys and values of its `num_heads` heads (all of
-    `num_hiddens` by default; a tensor-parallel part holds some heads only)."""
+    Its `num_heads` heads are shared among `spec.parts` devices: `self.num_heads` are the
+    heads it computes (all of them, unless a tensor-parallel spec splits it)."""
 
-    def __init__(self, num_hiddens, num_heads, width=None):
+    def __init__(self, num_hiddens, num_heads, spec=WHOLE):
         super().__init__()
-        width = width or num_hiddens
-        if width % num_heads:
-            raise ValueError(f'{width} features do not split among num_heads={num_heads} '
+        if num_hiddens % num_heads:
+            raise ValueError(f'{num_hiddens} features do not split among num_heads={num_heads} '
                              'heads: use a number of heads that divides num_hiddens')
-        self.num_heads = num_heads
-        self.query = projection(width, num_hiddens)
-        self.key = projection(width, num_hiddens)
-        self.value = projection(width, num_hiddens)
-        self.output = projection(num_hiddens, width)
+        if num_heads % spec.parts:
+            raise ValueError(f'{num_heads} attention heads do not split among {spec.parts} '
+                             f'devices: use a number of devices that divides {num_heads}')
+        self.num_heads = num_heads // spec.parts
+        self.query = spec.column(num_hiddens, num_hiddens)
+        self.key = spec.column(num_hiddens, num_hiddens)
+        self.value = spec.column(num_hiddens, num_hiddens)
+        self.output = spec.row(num_hiddens, num_hiddens)
 
     def split_heads(self, x):
         """(batch, seq, heads · d) -> (batch, heads, seq, d)."""
@@ -93,23 +130,21 @@ class CausalSelfAttention(HybridBlock):
         return x.reshape(batch, seq, self.num_heads, width // self.num_heads).transpose(0, 2, 1, 3)
 
     def forward(self, x):
-        batch, seq, _ = x.shape
         q, k, v = (self.split_heads(f(x)) for f in (self.query, self.key, self.value))
         scores = (q @ k.transpose(0, 1, 3, 2)) * (1 / math.sqrt(q.shape[-1]))
         heads = npx.causal_softmax(scores) @ v                     # (batch, heads, seq, d)
-        width = heads.shape[1] * heads.shape[3]
-        return self.output(heads.transpose(0, 2, 1, 3).reshape(batch, seq, width))
+        batch, count, seq, size = heads.shape
+        return self.output(heads.transpose(0, 2, 1, 3).reshape(batch, seq, count * size))
 
 
 class MLP(HybridBlock):
-    """Widen each position's features four times, GELU, and project back (`width`: the wide
-    features this block holds; a tensor-parallel part holds some of them)."""
+    """Widen each position's features four times, GELU, and project back (a tensor-parallel
+    spec gives each device some of the wide features)."""
 
-    def __init__(self, num_hiddens, expansion=4, width=None):
+    def __init__(self, num_hiddens, expansion=4, spec=WHOLE):
         super().__init__()
-        width = width or expansion * num_hiddens
-        self.hidden = projection(width, num_hiddens)
-        self.output = projection(num_hiddens, width)
+        self.hidden = spec.column(expansion * num_hiddens, num_hiddens)
+        self.output = spec.row(num_hiddens, expansion * num_hiddens)
 
     def forward(self, x):
         return self.output(npx.gelu(self.hidden(x)))
@@ -118,12 +153,12 @@ class MLP(HybridBlock):
 class TransformerLayer(HybridBlock):
     """Pre-norm residual layer (GPT-2's): x + attention(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, num_hiddens, num_heads):
+    def __init__(self, num_hiddens, num_heads, spec=WHOLE):
         super().__init__()
         self.attention_norm = LayerNorm(num_hiddens)
-        self.attention = CausalSelfAttention(num_hiddens, num_heads)
+        self.attention = CausalSelfAttention(num_hiddens, num_heads, spec)
         self.mlp_norm = LayerNorm(num_hiddens)
-        self.mlp = MLP(num_hiddens)
+        self.mlp = MLP(num_hiddens, spec=spec)
 
     def forward(self, x):
         x = x + self.attention(self.attention_norm(x))
@@ -133,10 +168,10 @@ class TransformerLayer(HybridBlock):
 class LanguageModelHead(HybridBlock):
     """The final norm and the projection to one score per vocabulary entry."""
 
-    def __init__(self, num_hiddens, vocab_size):
+    def __init__(self, num_hiddens, vocab_size, spec=WHOLE):
         super().__init__()
         self.norm = LayerNorm(num_hiddens)
-        self.output = projection(vocab_size, num_hiddens)
+        self.output = spec.replicated(vocab_size, num_hiddens)
 
     def forward(self, x):
         return self.output(self.norm(x))
@@ -148,18 +183,20 @@ class GPT(HybridSequential):
     Its children, in order: a GPTEmbedding, `num_layers` TransformerLayers, a
     LanguageModelHead (`net[0]`, `net[1:-1]`, `net[-1]`). The head has its own weights (GPT-2
     ties them to the token table; tying would make two units share a parameter, which
-    sharding by units cannot express).
+    sharding by units cannot express). `config` is its sizes, the arguments it was made with
+    but `spec`: `GPT(*net.config, spec=...)` makes the same model, split as `spec` says.
 
     >>> net = GPT(vocab_size=50, num_layers=2, num_hiddens=32, num_heads=2, max_len=16)
     >>> [type(unit).__name__ for unit in net.children()]
     ['GPTEmbedding', 'TransformerLayer', 'TransformerLayer', 'LanguageModelHead']
     """
 
-    def __init__(self, vocab_size, num_layers, num_hiddens, num_heads, max_len):
+    def __init__(self, vocab_size, num_layers, num_hiddens, num_heads, max_len, spec=WHOLE):
         super().__init__()
         if not isinstance(num_layers, numbers.Integral) or num_layers < 0:
             raise ValueError(f'num_layers={num_layers!r}: a GPT has a whole number of layers, '
                              '0 or more (with 0 it is a bigram model: embedding, then head)')
-        self.add(GPTEmbedding(vocab_size, num_hiddens, max_len))
-        self.add(*(TransformerLayer(num_hiddens, num_heads) for _ in range(num_layers)))
-        self.add(LanguageModelHead(num_hiddens, vocab_size))
+        self.config = (vocab_size, num_layers, num_hiddens, num_heads, max_len)
+        self.add(GPTEmbedding(vocab_size, num_hiddens, max_len, spec))
+        self.add(*(TransformerLayer(num_hiddens, num_heads, spec) for _ in range(num_layers)))
+        self.add(LanguageModelHead(num_hiddens, vocab_size, spec))

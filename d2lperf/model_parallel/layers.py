@@ -1,0 +1,287 @@
+"""Megatron-LM's parallel layers (Shoeybi et al., 2019): a Dense layer split over the t devices
+of a group, with the collective that joins the devices inside it.
+
+* `ColumnParallelDense` holds 1/t of the layer's output features (rows of its weight). Its
+  input must be whole on every device: f, at its entry, is the identity forward and an
+  allreduce of the input's gradients backward, since every device's share contributed to it.
+* `RowParallelDense` holds 1/t of its input features (columns of its weight), so each device
+  computes a part of the output: g, at its exit, sums the parts (an allreduce) forward and is
+  the identity backward. Its bias is added once, by the first device.
+
+A Transformer block is f, column-parallel layers, whatever each device computes alone, a
+row-parallel layer, g: one allreduce forward and one backward a block. With sequence
+parallelism (Korthikanti et al., 2022) the residual stream between the blocks is split by
+tokens, and f and g become the two halves of the allreduce: f an all-gather of the tokens
+(a reduce-scatter backward), g a reduce-scatter (an all-gather backward).
+
+Megatron runs each device's share as a process of its own, and a collective is where the
+processes meet. Here a `TensorGroup` runs each device's program on a thread of its own, one at
+a time (`run`): a device runs until its collective, hands on to the next, and the last to come
+runs the collective for all (`meet`). The engine sees the operations pushed in the order one
+thread pushing for each device in turn would push them. Backward needs no threads: the
+devices' walks already go side by side (`autograd.backward_together`). `DeviceSpec` is what
+a GPT's blocks are made of on one device of the group (`nn.transformer.LayerSpec`).
+Taught in "Tensor and Sequence Parallelism".
+"""
+from __future__ import annotations
+
+import threading
+
+from .. import autograd, comm
+from ..nn.block import Dense
+from ..nn.init import Normal
+from ..nn.transformer import INIT_SIGMA, LayerSpec
+
+
+class TensorGroup:
+    """The t devices that split each layer, the collectives that join them (`algorithm`), and
+    whether the residual stream is split by tokens (`sequence`)."""
+
+    def __init__(self, devices, algorithm='ring', sequence=False):
+        self.devices, self.algorithm, self.sequence = list(devices), algorithm, sequence
+        self.turn = threading.Condition()
+
+    def run(self, program, inputs, tokens_shape):
+        """[program(rank, inputs[rank]) for each rank], each on a thread of its own, one at
+        a time: rank 0 first, each until it meets the others (`meet`) or ends, then the next.
+        `tokens_shape` is the (batch, sequence) of the tokens the inputs come from."""
+        t = len(self.devices)
+        self.tokens_shape, self.now, self.failure = tuple(tokens_shape), 0, None
+        self.arrived, self.entered, outputs = [None] * t, [None] * t, [None] * t
+
+        def device_program(rank):
+            try:
+                self.wait_turn(rank)
+                outputs[rank] = program(rank, inputs[rank])
+                self.hand_to(rank + 1)
+            except BaseException as error:        # noqa: BLE001 - raised by run, below
+                self.fail(error)
+        threads = [threading.Thread(target=device_program, args=(rank,), daemon=True,
+                                    name=f'tensor rank {rank}') for rank in range(t)]
+        try:
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+        except BaseException as error:             # a Ctrl-C: let no thread wait forever
+            self.fail(error)
+            raise
+        finally:
+            self.arrived = self.entered = self.results = None     # hold no arrays
+        failure, self.failure = self.failure, None
+        if failure is not None:
+            raise failure
+        return outputs
+
+    def meet(self, rank, array, collective):
+        """`collective` over every device's `array`, run by the last device to come; each
+        gets its own result back."""
+        self.arrived[rank] = array
+        if rank == len(self.devices) - 1:
+            self.results = collective(list(self.arrived))
+            self.hand_to(0)
+        else:
+            self.hand_to(rank + 1)
+        self.wait_turn(rank)
+        return self.results[rank]
+
+    def wait_turn(self, rank):
+        with self.turn:
+            self.turn.wait_for(lambda: self.now == rank or self.failure is not None)
+            if self.failure is not None:
+                raise Abandoned()
+
+    def hand_to(self, rank):
+        with self.turn:
+            self.now = rank
+            self.turn.notify_all()
+
+    def fail(self, error):
+        with self.turn:
+            if self.failure is None and not isinstance(error, Abandoned):
+                self.failure = error
+            self.turn.notify_all()
+
+    # -- f and g ------------------------------------------------------------------------------
+    def enter(self, rank, x):
+        """f: the block's input `x` whole on every device, its gradients summed over the
+        devices backward. The query, key and value read one input: f joins the devices once
+        for the three (Megatron fuses them into one column-parallel layer for this)."""
+        if self.entered[rank] is not None and self.entered[rank][0] is x:
+            return self.entered[rank][1]
+        out = self.meet(rank, x, self.gather_tokens if self.sequence else self.copy_in)
+        self.entered[rank] = (x, out)
+        return out
+
+    def leave(self, rank, part):
+        """g: the devices' parts of the block's output summed (each device's tokens' sums,
+        with sequence parallelism)."""
+        return self.meet(rank, part, self.scatter_tokens if self.sequence else self.sum_parts)
+
+    def copy_in(self, xs):
+        """The identity forward; an allreduce of the gradients backward."""
+        return autograd.reduce_in_backward(xs, self.allreduce)
+
+    def sum_parts(self, parts):
+        """The parts summed on every device, the identity in backward (a recorded copy,
+        whose gradient is its output's, then summed in place outside the tape)."""
+        return self.allreduce([part.copy() for part in parts])
+
+    def allreduce(self, arrays):
+        return comm.allreduce(arrays, self.algorithm)
+
+    def whole_shape(self, shard):
+        return self.tokens_shape + (shard.shape[-1],)
+
+    def gather_tokens(self, shards, summed=True):
+        """Every device's tokens on every device (an all-gather). In backward, each device's
+        tokens' gradients summed over the devices (a reduce-scatter), where each device's part
+        of the block gave a part of them; where whole copies gave each device the whole
+        gradient (`summed=False`, the head), each device keeps its tokens' own."""
+        shape = self.whole_shape(shards[0])
+        with autograd.pause():
+            flat = [shard.reshape(-1) for shard in shards]
+        wholes = [whole.reshape(shape) for whole in comm.all_gather(flat, self.algorithm)]
+        each = shards[0].shape
+
+        def backward(grads):
+            if summed:
+                return [g.reshape(each) for g in comm.reduce_scatter(grads, self.algorithm)]
+            return [g.reshape(-1, each[1])[r * each[0]:(r + 1) * each[0]]
+                    for r, g in enumerate(grads)]
+        return autograd.collective(wholes, shards, backward)
+
+    def scatter_tokens(self, parts):
+        """The parts summed, each device keeping its tokens' sums (a reduce-scatter, in
+        place: nothing reads the parts again); in backward, an all-gather."""
+        shape, hidden = parts[0].shape, parts[0].shape[-1]
+        with autograd.pause():
+            mine = [s.reshape(-1, hidden).copy()
+                    for s in comm.reduce_scatter(parts, self.algorithm)]
+
+        def backward(grads):
+            flat = [g.reshape(-1) for g in grads]
+            return [w.reshape(shape) for w in comm.all_gather(flat, self.algorithm)]
+        return autograd.collective(mine, parts, backward)
+
+
+class Abandoned(Exception):
+    """A device's program given up because another one failed."""
+
+
+class ParallelDense(Dense):
+    """One device's share of a Dense layer of the whole model, on the last axis. `take`
+    fills it from the whole layer."""
+
+    def __init__(self, units, in_units, group, rank):
+        super().__init__(units, in_units=in_units, flatten=False)
+        self.weight.init = Normal(INIT_SIGMA)       # drawn as the whole layer's, then set
+        self.group, self.rank = group, rank
+
+    def take(self, whole):
+        """This device's share of the whole layer's values, in its dtypes."""
+        raise NotImplementedError
+
+
+class ColumnParallelDense(ParallelDense):
+    """Device `rank`'s 1/t of the output features: f, then its rows of the product."""
+
+    def __init__(self, units, in_units, group, rank):
+        super().__init__(units // len(group.devices), in_units, group, rank)
+
+    def forward(self, x):
+        return super().forward(self.group.enter(self.rank, x))
+
+    def take(self, whole):
+        """Rows of the weight and the bias: this device's output features."""
+        mine = slice(self.rank * self.units, (self.rank + 1) * self.units)
+        in_dtypes_of(self, whole)
+        self.weight.set_data(whole.weight.data()[mine].copy())
+        self.bias.set_data(whole.bias.data()[mine].copy())
+
+
+class RowParallelDense(ParallelDense):
+    """Device `rank`'s 1/t of the input features: its part of the product, then g. The bias
+    is the first device's alone (the others' stay zero, untrained): g adds it once."""
+
+    def __init__(self, units, in_units, group, rank):
+        super().__init__(units, in_units // len(group.devices), group, rank)
+        if rank > 0:
+            self.bias.grad_req = 'null'
+
+    def forward(self, x):
+        return self.group.leave(self.rank, super().forward(x))
+
+    def take(self, whole):
+        """Columns of the weight: this device's input features; the bias on the first."""
+        inputs = self.weight.shape[1]
+        in_dtypes_of(self, whole)
+        self.weight.set_data(
+            whole.weight.data()[:, self.rank * inputs:(self.rank + 1) * inputs].copy())
+        if self.rank == 0:
+            self.bias.set_data(whole.bias.data().copy())
+
+
+class ReplicatedDense(ParallelDense):
+    """A layer whole on every device (the head's). With sequence parallelism, where each
+    device holds some of the tokens, it reads every token: an all-gather, then the product;
+    backward, each device keeps its own tokens' gradients (its weights' are whole already)."""
+
+    def forward(self, x):
+        if self.group.sequence:
+            x = self.group.meet(self.rank, x, self.every_token)
+        return super().forward(x)
+
+    def every_token(self, shards):
+        return self.group.gather_tokens(shards, summed=False)
+
+    def take(self, whole):
+        copied(self, whole)
+
+
+class DeviceSpec(LayerSpec):
+    """The layers of device `rank` of `group` (nn.transformer.LayerSpec): column- and
+    row-parallel shares; the head's layer whole, gathering the tokens where the residual
+    stream is split by them; and of the embeddings' output, this device's tokens."""
+
+    def __init__(self, group, rank):
+        self.group, self.rank, self.parts = group, rank, len(group.devices)
+
+    def column(self, units, in_units):
+        return ColumnParallelDense(units, in_units, self.group, self.rank)
+
+    def row(self, units, in_units):
+        return RowParallelDense(units, in_units, self.group, self.rank)
+
+    def replicated(self, units, in_units):
+        return ReplicatedDense(units, in_units, self.group, self.rank)
+
+    def local_tokens(self, x):
+        """Of the whole (batch, sequence, hidden), the device's 1/t of the tokens, as
+        (tokens / t, hidden), with sequence parallelism; else all of it."""
+        if not self.group.sequence:
+            return x
+        hidden = x.shape[-1]
+        count = x.size // hidden
+        if count % self.parts:
+            raise ValueError(f'{count} tokens (batch × sequence) do not split among '
+                             f'{self.parts} devices: use a batch or sequence length that '
+                             f'{self.parts} divides')
+        each = count // self.parts
+        return x.reshape(count, hidden)[self.rank * each:(self.rank + 1) * each]
+
+
+def copied(block, source):
+    """`block` (built alike) with `source`'s values."""
+    in_dtypes_of(block, source)
+    for mine, theirs in zip(block.collect_params().values(), source.collect_params().values()):
+        mine.set_data(theirs.data().copy())
+    return block
+
+
+def in_dtypes_of(block, source):
+    """`block` initialized with each parameter in the dtype of `source`'s (built alike): a
+    float16 net splits into float16 parts, its float32 norms stay float32."""
+    for mine, theirs in zip(block.collect_params().values(), source.collect_params().values()):
+        mine.cast(theirs.data().dtype)
+    block.initialize()

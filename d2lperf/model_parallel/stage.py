@@ -1,0 +1,46 @@
+"""A pipeline stage as a declared interface: what a Pipeline calls on each part of a model,
+and all it calls.
+
+A stage holds consecutive units of a model on its devices: one device (`pipeline.Part`), or
+a tensor-parallel group of t devices that split each layer (`tensor.TensorParallelGPT`).
+Values cross a stage's border as lists, one array a device of the stage, so that a pipeline
+moves a group's activations device to device without knowing how the group splits them.
+Taught in "Model Parallelism".
+"""
+from __future__ import annotations
+
+import abc
+from typing import Sequence
+
+from ..device import Device
+from ..nn.parameter import Parameter
+from ..np.multiarray import NDArray
+
+
+class Stage(abc.ABC):
+    """One part of a model on `devices`, as a pipeline runs it (PyTorch's PipelineStage, a
+    virtual stage in Megatron's interleaved layout): a micro-batch's forward and backward,
+    the step's last pass over the gradients, the parameters it trains."""
+
+    devices: list[Device]
+
+    @abc.abstractmethod
+    def forward(self, xs: list[NDArray], shape: Sequence[int]) -> list[NDArray]:
+        """The part's outputs (one array a device) from its inputs `xs` (one a device),
+        recorded for backward when under `autograd.record()`. `shape` is the micro-batch's
+        input shape, (batch, sequence) of tokens: a group that splits the residual stream by
+        tokens puts its parts back together with it."""
+
+    @abc.abstractmethod
+    def backward(self, outs: list[NDArray], heads: list[NDArray] | None = None) -> None:
+        """A micro-batch's backward from the part's outputs `outs` (losses, where `heads` is
+        None; else `heads` are the gradients of `outs`, one a device). Each parameter's
+        gradient is written, or added where its grad_req (or `autograd.adding`) says so."""
+
+    def finish_gradients(self) -> None:
+        """What the gradients need once every micro-batch's backward has run: nothing, unless
+        a stage's devices each saw a part of the data of a parameter they all hold."""
+
+    @abc.abstractmethod
+    def params(self) -> list[Parameter]:
+        """Every parameter the part trains, each on the device it lives on, in order."""
