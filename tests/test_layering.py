@@ -175,6 +175,55 @@ def reached_fields(tree):
             yield node.attr, node.lineno
 
 
+def imported_names(tree):
+    """The names a module binds by importing from the package (`TAPE`, `engine`)."""
+    return {alias.asname or alias.name for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and node.level for alias in node.names}
+
+
+def writes_into_imported(tree):
+    """(what, line) for each field a module writes or deletes on an object it imported from
+    another module of the package: `TAPE.walk = backward`, `engine.x += 1`, `setattr(TAPE,
+    ...)`."""
+    names = imported_names(tree)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, (ast.Store, ast.Del)):
+            base = node.value
+            while isinstance(base, ast.Attribute):
+                base = base.value
+            if isinstance(base, ast.Name) and base.id in names:
+                yield ast.unparse(node), node.lineno
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id in ('setattr', 'delattr') and node.args
+              and isinstance(node.args[0], ast.Name) and node.args[0].id in names):
+            yield ast.unparse(node), node.lineno
+
+
+def test_a_module_fills_another_modules_slots_only_through_a_declared_hook():
+    """A layer above hands a lower one what only it can provide (autograd's reverse walk, the
+    compiler's tracer) by calling a function the lower module declares for it (np/tape.py:
+    `register_backward`, `tracing`, `modes`), an import this file checks like any other. A
+    write into a field of an imported object (`TAPE.walk = backward`, as autograd.py once
+    did; `TAPE.tracer = tracer`, as hybrid/trace.py did) fills a lower module's slot from
+    above with no import to show it, and no name a reader can look up."""
+    written = [f'{path.relative_to(PACKAGE)}:{line} writes {what}'
+               for path in modules() for what, line in writes_into_imported(
+                   ast.parse(path.read_text()))]
+    assert written == []
+
+
+def test_the_tape_holds_what_the_layers_above_registered():
+    """The registrations the test above asks for, seen from the tape's side: autograd's walk
+    is in place once the package is imported, and a trace's tracer only while it traces."""
+    from d2lperf import autograd
+    from d2lperf.hybrid.trace import Spec, trace
+    from d2lperf.np.tape import TAPE
+    seen = []
+    assert TAPE.walk is autograd.backward and TAPE.tracer is None
+    trace(lambda x: seen.append(TAPE.tracer) or x + 1, [Spec((2,))])
+    assert seen and seen[0] is not None and TAPE.tracer is None
+
+
 # What every layer may ask of an array, NumPy's, CuPy's or NDArray alike (shape, dtype, ...).
 ARRAY_PROTOCOL = set(dir(numpy.ndarray))
 
