@@ -9,10 +9,11 @@ checks the list and the layers against the tree and every import).
 Every chapter
     utils         timers (one median-of-repeats loop for everything: `median_seconds`),
                   workload sizes, atomic file writes and the training-curve Animator.
-    device        where an array lives (cpu(i), gpu(i)), which array module computes there,
-                  how data moves between two devices, the one way CuPy is imported, and the
-                  ledger of the bytes the arrays on each device hold, by kind, with the peak
-                  (`memory`), with all that writes it (`Held`, `label`, `release`).
+    device/       where an array lives (cpu(i), gpu(i)), which array module computes there,
+                  how data moves between two devices, the one way CuPy is imported
+                  (devices.py); and the ledger of the bytes the arrays on each device hold,
+                  by kind, with the peak (`memory`), with all that writes it (`Held`,
+                  `label`, `release`: ledger.py).
     np/           the array: NDArray, a NumPy-like array whose every operation is one engine
                   push (multiarray.py, MXNet's name); what autograd records on each array
                   (tape.py); NumPy's names for its operations (np, np.random); and the
