@@ -249,3 +249,11 @@ def test_the_top_level_stays_short_enough_to_read_as_a_table_of_contents():
     """At most 18 entries with __init__ (the house's second pass): a new concept goes into the
     folder of the layer it belongs to, or a folder replaces several modules."""
     assert len(entries()) + 1 <= 18, sorted(entries())
+
+
+def test_the_tracker_imports_nothing_of_the_policies_that_run_operations():
+    """engine/tracking.py decides when an operation may run, apart from what runs it (MXNet's
+    split, and the module's docstring): of the engine it imports the lane names alone, a
+    module that starts no thread and holds no worker (it once imported workers.py for one)."""
+    imported = {target for target, _, _ in imports(PACKAGE / 'engine' / 'tracking.py')}
+    assert imported <= {'engine.lanes'}, imported
