@@ -13,6 +13,7 @@ import pathlib
 import re
 
 import numpy
+import pytest
 
 import d2lperf
 
@@ -214,14 +215,19 @@ def test_a_module_fills_another_modules_slots_only_through_a_declared_hook():
 
 def test_the_tape_holds_what_the_layers_above_registered():
     """The registrations the test above asks for, seen from the tape's side: autograd's walk
-    is in place once the package is imported, and a trace's tracer only while it traces."""
+    is in place once the package is imported, and a trace's tracer only while it traces; the
+    hook takes only what declares the interface it asks of a tracer (`tape.Tracing`)."""
     from d2lperf import autograd
-    from d2lperf.hybrid.trace import Spec, trace
-    from d2lperf.np.tape import TAPE
+    from d2lperf.hybrid.trace import Spec, Tracer, trace
+    from d2lperf.np.tape import TAPE, Tracing, tracing
     seen = []
     assert TAPE.walk is autograd.backward and TAPE.tracer is None
     trace(lambda x: seen.append(TAPE.tracer) or x + 1, [Spec((2,))])
-    assert seen and seen[0] is not None and TAPE.tracer is None
+    assert isinstance(seen[0], Tracer) and TAPE.tracer is None
+    assert issubclass(Tracer, Tracing)
+    with pytest.raises(TypeError, match='tracing takes a Tracing'):
+        with tracing(object()):
+            pass
 
 
 # What every layer may ask of an array, NumPy's, CuPy's or NDArray alike (shape, dtype, ...).

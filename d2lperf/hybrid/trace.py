@@ -13,7 +13,7 @@ import numpy
 
 from ..device import cpu
 from ..np.multiarray import ArrayMethods, NDArray, check_basic_key
-from ..np.tape import tracing
+from ..np.tape import Tracing, tracing
 from .graph import Graph, Node
 
 
@@ -128,7 +128,7 @@ def canonical(value):
     return value
 
 
-class Tracer:
+class Tracer(Tracing):
     """Builds one graph: placeholders for the arguments, then one node per operation."""
 
     def __init__(self, device, param_name=None):

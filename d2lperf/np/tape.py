@@ -71,11 +71,25 @@ def modes(recording, training):
         TAPE.recording, TAPE.training = previous
 
 
+class Tracing:
+    """What `tracing` takes: the compiler's tracer (`hybrid.trace.Tracer`), declared here, below
+    the compiler, because every operation of the array asks it whether to take a call."""
+
+    def reads_a_parameter(self, arrays):
+        """Whether an operation on these NDArrays belongs in the traced graph."""
+        raise NotImplementedError
+
+    def call(self, name, inputs, attrs):
+        """Record the operation `name(*inputs, **attrs)`; return what stands for its output."""
+        raise NotImplementedError
+
+
 @contextlib.contextmanager
 def tracing(tracer):
     """Inside the block, every operation on NDArrays that reads a parameter goes to `tracer`
-    (the compiler's, `hybrid.trace.Tracer`: `reads_a_parameter(arrays)`, `call(name, inputs,
-    attrs)`), not to the engine; the tracer in force before comes back after."""
+    (a `Tracing`), not to the engine; the tracer in force before comes back after."""
+    if not isinstance(tracer, Tracing):
+        raise TypeError(f'tracing takes a Tracing (the compiler\'s tracer), not {tracer!r}')
     outer, TAPE.tracer = TAPE.tracer, tracer
     try:
         yield
