@@ -9,10 +9,11 @@ checks the list and the layers against the tree and every import).
 Every chapter
     utils         timers (one median-of-repeats loop for everything: `median_seconds`),
                   workload sizes, atomic file writes and the training-curve Animator.
-    device        where an array lives (cpu(i), gpu(i)), which array module computes there,
-                  how data moves between two devices, the one way CuPy is imported, and the
-                  ledger of the bytes the arrays on each device hold, by kind, with the peak
-                  (`memory`), with all that writes it (`Held`, `label`, `release`).
+    device/       where an array lives (cpu(i), gpu(i)), which array module computes there,
+                  how data moves between two devices, the one way CuPy is imported
+                  (devices.py); and the ledger of the bytes the arrays on each device hold,
+                  by kind, with the peak (`memory`), with all that writes it (`Held`,
+                  `label`, `release`: ledger.py).
     np/           the array: NDArray, a NumPy-like array whose every operation is one engine
                   push (multiarray.py, MXNet's name); what autograd records on each array
                   (tape.py); NumPy's names for its operations (np, np.random); and the
@@ -56,7 +57,8 @@ Training on Multiple GPUs, Concise Implementation for Multiple GPUs
 Parameter Servers
     optimizer/    the update rules (SGD with momentum and weight decay, Adam) that a trainer
                   or a key-value store applies, with their states as plain arrays (rules.py),
-                  float32 master weights for float16 and bfloat16 ones (`multi_precision`),
+                  the from-scratch chapter's SGD on a list of arrays (by_hand.py), float32
+                  master weights for float16 and bfloat16 ones (`multi_precision`),
                   and, "Memory", the dynamic loss scaler that float16 gradients need (amp.py,
                   which is `d2l.amp`, with MXNet AMP's names).
     kvstore/      the (key, value) store (also "Distributed Training"): the in-process stores
@@ -78,7 +80,8 @@ from .device import Device, cpu, gpu, num_gpus, try_all_gpus, try_devices, try_g
 from . import np, autograd, nn
 from .np import extension as npx
 from .nn import L2Loss, SoftmaxCrossEntropyLoss
-from .data_parallel import Trainer, get_params, sgd
+from .data_parallel import Trainer, get_params
+from .optimizer.by_hand import sgd
 from .utils import (Accumulator, Animator, Benchmark, Timer, median_seconds, process_memory,
                     quick_mode, workload)
 from . import comm, data, data_parallel, hybrid, kvstore, model_parallel, optimizer

@@ -29,41 +29,27 @@ from . import engine
 from .device import label
 from .ops import differentiable
 from .np.multiarray import NDArray, alias, filled_like
-from .np.tape import TAPE, TapeNode, needs_grad
-
-
-@contextlib.contextmanager
-def _flags(recording, training):
-    """Set the tape's flags (None: leave one as it is) inside the block, then restore them."""
-    previous = TAPE.recording, TAPE.training
-    if recording is not None:
-        TAPE.recording = recording
-    if training is not None:
-        TAPE.training = training
-    try:
-        yield
-    finally:
-        TAPE.recording, TAPE.training = previous
+from .np.tape import TAPE, TapeNode, modes, needs_grad, register_backward
 
 
 def record(train_mode=True):
     """Record operations for `backward()` inside this block; layers train unless told not to."""
-    return _flags(True, train_mode)
+    return modes(True, train_mode)
 
 
 def pause(train_mode=False):
     """Stop recording inside a `record()` block (for metrics, say)."""
-    return _flags(False, train_mode)
+    return modes(False, train_mode)
 
 
 def train_mode():
     """Layers behave as in training inside this block (recording is left as it is)."""
-    return _flags(None, True)
+    return modes(None, True)
 
 
 def predict_mode():
     """Layers behave as in prediction inside this block (recording is left as it is)."""
-    return _flags(None, False)
+    return modes(None, False)
 
 
 def is_recording():
@@ -93,7 +79,7 @@ class Recompute:
         g.wait_to_read()
         inputs = out.node.inputs
         copies = [detached(x) if type(x) is NDArray else x for x in inputs]
-        with _flags(True, self.training):
+        with modes(True, self.training):
             again = self.block(*copies)
         walk_segment(again, g, grads, on_gradient)
         for x, copy in zip(inputs, copies):
@@ -426,4 +412,4 @@ def check_grad_req(req):
         raise ValueError(f"grad_req must be 'write', 'add' or 'null', not {req!r}")
 
 
-TAPE.walk = backward         # how NDArray.backward, below this module, reaches the walk
+register_backward(backward)     # how NDArray.backward, below this module, reaches the walk

@@ -1,4 +1,4 @@
-"""Ctrl-C while a helping main thread runs the engine's operations (`workers.CtrlC`).
+"""Ctrl-C while a helping main thread runs the engine's operations (`interrupts.CtrlC`).
 
 With helping off, Ctrl-C finds the waiting main thread asleep: the caller gets
 KeyboardInterrupt, and the operations run on, whole, on their lane. Helping must not change

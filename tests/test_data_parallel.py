@@ -462,3 +462,41 @@ def test_zero_with_checkpointed_units_trains_as_one_device(devices, stage, optim
                lambda net: Zero(net, stage, *optimizer), True)
     for key in one:
         numpy.testing.assert_allclose(many[key], one[key], atol=1e-5, rtol=0)
+
+
+def one_weight_trainer(rescale_grad, **trainer_kwargs):
+    """A Trainer over one weight w = [1, 1] on cpu(1) and cpu(2), whose loss sum(w) gives every
+    copy the gradient [1, 1]: the devices' sum is [2, 2]."""
+    w = nn.Parameter('w', shape=(2,))
+    w.initialize(init=d2l.nn.init.Constant(1), device=[d2l.cpu(1), d2l.cpu(2)])
+    trainer = d2l.Trainer([w], 'sgd', {'learning_rate': 1.0, 'rescale_grad': rescale_grad},
+                          **trainer_kwargs)
+
+    def step(batch_size):
+        with d2l.autograd.record():
+            losses = [copy.sum() for copy in w.list_data()]
+        for each in losses:
+            each.backward()
+        trainer.step(batch_size)
+    return w, trainer, step
+
+
+@pytest.mark.parametrize('store', ['device', 'local'])
+@pytest.mark.parametrize('on_store', [False, True], ids=['update on the devices', 'in the store'])
+def test_a_step_scales_by_its_own_batch_size_and_leaves_the_users_rescale_grad(store, on_store):
+    """MXNet's step(batch_size): the summed gradient times rescale_grad / batch_size, the batch
+    size of each step its own. The step's scale is passed to the update: the optimizer's
+    rescale_grad stays what the user set (steps once overwrote it with 0.5 / batch_size)."""
+    w, trainer, step = one_weight_trainer(0.5, kvstore=store, update_on_kvstore=on_store)
+    step(4)                                     # w = 1 - 2 * 0.5 / 4
+    step(2)                                     # then - 2 * 0.5 / 2
+    for copy in w.list_data():
+        assert copy.asnumpy().tolist() == [1 - 0.25 - 0.5] * 2
+    assert trainer.optimizer.rescale_grad == 0.5
+
+
+@pytest.mark.parametrize('name', ['buckets of 600 B', 'ZeRO 1', 'ZeRO 3'])
+def test_buckets_and_zero_leave_the_users_rescale_grad(name):
+    optimizer = ('sgd', {'learning_rate': 0.1, 'rescale_grad': 0.5})
+    strategy = train([d2l.cpu(1), d2l.cpu(2)], STRATEGIES[name](*optimizer), steps=1)
+    assert strategy.optimizer.rescale_grad == 0.5

@@ -1,6 +1,6 @@
-"""Tests of d2lperf.from_scratch and d2lperf.data_parallel.evaluation, and of data parallelism: two devices,
-each with half of every batch, must train to the same parameters as one device with the whole
-batch."""
+"""Tests of data parallelism by hand (data_parallel/from_scratch.py, optimizer/by_hand.py) and
+of data_parallel/evaluation.py: two devices, each with half of every batch, must train to the
+same parameters as one device with the whole batch."""
 import numpy
 import pytest
 
@@ -122,6 +122,13 @@ def test_sgd_steps_against_the_summed_gradient():
     loss.backward()
     d2l.sgd([w], lr=0.5, batch_size=2)
     numpy.testing.assert_allclose(w.asnumpy(), [1.0 - 0.5, 2.0 - 1.0])
+
+
+def test_sgd_by_hand_lives_with_the_update_rules():
+    """d2l.sgd is an update rule written by hand (optimizer/by_hand.py), not a way of summing
+    gradients over replicas (data_parallel/)."""
+    assert d2l.sgd is d2l.optimizer.by_hand.sgd
+    assert 'sgd' not in vars(d2l.data_parallel)
 
 
 def test_sgd_needs_gradients():

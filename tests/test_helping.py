@@ -12,7 +12,8 @@ import pytest
 import d2lperf as d2l
 from d2lperf import engine
 from d2lperf.device import slow_down
-from d2lperf.engine.workers import COMPUTE, running_device
+from d2lperf.engine.lanes import COMPUTE
+from d2lperf.engine.workers import running_device
 from conftest import run_with_timeout
 
 pytestmark = pytest.mark.usefixtures('fresh_engine')

@@ -13,6 +13,7 @@ import pathlib
 import re
 
 import numpy
+import pytest
 
 import d2lperf
 
@@ -175,6 +176,60 @@ def reached_fields(tree):
             yield node.attr, node.lineno
 
 
+def imported_names(tree):
+    """The names a module binds by importing from the package (`TAPE`, `engine`)."""
+    return {alias.asname or alias.name for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and node.level for alias in node.names}
+
+
+def writes_into_imported(tree):
+    """(what, line) for each field a module writes or deletes on an object it imported from
+    another module of the package: `TAPE.walk = backward`, `engine.x += 1`, `setattr(TAPE,
+    ...)`."""
+    names = imported_names(tree)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, (ast.Store, ast.Del)):
+            base = node.value
+            while isinstance(base, ast.Attribute):
+                base = base.value
+            if isinstance(base, ast.Name) and base.id in names:
+                yield ast.unparse(node), node.lineno
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id in ('setattr', 'delattr') and node.args
+              and isinstance(node.args[0], ast.Name) and node.args[0].id in names):
+            yield ast.unparse(node), node.lineno
+
+
+def test_a_module_fills_another_modules_slots_only_through_a_declared_hook():
+    """A layer above hands a lower one what only it can provide (autograd's reverse walk, the
+    compiler's tracer) by calling a function the lower module declares for it (np/tape.py:
+    `register_backward`, `tracing`, `modes`), an import this file checks like any other. A
+    write into a field of an imported object (`TAPE.walk = backward`, as autograd.py once
+    did; `TAPE.tracer = tracer`, as hybrid/trace.py did) fills a lower module's slot from
+    above with no import to show it, and no name a reader can look up."""
+    written = [f'{path.relative_to(PACKAGE)}:{line} writes {what}'
+               for path in modules() for what, line in writes_into_imported(
+                   ast.parse(path.read_text()))]
+    assert written == []
+
+
+def test_the_tape_holds_what_the_layers_above_registered():
+    """The registrations the test above asks for, seen from the tape's side: autograd's walk
+    is in place once the package is imported, and a trace's tracer only while it traces; the
+    hook takes only what declares the interface it asks of a tracer (`tape.Tracing`)."""
+    from d2lperf import autograd
+    from d2lperf.hybrid.trace import Spec, Tracer, trace
+    from d2lperf.np.tape import TAPE, Tracing, tracing
+    seen = []
+    assert TAPE.walk is autograd.backward and TAPE.tracer is None
+    trace(lambda x: seen.append(TAPE.tracer) or x + 1, [Spec((2,))])
+    assert isinstance(seen[0], Tracer) and TAPE.tracer is None
+    assert issubclass(Tracer, Tracing)
+    with pytest.raises(TypeError, match='tracing takes a Tracing'):
+        with tracing(object()):
+            pass
+
+
 # What every layer may ask of an array, NumPy's, CuPy's or NDArray alike (shape, dtype, ...).
 ARRAY_PROTOCOL = set(dir(numpy.ndarray))
 
@@ -200,3 +255,11 @@ def test_the_top_level_stays_short_enough_to_read_as_a_table_of_contents():
     """At most 18 entries with __init__ (the house's second pass): a new concept goes into the
     folder of the layer it belongs to, or a folder replaces several modules."""
     assert len(entries()) + 1 <= 18, sorted(entries())
+
+
+def test_the_tracker_imports_nothing_of_the_policies_that_run_operations():
+    """engine/tracking.py decides when an operation may run, apart from what runs it (MXNet's
+    split, and the module's docstring): of the engine it imports the lane names alone, a
+    module that starts no thread and holds no worker (it once imported workers.py for one)."""
+    imported = {target for target, _, _ in imports(PACKAGE / 'engine' / 'tracking.py')}
+    assert imported <= {'engine.lanes'}, imported

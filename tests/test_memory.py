@@ -17,6 +17,7 @@ from hypothesis import given, strategies as st
 
 import d2lperf as d2l
 from d2lperf import autograd, device, engine, nn, np, optimizer
+from d2lperf.device import ledger
 from strategies import checks
 
 pytestmark = pytest.mark.usefixtures('fresh_engine')
@@ -234,8 +235,8 @@ def test_only_the_variables_that_hold_memory_are_held():
 
 
 def test_pending_changes_are_added_up_as_arrays_are_made():
-    arrays = [np.ones((1,), device=CPU1) for _ in range(3 * device.FOLD_AFTER)]
-    assert len(device.memory_changes) <= 2 * device.FOLD_AFTER
+    arrays = [np.ones((1,), device=CPU1) for _ in range(3 * ledger.FOLD_AFTER)]
+    assert len(ledger.memory_changes) <= 2 * ledger.FOLD_AFTER
     del arrays
 
 
@@ -333,3 +334,12 @@ def test_the_counts_follow_a_model_of_the_program(engine_kind, program):
             model.at_peak[dev])
         assert {k: now.peak_by_kind[k] - before[dev].by_kind[k]
                 for k in device.MEMORY_KINDS} == model.peak_by_kind[dev]
+
+
+def test_the_ledger_is_a_module_of_its_own_behind_the_contract_names():
+    """device/ledger.py holds the ledger, device/devices.py the devices; d2l.device.memory and
+    reset_peak (contract names) and label (every layer's) are the ledger's."""
+    from d2lperf.device import devices
+    assert (d2l.device.memory, d2l.device.reset_peak, d2l.device.label) == (
+        ledger.memory, ledger.reset_peak, ledger.label)
+    assert not {'memory', 'reset_peak', 'Held', 'label', 'MEMORY_KINDS'} & set(vars(devices))

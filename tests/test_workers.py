@@ -18,7 +18,7 @@ import d2lperf as d2l
 from d2lperf import autograd, device as device_module, engine, np
 from d2lperf.engine import blas as blas_module
 from d2lperf.engine.blas import SharedCores
-from d2lperf.engine.workers import COMPUTE, COPY_IN, COPY_OUT, copy_lane
+from d2lperf.engine.lanes import COMPUTE, COPY_IN, COPY_OUT, copy_lane
 from fakes import cupy as fake_cupy
 from conftest import run_with_timeout
 from strategies import checks
@@ -464,11 +464,11 @@ def test_a_gpu_lane_waits_only_for_other_streams_writes(fake_gpus):
     y.wait_to_read()
     z = y * 2
     z.wait_to_read()
-    compute = engine.current().workers.lanes[d2l.gpu(0), engine.COMPUTE].stream
+    compute = engine.current().workers.lanes[d2l.gpu(0), engine.COMPUTE].gpu.stream
     waits = [event for what, event in compute.log if what == 'wait']
     assert waits == [], 'the compute stream waited for its own events'
     numpy.testing.assert_array_equal(z.copyto(CPU0).asnumpy(), [4.0] * 4)
-    copy_out = engine.current().workers.lanes[d2l.gpu(0), 'copy out'].stream
+    copy_out = engine.current().workers.lanes[d2l.gpu(0), 'copy out'].gpu.stream
     assert [what for what, _ in copy_out.log].count('wait') >= 1
 
 
@@ -534,10 +534,10 @@ class TimedOp:
 
 
 def test_a_slowed_device_idles_factor_minus_one_times_each_operation(monkeypatch):
-    from d2lperf.engine import workers
+    from d2lperf.engine import pace
     clock = FakeClock()
-    monkeypatch.setattr(workers, 'time', clock)
-    slowed, full_speed = workers.Pace(d2l.cpu(7)), workers.Pace(d2l.cpu(6))
+    monkeypatch.setattr(pace, 'time', clock)
+    slowed, full_speed = pace.Pace(d2l.cpu(7)), pace.Pace(d2l.cpu(6))
     device_module.slow_down(d2l.cpu(7), 3)
     try:
         for _ in range(4):                      # 0.4 ms each: 0.8 ms owed after each

@@ -1,7 +1,8 @@
 """Every way the book sums gradients over devices, in the order the chapters teach them.
 
     from_scratch  by hand ("Training on Multiple GPUs"): a copy of the parameters for each
-              device, and SGD where they live (comm's `allreduce_on_first` sums between).
+              device (comm's `allreduce_on_first` sums between, and `optimizer.by_hand.sgd`
+              updates each where it lives).
     updates   what every way below shares: which parameters train, their devices, and the
               one update path (the user's rescale_grad times 1/batch_size, every copy alike).
     trainer   the Trainer ("Concise Implementation for Multiple GPUs", "Parameter Servers",
@@ -26,12 +27,12 @@
 Buckets and Zero take `step(forward, batch_size)`, where `forward()` computes every device's
 loss on its part of the batch, so that the chapter and the benchmarks time them alike.
 """
-from .from_scratch import get_params, sgd
+from .from_scratch import get_params
 from .trainer import Trainer
 from .evaluation import accuracy, evaluate_accuracy_gpu, evaluate_accuracy_gpus
 from .buckets import Buckets, plan_buckets
 from .zero import Zero
 from . import predict
 
-__all__ = ['get_params', 'sgd', 'Trainer', 'accuracy', 'evaluate_accuracy_gpu',
+__all__ = ['get_params', 'Trainer', 'accuracy', 'evaluate_accuracy_gpu',
            'evaluate_accuracy_gpus', 'Buckets', 'plan_buckets', 'Zero', 'predict']

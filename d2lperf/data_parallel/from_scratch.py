@@ -1,7 +1,7 @@
 """Data parallelism by hand: what "Training on Multiple GPUs" writes before "Concise
 Implementation for Multiple GPUs" hands it to `nn` and the `Trainer`: a copy of the parameters
-for each device, and an update that runs where the parameters live (`allreduce_on_first`, in
-comm, sums the gradients between the two).
+for each device, each with its gradient buffer. `allreduce_on_first`, in comm, sums the
+gradients between the copies, and `optimizer.by_hand.sgd` updates each copy where it lives.
 """
 
 
@@ -11,13 +11,3 @@ def get_params(params, device):
     for copy in copies:
         copy.attach_grad()
     return copies
-
-
-def sgd(params, lr, batch_size):
-    """Minibatch SGD in place: p -= lr / batch_size * p.grad (the gradient of a summed loss)."""
-    scale = lr / batch_size
-    for param in params:
-        if param.grad is None:
-            raise ValueError(f'a parameter of shape {param.shape} has no gradient: call '
-                             'attach_grad() on it (get_params does) before training')
-        param -= scale * param.grad

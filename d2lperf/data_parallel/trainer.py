@@ -10,11 +10,14 @@ Gluon's rule, `update_on_kvstore`:
 * in the store (a distributed store, unless told otherwise; dist_async always): the workers
   push gradients, the servers run the optimizer, the workers pull the weights.
 
-`step(batch_size)` scales the summed gradient by 1/batch_size, as MXNet's Trainer does. Under
-a synchronous distributed store the servers sum the gradients of every worker, so for the step
-of one process on the combined batch each worker calls `step(batch_size · num_workers)`, the
-examples that went into the sum (train_mnist does); `step(batch_size)` takes a step
-num_workers times larger, MXNet's behaviour. dist_async applies each push as it arrives.
+`step(batch_size)` scales the summed gradient by the optimizer's rescale_grad / batch_size, as
+MXNet's Trainer does: on the devices the step passes that scale to each update; a store that
+updates gets a copy of the optimizer whose rescale_grad is that scale (and keeps the copy's
+states). The Trainer's optimizer keeps the rescale_grad the user set. Under a synchronous
+distributed store the servers sum the gradients of every worker, so for the step of one
+process on the combined batch each worker calls `step(batch_size · num_workers)`, the examples
+that went into the sum (train_mnist does); `step(batch_size)` takes a step num_workers times
+larger, MXNet's behaviour. dist_async applies each push as it arrives.
 """
 from __future__ import annotations
 
@@ -48,9 +51,6 @@ class Trainer:
         self.store = store_from(kvstore)
         self.distributed = self.kvstore in kvstores.DIST_TYPES
         self.update_on_kvstore = self._where_to_update(update_on_kvstore)
-        # The user's rescale_grad, kept apart: each step sets the optimizer's to scale /
-        # batch_size, and a distributed store's servers keep the first value they were sent.
-        self.scale = self.optimizer.rescale_grad
         self.initialized = False         # whether the store holds the parameters
         self.store_updates = False       # whether the store holds the optimizer
         self.reduced = set()             # parameters whose gradients are summed for this step
@@ -93,7 +93,7 @@ class Trainer:
             self.update(batch_size)
             return
         self._init_store()
-        self._rescale_for_store(batch_size)
+        self._give_store_the_optimizer(batch_size)
         try:
             self._reduce_all()
             self.store.pull(list(range(len(self.params))), [p.list_data() for p in self.params])
@@ -110,13 +110,13 @@ class Trainer:
         """Apply the optimizer to every copy of every parameter, from its (summed) gradient."""
         self._refuse_on_kvstore('update')
         try:
-            scale = self.scale
+            scale = self.optimizer.rescale_grad
             if self.loss_scaler is not None:
                 # every copy holds the sum now: the first copies tell whether it overflowed
                 loss_scale = self.loss_scaler.check([p.list_grad()[0] for p in self.params])
                 if loss_scale is None:
                     return
-                scale /= loss_scale      # folded into rescale_grad: no pass over the grads
+                scale /= loss_scale      # folded into the step's scale: no pass over the grads
             apply_updates(self.optimizer, scale, batch_size, copies_of(self.params))
         finally:                         # a step that raised (a failed gradient) is over too
             self.reduced.clear()
@@ -137,18 +137,22 @@ class Trainer:
             return
         backward_reporting(losses, self.params, lambda i: self._reduce(i, self.params[i]))
 
-    def _rescale_for_store(self, batch_size):
-        """Give the store the optimizer, scaled for this step, once; a distributed store's
-        servers keep the scale they were given, so a later step may not change it."""
-        scale = self.scale / batch_size
-        if self.distributed and self.store_updates and scale != self.optimizer.rescale_grad:
-            raise ValueError(f'step({batch_size}) after steps of another batch size: the servers '
-                             'scale gradients by the 1/batch_size of the first step; keep the '
-                             'batch size, or scale the loss and call step(1)')
-        self.optimizer.rescale_grad = scale
+    def _give_store_the_optimizer(self, batch_size):
+        """A store that updates applies its optimizer to each push as it comes, told nothing of
+        the step: at the first step it gets a copy of the Trainer's whose rescale_grad is the
+        step's (the user's / batch_size), and the Trainer's stays the user's. A distributed
+        store's servers keep the numbers they were sent, so a later step may not change the
+        batch size; an in-process store's copy takes the new scale."""
+        scale = self.optimizer.rescale_grad / batch_size
         if not self.store_updates:
-            self.store.set_optimizer(self.optimizer)
+            self.store.set_optimizer(self.optimizer.rescaled(scale))
             self.store_updates = True
+        elif scale != self.store.optimizer.rescale_grad:
+            if self.distributed:
+                raise ValueError(f'step({batch_size}) after steps of another batch size: the '
+                                 'servers scale gradients by the 1/batch_size of the first '
+                                 'step; keep the batch size, or scale the loss and call step(1)')
+            self.store.optimizer.rescale_grad = scale
 
     def _init_store(self):
         """Once, at the first backward or step (as Gluon does, so that creating a Trainer costs

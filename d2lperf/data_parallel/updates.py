@@ -45,15 +45,17 @@ def create_optimizer(optimizer, optimizer_params):
 
 def apply_updates(optimizer, scale, batch_size, updates):
     """Apply `optimizer` to every (key, weight, gradient) of `updates`, each gradient scaled by
-    `scale / batch_size`: the user's rescale_grad (`scale`, as the optimizer was created) times
-    the mean over the batch, MXNet's Trainer.step rule. A gradient whose operation has
-    failed by now raises here, before any update; one that fails later skips its update
-    (`engine.push_update`): either way the weights and the optimizer's state stay as they were."""
+    `scale / batch_size`: the user's rescale_grad (`scale`: the optimizer's own, or it over a
+    loss scale) times the mean over the batch, MXNet's Trainer.step rule, passed to each
+    update as this step's scale (the optimizer's own setting is left as it is). A gradient
+    whose operation has failed by now raises here, before any update; one that fails later
+    skips its update (`engine.push_update`): either way the weights and the optimizer's state
+    stay as they were."""
     updates = list(updates)
     engine.raise_known_failure([grad.var for _, _, grad in updates])
-    optimizer.rescale_grad = scale / batch_size
+    rescale_grad = scale / batch_size
     for key, weight, grad in updates:
-        optimizer.update(key, weight, grad)
+        optimizer.update(key, weight, grad, rescale_grad)
 
 
 def copies_of(params):

@@ -2,9 +2,12 @@
 
 Tracking (`tracking.py`: variables, operations, the rules that order them, failures) is kept
 apart from the running policy (`engines.py`: the threaded and the naive engine; `workers.py`:
-a thread per device and lane, CUDA streams; `blas.py`: BLAS threads that fit the cores other
-programs leave, shared by virtual CPU devices; `pieces.py`: a large operation cut over those
-cores; `freed_memory.py`: freed memory kept for the next step). The rest of the package calls
+a thread per device and lane (`lanes.py`), helped by the threads that wait; `streams.py`: a
+GPU lane's CUDA stream and the events that order the streams; `interrupts.py`: Ctrl-C held
+back while a waiting thread helps; `pace.py`: a virtual device slowed down; `blas.py`: BLAS
+threads that fit the cores other programs leave, shared by virtual CPU devices; `pieces.py`:
+a large operation cut over those cores; `freed_memory.py`: freed memory kept for the next
+step). The rest of the package calls
 only the functions below, on the engine in use, which `current()` builds on first use:
 importing the package starts no thread and changes no setting. Its one effect is to load
 NumPy, with OpenBLAS's brief spin (`blas.spin_briefly`, which leaves `os.environ` as it found
@@ -22,7 +25,8 @@ blas.spin_briefly()         # before the imports below load NumPy, and with it O
 from .tracking import OperationError, OpRecord, Var                      # noqa: F401
 from . import engines
 from .engines import Engine, NaiveEngine, ThreadedEngine
-from .workers import COMPUTE, COPY_IN, COPY_OUT, copy_lane, gpu_lanes    # noqa: F401
+from .lanes import COMPUTE, COPY_IN, COPY_OUT, copy_lane                 # noqa: F401
+from .streams import gpu_lanes
 
 if TYPE_CHECKING:
     from ..device import Device

@@ -15,7 +15,10 @@ from . import tracking
 from .tracking import (Operation, OpRecord, append_read, append_write, complete_read,
                        complete_write, execute, failure, forget_failures, free_to_run,
                        set_error, take_back)
-from .workers import COMPUTE, RunNow, Workers, ctrl_c, synchronize
+from .interrupts import ctrl_c
+from .lanes import COMPUTE
+from .streams import synchronize
+from .workers import RunNow, Workers
 
 
 class Engine:
@@ -164,7 +167,7 @@ class ThreadedEngine(Engine):
 
     def run_waiter_here(self, op):
         """Take the waiter's grants, run it and let them go, with Ctrl-C held back meanwhile
-        (`workers.CtrlC`, as a helping thread does): nothing can come between the grants and
+        (`interrupts.CtrlC`, as a helping thread does): nothing can come between the grants and
         their release. Rare (its variables are mostly in use), so the two system calls of the
         hold cost little."""
         held = ctrl_c.hold()
@@ -261,7 +264,7 @@ class ThreadedEngine(Engine):
     def complete(self, op, error, own):
         """Release what `op` held; dispatch what that made ready; keep its own error for
         wait_all. Runs on a worker's thread, or on a main thread that helps and holds Ctrl-C
-        back meanwhile (`workers.CtrlC`)."""
+        back meanwhile (`interrupts.CtrlC`)."""
         granted, ready = [], []
         with self.lock:
             for var in op.reads:

@@ -14,7 +14,7 @@ import itertools
 import time
 import weakref
 
-from .workers import COMPUTE
+from .lanes import COMPUTE
 
 _var_ids = itertools.count()
 
@@ -251,7 +251,7 @@ def execute(op, where, launch=None, catching=(Exception, KeyboardInterrupt)):
     What `catching` names fails the operation; by default a KeyboardInterrupt too, so that its
     lane goes on: on the threaded engine that is the operation's own doing, never Ctrl-C (a
     waiting main thread that runs operations holds Ctrl-C back until they are done,
-    `workers.CtrlC`). The naive engine runs operations on the caller's thread and lets Ctrl-C
+    `interrupts.CtrlC`). The naive engine runs operations on the caller's thread and lets Ctrl-C
     through as itself: what the operation writes is not failed, and the next cell works."""
     record = op.record
     if record is not None:

@@ -1,47 +1,27 @@
-"""The engine's running policy: which thread runs a ready operation, and how.
+"""Workers: the engine's running policy, which thread runs a ready operation.
 
 The dependency tracker (`tracking.py`) decides *when* an operation may run; this module decides
-*where*. Every device has one worker thread per *lane*, as in MXNet's per-device engine: a
-compute lane, and lanes that move data, so that a copy overlaps with computation that does
-not depend on it. A thread that waits for a result may run a CPU lane's queue in its thread's
-place (`Worker.run_here_until`): one thread at a time runs a lane, in the lane's order. On a
-GPU each lane owns a CUDA stream (compute; host to device; device to host), so the copy
-engines of the GPU work while its cores compute; the CUDA events that order the streams, and
-the waits for them, are all here. Virtual CPU devices share the machine's cores, and their
-BLAS threads fit the cores other programs leave free (`blas.SharedCores`); a device slowed
-down keeps its `Pace`. `running_device()` says which device's operations the current thread
-runs. A helping main thread holds Ctrl-C back until the operation in hand is done (`CtrlC`).
-`RunNow` is the naive engine's policy: the caller's thread, at once. Taught in "Automatic
-Parallelism".
+*where*. Every device has one worker thread per lane (`lanes.py`): its ready operations queue
+there and run in arrival order. A thread that waits for a result may run a CPU lane's queue in
+its thread's place (`Worker.run_here_until`): one thread at a time runs a lane, in the lane's
+order, with Ctrl-C held back meanwhile (`interrupts.py`). A GPU lane launches its operations on
+its own stream (`streams.py`); a CPU compute lane fits the BLAS threads to the cores others
+leave free (`blas.SharedCores`) and keeps its device's pace (`pace.py`). `RunNow` is the naive
+engine's policy: the caller's thread, at once. `running_device()` says which device's
+operations the current thread runs. Taught in "Asynchronous Computation" and
+"Automatic Parallelism".
 """
 import collections
 import queue
 import threading
-import time
-import weakref
-# The C functions behind `signal.signal` and `signal.getsignal`: the public wrappers convert
-# handlers to enums, which costs five times the system call, on every helped wait.
-from _signal import SIGINT, getsignal, signal as set_signal_handler
-from _thread import get_ident
 
 from .blas import SharedCores
-from ..device import cpu, slowdowns
 from .freed_memory import keep_freed_memory
-
-COMPUTE, COPY_IN, COPY_OUT = 'compute', 'copy in', 'copy out'
-
-
-def copy_lane(source, target):
-    """The (device, lane) that runs a copy: a GPU's copy stream if one side is a GPU.
-
-    Data leaving a GPU goes on its copy-out stream; data entering a GPU from the host on its
-    copy-in stream; between GPUs on the source's copy-out stream (it waits for the source's
-    kernels); between CPU devices on the target's copy-in thread.
-    """
-    if source.kind == 'gpu':
-        return source, COPY_OUT
-    return target, COPY_IN
-
+from .interrupts import ctrl_c
+from .lanes import COMPUTE
+from .pace import Pace
+from .streams import GpuLane, run_on_gpu_now
+from ..device import cpu, slowdowns
 
 running = threading.local()      # .device: the device whose operations this thread runs
 
@@ -51,48 +31,6 @@ def running_device():
     other thread). Like CUDA's current device, it lets an operation find its device's
     resources, such as its random generator, without being handed them."""
     return getattr(running, 'device', None) or cpu()
-
-
-# A GPU compute lane only launches its kernels: the engine counts the write done at once.
-# The CUDA event recorded after them, per variable, is what later readers on other streams
-# wait for; a reader on the same stream runs after them anyway.
-write_events = weakref.WeakKeyDictionary()  # engine Var -> (stream, event) of its last write
-gpu_lanes = []                                  # a GPU lane has started: events may exist
-
-
-def synchronize(var):
-    """Block until the kernels that last wrote `var` have finished (CPU work: nothing to do)."""
-    if gpu_lanes:
-        written = write_events.get(var)
-        if written is not None:
-            written[1].synchronize()
-
-
-class Pace:
-    """The speed of one CPU device, kept by whoever runs its operations (its compute lane, or
-    the naive engine): on a device slowed down (`device.slow_down`), each operation is followed
-    by the idle time the slower device would have taken longer. That time is owed and paid in
-    sleeps of a millisecond or more, as the OS cannot sleep for the few microseconds one
-    operation takes; one thread at a time runs a device's operations, so one debt is enough."""
-
-    __slots__ = ('device', 'owed')
-
-    def __init__(self, device):
-        self.device, self.owed = device, 0.0
-
-    def run_at_speed(self, op):
-        factor = slowdowns.get(self.device)
-        if factor is None:
-            op.fn()
-            return
-        start = time.perf_counter()
-        op.fn()
-        owed = self.owed + (factor - 1) * (time.perf_counter() - start)
-        if owed >= 1e-3:
-            start = time.perf_counter()
-            time.sleep(owed)
-            owed -= time.perf_counter() - start
-        self.owed = owed
 
 
 class RunNow:
@@ -112,15 +50,6 @@ class RunNow:
             pace.run_at_speed(op)
         else:
             run_on_gpu_now(device, op)
-
-
-def run_on_gpu_now(device, op):
-    cupy = device.xp
-    with cupy.cuda.Device(device.index):
-        op.fn()
-        cupy.cuda.get_current_stream().synchronize()
-    for var in op.writes:
-        write_events.pop(var, None)
 
 
 STOP = None                     # what a worker's wake-ups hold to end its thread
@@ -144,9 +73,9 @@ class Worker:
         self.queued = collections.deque()
         self.wakeups = queue.SimpleQueue()       # WAKE per queued operation, STOP at the end
         self.runner = threading.Lock()
-        self.stream, self.launch = None, None     # on a GPU: its stream, and run_on_stream
-        self.pace = None                          # on a CPU compute lane: the device's Pace
-        self.launched = collections.deque()   # GPU: (event, op), kept alive until the event
+        self.launch = None            # how it runs an operation: GpuLane.launch, Pace.run_at_speed
+        self.gpu = None               # on a GPU: the lane's stream (a GpuLane)
+        self.pace = None              # on a CPU compute lane: the device's Pace
         started = threading.Event()
         self.thread = threading.Thread(target=self._loop, args=(started,),
                                        name=f'd2lperf-{self.name}', daemon=True)
@@ -156,8 +85,8 @@ class Worker:
     def _loop(self, started):
         running.device = self.device
         if self.device.kind == 'gpu':
-            self.stream, self.launch = use_gpu_stream(self.device), self.run_on_stream
-            gpu_lanes.append(self.name)
+            self.gpu = GpuLane(self.device, self.lane)
+            self.launch = self.gpu.launch
         elif self.lane == COMPUTE:
             self.pace = Pace(self.device)
             self.launch = self.pace.run_at_speed
@@ -267,97 +196,10 @@ class Worker:
         self.wakeups.put(STOP)
         self.thread.join()
 
-    def run_on_stream(self, op):
-        """Launch `op` on this lane's stream: after the kernels that wrote what it reads.
-
-        A copy lane waits for its copy to finish, so the engine completes a copy only once
-        the data has moved: later writers of its source (on any stream) cannot overtake it.
-        A compute lane returns at once; the op (and so the arrays its closure holds) is
-        kept until its kernels are done, so memory is never recycled under a running kernel.
-        """
-        stream = self.stream
-        for var in op.reads:
-            written = write_events.get(var)
-            if written is not None and written[0] is not stream:
-                stream.wait_event(written[1])
-        record = op.record
-        begin = stream.record() if record is not None else None
-        op.fn()
-        end = stream.record()
-        if record is not None:
-            record.events = (begin, end)
-        if self.lane != COMPUTE:
-            end.synchronize()
-            for var in op.writes:
-                write_events.pop(var, None)
-            return
-        self._keep_until_done(end, op)
-        for var in op.writes:
-            write_events[var] = (stream, end)
-
-    def _keep_until_done(self, event, op):
-        launched = self.launched
-        while launched and launched[0][0].done:
-            launched.popleft()
-        launched.append((event, op))
-
     def synchronize(self):
         """Wait for this lane's stream (if any) to finish everything launched on it."""
-        if self.stream is not None:
-            self.stream.synchronize()
-            self.launched.clear()
-
-
-class CtrlC:
-    """Ctrl-C held back while the main thread runs a lane's operations (`Worker.run_here_until`).
-
-    With helping off, Ctrl-C finds the waiting main thread asleep; the operations run on,
-    whole, on their lane's thread. A main thread that helps runs them itself, and Python
-    raises KeyboardInterrupt at its next bytecode: inside an operation (half done, its value
-    lost) or inside the engine's bookkeeping (a lane left locked, an operation taken from its
-    queue and never run: later waits hang). So while the main thread helps (the only thread
-    that Python delivers signals to), SIGINT's handler is this object, which only notes the
-    signal. `release` puts the handler back and calls it once the operation in hand has
-    completed and the lane is free: the caller gets its KeyboardInterrupt, nothing is lost.
-    """
-
-    __slots__ = ('handler', 'noted', 'frame')
-
-    def __init__(self):
-        self.handler, self.noted, self.frame = None, False, None     # noted: only while held
-
-    def hold(self):
-        """Hold Ctrl-C back if this is the main thread and SIGINT has a Python handler (not
-        ignored, nor the default that ends the process) that is not this one already (an
-        operation the main thread helps with may wait in turn); True if it now does. Every
-        short push asks (`ThreadedEngine.push_short`): the two system calls that swap the
-        handler are most of its cost, so nothing else is done."""
-        if get_ident() != MAIN_THREAD:
-            return False
-        handler = getsignal(SIGINT)
-        if handler is self or not callable(handler):
-            return False
-        self.handler = handler
-        set_signal_handler(SIGINT, self)      # a SIGINT already pending raises first
-        return True
-
-    def __call__(self, signum, frame):
-        self.noted, self.frame = True, frame
-
-    def release(self):
-        """Give SIGINT its handler back; call it if Ctrl-C came while it was held."""
-        handler = self.handler
-        try:
-            set_signal_handler(SIGINT, handler)   # a SIGINT still pending is noted first
-        finally:                # even if a new one raised at once: this one goes with it
-            noted, self.noted = self.noted, False
-        if noted:
-            frame, self.frame = self.frame, None
-            handler(SIGINT, frame)
-
-
-ctrl_c = CtrlC()           # one is enough: only the main thread holds it
-MAIN_THREAD = threading.main_thread().ident    # compared on every help and short push
+        if self.gpu is not None:
+            self.gpu.synchronize()
 
 
 class Workers:
@@ -412,12 +254,3 @@ class Workers:
         for worker in list(self.lanes.values()):
             worker.stop()
         self.lanes.clear()
-
-
-def use_gpu_stream(device):
-    """Make `device` current on this thread and give the thread a stream of its own."""
-    cupy = device.xp
-    cupy.cuda.Device(device.index).use()
-    stream = cupy.cuda.Stream(non_blocking=True)
-    stream.use()
-    return stream

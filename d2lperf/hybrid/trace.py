@@ -13,7 +13,7 @@ import numpy
 
 from ..device import cpu
 from ..np.multiarray import ArrayMethods, NDArray, check_basic_key
-from ..np.tape import TAPE
+from ..np.tape import Tracing, tracing
 from .graph import Graph, Node
 
 
@@ -128,7 +128,7 @@ def canonical(value):
     return value
 
 
-class Tracer:
+class Tracer(Tracing):
     """Builds one graph: placeholders for the arguments, then one node per operation."""
 
     def __init__(self, device, param_name=None):
@@ -203,11 +203,8 @@ def trace(fn, args, names=None, param_name=None):
                          f'{sorted(map(str, devices))}')
     tracer = Tracer(devices.pop(), param_name)
     symbols = [tracer.placeholder(n, a.shape, a.dtype) for n, a in zip(names, args)]
-    outer, TAPE.tracer = TAPE.tracer, tracer
-    try:
+    with tracing(tracer):
         result = fn(*symbols)
-    finally:
-        TAPE.tracer = outer
     results = list(result) if isinstance(result, (tuple, list)) else [result]
     graph = tracer.graph
     graph.outputs = [tracer.node_of(r) if isinstance(r, (Symbol, NDArray)) else _not_an_array(r)

@@ -26,6 +26,12 @@ class ArrayMethods:
     __slots__ = ()
     __hash__ = object.__hash__
 
+    def apply_op(self, name, inputs, attrs):
+        """Take an operation that `apply` finds this array among the inputs of, where it is
+        not an NDArray: the compiler's stand-in records it as a graph node. An NDArray never
+        gets here: `apply` pushes its operations."""
+        raise NotImplementedError(f'{type(self).__name__} takes no operations')
+
     # -- metadata: known at push time, never blocks --------------------------------------
     @property
     def ndim(self):
@@ -240,9 +246,10 @@ def apply(name, *inputs, **attrs):
     """Push one registered operation; return its output NDArray at once.
 
     Five steps, which every operation takes: find the array inputs (or hand the call to the
-    compiler's tracer), the one device they share, the output's shape and dtype, then push
-    the work (a view of the first input, or a new array computed, with any input the op
-    writes in place), and leave a node on the tape if autograd records."""
+    compiler: to the stand-in among them, or to the tracer in force, `tape.tracing`), the
+    one device they share, the output's shape and dtype, then push the work (a view of the
+    first input, or a new array computed, with any input the op writes in place), and leave
+    a node on the tape if autograd records."""
     op = REGISTRY[name]
     # The scan stays here, not in a function of its own: one more call costs 2% of a tiny
     # operation's time (benchmarks/engine.py), and this is the path every operation takes.
@@ -252,8 +259,8 @@ def apply(name, *inputs, **attrs):
             arrays.append(x)
         elif type(x) in PYTHON_SCALARS:
             pass
-        elif hasattr(x, 'apply_op'):
-            return traced(name, inputs, attrs)
+        elif isinstance(x, ArrayMethods):     # the compiler's stand-in: a graph node
+            return x.apply_op(name, inputs, attrs)
         else:
             as_device_input(x)
     if not arrays:
@@ -270,12 +277,6 @@ def apply(name, *inputs, **attrs):
     if TAPE.recording and any(map(needs_grad, arrays)):
         out.node = TapeNode(op, inputs, attrs)
     return out
-
-
-def traced(name, inputs, attrs):
-    """Hand the call to the compiler's tracer among the inputs: it records a graph node."""
-    tracer = next(x for x in inputs if hasattr(x, 'apply_op'))
-    return tracer.apply_op(name, inputs, attrs)
 
 
 def push_view(op, base, shape, dtype, attrs):

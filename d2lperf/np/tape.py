@@ -7,12 +7,18 @@ reverse. `TAPE.recording` says whether to leave nodes; `TAPE.training` whether l
 as dropout behave as in training or as in prediction. Both are set only by autograd's
 context managers. The tape lives apart from autograd.py so that the array (multiarray.py),
 which records, need not import autograd, which sits above it: `TAPE.walk` is autograd's
-`backward`, set when autograd is imported, and `NDArray.backward` calls it. The two modules
-together are all of reverse mode.
+`backward`, and `NDArray.backward` calls it. The two modules together are all of reverse mode.
+
+The layers above fill the tape in through the three functions declared for it here, never by
+writing its fields (tests/test_layering.py checks): autograd hands in its walk
+(`register_backward`, once, when it is imported) and sets the flags (`modes`); the compiler
+hands in its tracer for the time of a trace (`tracing`).
 
 A node keeps its inputs alive until the graph is freed, for backward to read: the memory they
 hold counts as activations from then on (`device.memory`).
 """
+import contextlib
+
 from ..device import Held
 
 
@@ -42,6 +48,53 @@ class TapeState:
 
 
 TAPE = TapeState()
+
+
+def register_backward(walk):
+    """Autograd's reverse walk, handed in once as autograd is imported: `NDArray.backward`,
+    a layer below it, calls `walk(head, head_grad, retain_graph, on_gradient)`."""
+    TAPE.walk = walk
+
+
+@contextlib.contextmanager
+def modes(recording, training):
+    """Set the tape's flags (None: leave one as it is) inside the block, then restore them:
+    autograd's `record`, `pause`, `train_mode` and `predict_mode`."""
+    previous = TAPE.recording, TAPE.training
+    if recording is not None:
+        TAPE.recording = recording
+    if training is not None:
+        TAPE.training = training
+    try:
+        yield
+    finally:
+        TAPE.recording, TAPE.training = previous
+
+
+class Tracing:
+    """What `tracing` takes: the compiler's tracer (`hybrid.trace.Tracer`), declared here, below
+    the compiler, because every operation of the array asks it whether to take a call."""
+
+    def reads_a_parameter(self, arrays):
+        """Whether an operation on these NDArrays belongs in the traced graph."""
+        raise NotImplementedError
+
+    def call(self, name, inputs, attrs):
+        """Record the operation `name(*inputs, **attrs)`; return what stands for its output."""
+        raise NotImplementedError
+
+
+@contextlib.contextmanager
+def tracing(tracer):
+    """Inside the block, every operation on NDArrays that reads a parameter goes to `tracer`
+    (a `Tracing`), not to the engine; the tracer in force before comes back after."""
+    if not isinstance(tracer, Tracing):
+        raise TypeError(f'tracing takes a Tracing (the compiler\'s tracer), not {tracer!r}')
+    outer, TAPE.tracer = TAPE.tracer, tracer
+    try:
+        yield
+    finally:
+        TAPE.tracer = outer
 
 
 def keep_for_backward(inputs):

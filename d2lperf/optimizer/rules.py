@@ -27,32 +27,48 @@ FLOAT32 = numpy.dtype(numpy.float32)
 class Optimizer:
     """What SGD and Adam share: checked settings, a state per key, and float32 master weights.
 
-    Subclasses give `step(key, weight, grad)`, the rule itself, which `update` runs on the
-    weight or, under multi_precision, on its master copy.
+    Subclasses give `step(key, weight, grad, rescale_grad)`, the rule itself, which `update`
+    runs on the weight or, under multi_precision, on its master copy. `rescale_grad` is the
+    user's setting, never changed by training: a step that scales its gradients otherwise (a
+    Trainer's, by 1/batch_size) says so as it updates.
     """
 
     def __init__(self, rescale_grad=1.0, multi_precision=False, **settings):
         for name, value in dict(settings, rescale_grad=rescale_grad).items():
             check_setting(name, value, type(self).__name__)
         self.rescale_grad, self.multi_precision = float(rescale_grad), bool(multi_precision)
+        self.settings = settings     # the rule's own (learning_rate, ...), for `rescaled`
         self.states = {}             # key -> the rule's state, created on the first update
         self.masters = {}            # key -> float32 master copy (multi_precision only)
         self.saved = {}              # key -> (host array, device) loaded, not yet given a weight
         self.warned = False          # of a low-precision weight updated without a master
 
-    def update(self, key, weight, grad):
-        """Apply one step to `weight` in place (engine operations on weight's device)."""
+    def update(self, key, weight, grad, rescale_grad=None):
+        """Apply one step to `weight` in place (engine operations on weight's device), the
+        gradient scaled by `rescale_grad`: this step's scale (a Trainer's step(batch_size)
+        passes the user's rescale_grad / batch_size), or, None, the optimizer's own (a store
+        applies it so to every push)."""
+        if rescale_grad is None:
+            rescale_grad = self.rescale_grad
         if key in self.saved:
             self.restore(key, weight, *self.saved.pop(key))
         if not self.keeps_master(weight):
             self.warn_without_master(weight)
-            self.step(key, weight, grad)
+            self.step(key, weight, grad, rescale_grad)
             return
         master = self.masters.get(key)
         if master is None:
             master = self.masters[key] = label_master(weight.astype(FLOAT32))
-        self.step(key, master, grad.astype(FLOAT32))
+        self.step(key, master, grad.astype(FLOAT32), rescale_grad)
         weight[:] = master           # one operation: the assignment rounds to weight's dtype
+
+    def rescaled(self, rescale_grad):
+        """A fresh optimizer of this kind and these settings whose own rescale_grad is
+        `rescale_grad`: what a Trainer hands a store that updates, which applies it to each
+        push as it comes, told nothing of the step (a distributed store sends its numbers to
+        the servers once)."""
+        return type(self)(**self.settings, rescale_grad=rescale_grad,
+                          multi_precision=self.multi_precision)
 
     def warn_without_master(self, weight):
         """Warn, once, of a float16 or bfloat16 weight updated in its own precision, as MXNet
@@ -77,8 +93,9 @@ class Optimizer:
         """Whether `weight` is updated through a float32 master copy."""
         return self.multi_precision and numpy.dtype(weight.dtype) in LOW_PRECISION
 
-    def step(self, key, weight, grad):
-        """The rule: one step on `weight` (under multi_precision, the master), in place."""
+    def step(self, key, weight, grad, rescale_grad):
+        """The rule: one step on `weight` (under multi_precision, the master), in place, with
+        `grad` scaled by `rescale_grad`."""
         raise NotImplementedError
 
     def restore(self, key, weight, saved, device):
@@ -112,13 +129,13 @@ class SGD(Optimizer):
         self.learning_rate, self.momentum = float(learning_rate), float(momentum)
         self.wd = float(wd)
 
-    def step(self, key, weight, grad):
+    def step(self, key, weight, grad, rescale_grad):
         velocity = None
         if self.momentum:
             velocity = self.states.get(key)
             if velocity is None:
                 velocity = self.states[key] = new_state(weight)
-        settings = (self.learning_rate, self.momentum, self.wd, self.rescale_grad)
+        settings = (self.learning_rate, self.momentum, self.wd, rescale_grad)
         fused('sgd_update', sgd_rule, settings, grad, weight, velocity)
 
     def state_of(self, weight):
@@ -194,13 +211,13 @@ class Adam(Optimizer):
         self.epsilon, self.wd = float(epsilon), float(wd)
         self.counts = {}             # key -> updates so far (t)
 
-    def step(self, key, weight, grad):
+    def step(self, key, weight, grad, rescale_grad):
         state = self.states.get(key)
         if state is None:
             state = self.states[key] = (new_state(weight), new_state(weight))
         self.counts.setdefault(key, 0)
         rate = functools.partial(self.counted_rate, key, self.learning_rate)
-        settings = (rate, self.beta1, self.beta2, self.epsilon, self.wd, self.rescale_grad)
+        settings = (rate, self.beta1, self.beta2, self.epsilon, self.wd, rescale_grad)
         fused('adam_update', adam_rule, settings, grad, weight, *state)
 
     def counted_rate(self, key, learning_rate):
