@@ -9,7 +9,7 @@ import numpy
 import pytest
 
 import d2lperf as d2l
-from d2lperf import autograd, comm, nn, np, npx
+from d2lperf import autograd, comm, np, npx
 from d2lperf.model_parallel import Pipeline, parallel_gpt, predict, schedule, simulate
 from d2lperf.model_parallel import bubble as simulated_bubble
 from model_parallel_helpers import SEQ, VOCAB, devices, gpt as layered_gpt
