@@ -35,6 +35,7 @@ Rows, all measured side by side in this run:
 * GPU rows with CuPy, where a GPU is present.
 Each figure is the best of several interleaved repeats.
 """
+import collections
 import os
 import platform
 import sys
@@ -787,13 +788,14 @@ def blas_kernels():
     Haswell's AVX2 ones on an AVX-512 CPU, where PyTorch's oneDNN uses AVX-512)."""
     found = ', '.join(f"{lib['internal_api']} {lib.get('architecture')}"
                       for lib in threadpool_info() if lib['user_api'] == 'blas')
-    forced = os.environ.get('OPENBLAS_CORETYPE')
+    chosen = ', '.join(f'{name}={os.environ.get(name, "(unset)")}'
+                       for name in ('OPENBLAS_CORETYPE', 'OPENBLAS_L2_SIZE'))
     try:
         import torch
         theirs = f'; PyTorch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}'
     except ImportError:
         theirs = ''
-    return f'NumPy: {found}' + (f' (OPENBLAS_CORETYPE={forced})' if forced else '') + theirs
+    return f'NumPy: {found} ({chosen}){theirs}'
 
 
 def gpu_rows():
@@ -832,6 +834,41 @@ def lenet_section(cores):
     print(f'\nWhere a step goes, d2lperf imperative at {cores} threads (ms per step): ' +
           ', '.join(f'{name} {ms:.1f}' for name, ms in profile[:6]) +
           f'; the other {len(profile) - 6} kinds {sum(ms for _, ms in profile[6:]):.1f}')
+
+
+def per_kind_ms(step, threads, steps=5):
+    """Milliseconds per step each kind of operation took at `threads` (engine records)."""
+    per_op = collections.Counter()
+    with threadpool_limits(threads):
+        step()
+        with d2l.profiler.profile() as records:
+            for _ in range(steps):
+                step()
+    for r in records:
+        per_op[r.name] += (r.end - r.start) * 1e3 / steps
+    return per_op
+
+
+def scaling_section(cores):
+    """Where the second core goes idle: each kind of operation's time at one thread and at
+    every core, from the engine's records, for LeNet and the small GPT. A kind whose time does
+    not fall ran on one core while the others waited (a pass under `pieces.SPLIT_BYTES`)."""
+    x, y = batch()
+    sizes, gpt_batch = GPT_SHAPES['4×128']
+    for name, step in (('LeNet, batch 256', d2lperf_step_fn([d2l.cpu(0)], x, y)),
+                       ('GPT 4×128', gpt_step_fn(False, None, sizes, gpt_batch))):
+        one, every = per_kind_ms(step, 1), per_kind_ms(step, cores)
+        total_one, total_every = sum(one.values()), sum(every.values())
+        print(f'\n{name}, imperative: operation time by kind at 1 and {cores} threads; '
+              f'{load_average()}')
+        print(f'| kind | ms at 1 | ms at {cores} | speed-up | share at {cores} |\n'
+              '|---|--:|--:|--:|--:|')
+        for kind, ms in sorted(every.items(), key=lambda item: -item[1])[:12]:
+            print(f'| {kind} | {one[kind]:.2f} | {ms:.2f} | {one[kind] / ms:.2f} | '
+                  f'{ms / total_every:.0%} |')
+        flat = sum(ms for kind, ms in every.items() if one[kind] < 1.15 * ms)
+        print(f'| all | {total_one:.1f} | {total_every:.1f} | {total_one / total_every:.2f} | '
+              f'kinds sped up less than 1.15×: {flat / total_every:.0%} of the time |')
 
 
 def data_parallel_section(cores):
@@ -1016,17 +1053,8 @@ def gpu_section(cores):
 SECTIONS = {'lenet': lenet_section, 'data_parallel': data_parallel_section,
             'sharded': sharded_section, 'memory': memory_section, 'gpt': gpt_section,
             'resnet': resnet_section, 'convolutions': convolutions_section,
+            'scaling': scaling_section,
             'gpu': gpu_section}
-
-
-def blas_kernels():
-    """Which BLAS kernels run, and the two variables that choose them on some machines (a
-    VM may set OPENBLAS_CORETYPE to an older core; a reader's laptop sets neither)."""
-    kernels = ', '.join(f"{info['internal_api']} {info.get('version')} {info.get('architecture')}"
-                        for info in threadpool_info() if info['user_api'] == 'blas')
-    chosen = ', '.join(f'{name}={os.environ.get(name, "(unset)")}'
-                       for name in ('OPENBLAS_CORETYPE', 'OPENBLAS_L2_SIZE'))
-    return f'# BLAS: {kernels}; {chosen}'
 
 
 def main(names=None):
@@ -1037,7 +1065,7 @@ def main(names=None):
     cores = available_cores()
     print(f'# {platform.machine()}, {cores} cores, Python {platform.python_version()}, '
           f'NumPy {numpy.__version__}; batch {BATCH}, 28x28, best of {REPEATS}')
-    print(blas_kernels())
+    print(f'# {blas_kernels()}')
     for name in names:
         SECTIONS[name](cores)
 
