@@ -224,3 +224,19 @@ def test_a_step_is_one_operation_a_parameter(name, params, op):
         trainer.step(4)
         d2l.npx.waitall()
     assert [r.name for r in records] == [op, op]        # the weight's and the bias's
+
+
+@pytest.mark.parametrize('make', [lambda: optimizer.SGD(learning_rate=0.3, momentum=0.5, wd=0.1),
+                                  lambda: optimizer.Adam(learning_rate=0.2, beta1=0.8,
+                                                         multi_precision=True)])
+def test_rescaled_is_a_fresh_optimizer_with_the_same_settings_and_its_own_scale(make):
+    """What a Trainer hands a store that updates: the rule and settings of its own optimizer
+    (a learning rate changed since included), the step's scale, no state; the original keeps
+    the user's rescale_grad."""
+    original = make()
+    original.learning_rate = 0.05
+    copy = original.rescaled(0.125)
+    assert type(copy) is type(original) and copy.rescale_grad == 0.125
+    assert original.rescale_grad == 1.0 and copy.states == {} and copy is not original
+    for name in original.setting_names + ('multi_precision',):
+        assert getattr(copy, name) == getattr(original, name), name

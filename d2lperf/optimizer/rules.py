@@ -37,7 +37,7 @@ class Optimizer:
         for name, value in dict(settings, rescale_grad=rescale_grad).items():
             check_setting(name, value, type(self).__name__)
         self.rescale_grad, self.multi_precision = float(rescale_grad), bool(multi_precision)
-        self.settings = settings     # the rule's own (learning_rate, ...), for `rescaled`
+        self.setting_names = tuple(settings)     # the rule's own: learning_rate, ...
         self.states = {}             # key -> the rule's state, created on the first update
         self.masters = {}            # key -> float32 master copy (multi_precision only)
         self.saved = {}              # key -> (host array, device) loaded, not yet given a weight
@@ -63,11 +63,12 @@ class Optimizer:
         weight[:] = master           # one operation: the assignment rounds to weight's dtype
 
     def rescaled(self, rescale_grad):
-        """A fresh optimizer of this kind and these settings whose own rescale_grad is
-        `rescale_grad`: what a Trainer hands a store that updates, which applies it to each
-        push as it comes, told nothing of the step (a distributed store sends its numbers to
-        the servers once)."""
-        return type(self)(**self.settings, rescale_grad=rescale_grad,
+        """A fresh optimizer of this kind and these settings (as they are now) whose own
+        rescale_grad is `rescale_grad`: what a Trainer hands a store that updates, which
+        applies it to each push as it comes, told nothing of the step (a distributed store
+        sends its numbers to the servers once)."""
+        settings = {name: getattr(self, name) for name in self.setting_names}
+        return type(self)(**settings, rescale_grad=rescale_grad,
                           multi_precision=self.multi_precision)
 
     def warn_without_master(self, weight):
