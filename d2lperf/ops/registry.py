@@ -35,8 +35,8 @@ for it. Autograd and the compiler's gradient walk both pass it.
 """
 import numpy
 
-# What the compiler may do with an op (fuse it, drop it, reorder it): not device.py's
-# memory kinds.
+# What the compiler may do with an op (fuse it, drop it, reorder it): not the memory ledger's
+# kinds (device/ledger.py).
 OP_KINDS = ('elementwise', 'compare', 'contraction', 'view', 'reduction', 'random', 'opaque')
 
 
