@@ -236,3 +236,34 @@ def test_a_hybridized_block_gives_the_imperative_outputs_and_gradients(block_siz
                                            for p in net.collect_params().values()])
     for got, want in zip(*results):
         assert relative_error(got, want) <= 1e-6
+
+
+# -- on a GPU: the same code over CuPy -----------------------------------------------------------
+
+def gpu_matches_cpu(causal, block_size):
+    """Tiles on gpu(0) against the CPU's, output and gradients, float32."""
+    *values, weights = problem_values((2, 2, 9, 4), 'float32')
+    results = []
+    for device in (d2l.cpu(), d2l.gpu(0)):
+        xs = [np.array(v, device=device) for v in values]
+        for x in xs:
+            x.attach_grad()
+        with autograd.record():
+            out = npx.attention(*xs, causal=causal, block_size=block_size)
+            loss = (out * np.array(weights, device=device)).sum()
+        loss.backward()
+        assert out.device == device
+        results.append([out.asnumpy()] + [x.grad.asnumpy() for x in xs])
+    for got, want in zip(*results):
+        assert got.dtype == numpy.float32 and relative_error(got, want) <= 1e-6
+
+
+@pytest.mark.parametrize('causal, block_size', [(True, 4), (False, (2, 5))])
+def test_tiles_on_fake_gpus_take_the_cupy_path(fake_gpus, causal, block_size):
+    gpu_matches_cpu(causal, block_size)
+
+
+@pytest.mark.skipif(not d2l.num_gpus(), reason='needs a GPU and CuPy')
+@pytest.mark.parametrize('causal, block_size', [(True, 4), (False, (2, 5))])
+def test_tiles_on_a_gpu_match_the_cpu(causal, block_size):
+    gpu_matches_cpu(causal, block_size)
