@@ -1,14 +1,14 @@
 """Attention in tiles against the whole score matrix: bytes moved, memory kept, time.
 
-Two tables from one run. The first sweeps the block size B (square tiles) against the on-chip
-memory M one tile step needs (the q and out tiles, the k and v tiles, the scores:
-4·B·d + B² values) and prints the bytes the tile loop moved, counted as it ran, beside
-Dao et al. (2022), Theorem 2: Θ(N²d²/M) for FlashAttention (the ratio of the count to
-N²d²/M values approaches a constant, 4 + B/d under the causal mask, as N grows; at small N
-reading q and writing out, Θ(Nd), still weigh) and Θ(Nd + N²) for standard
-attention (here the whole-matrix version's four operations, 4Nd + 6N² values, each reading
-its inputs and writing its output once). The counted bytes must equal the formula
-(`ops.attention.tiled_traffic`); the script stops if they do not.
+Two tables from one run. The first sweeps the block size B (square tiles) against the
+on-chip memory M one tile step needs (the q and out tiles, the k and v tiles, the scores:
+4Bd + B² values) and prints the bytes the tile loop moved, counted as it ran, beside Dao et
+al. (2022), Theorem 2: Θ(N²d²/M) for FlashAttention, Θ(Nd + N²) for standard attention (here
+the whole matrix's four operations, 4Nd + 6N² values, each reading its inputs and writing its
+output once). Under the causal mask k and v are read N(N + B)/2B times d values each, so the
+count over N²d²/M tends to M/(Bd) = 4 + B/d as N grows (the column "N → ∞"); at small N,
+reading q and writing out, Θ(Nd), still weigh. The count must equal the formula
+(`ops.attention.tiled_traffic`): the script stops if it does not.
 
 The second times forward and backward through `npx.attention` at each sequence length,
 whole matrix and tiles round-robin (`median_seconds`), with the ratio to the whole matrix
@@ -44,17 +44,18 @@ def traffic_rows(seqs, width, blocks, dtype='float32'):
                 raise SystemExit(f'seq {seq}, B {block}: counted {counted} != formula {formula}')
             on_chip = tiles.on_chip_elements((block, block), width)
             bound = itemsize * seq * seq * width * width / on_chip
-            yield seq, block, on_chip, counted, counted / bound, whole, counted / whole
+            limit = on_chip / (block * width)        # the k, v reads' N²d/B over N²d²/M
+            yield seq, block, on_chip, counted, counted / bound, limit, whole, counted / whole
 
 
 def print_traffic(rows, width):
     print(f'Bytes moved by the causal forward, d = {width}, float32 inputs (out and L saved '
           'in float64); the count equals tiles.tiled_traffic on every row')
     print(f'{"N":>6} {"B":>5} {"M (values)":>11} {"tiles: bytes":>14} {"/ (N²d²/M)":>11} '
-          f'{"whole: bytes":>14} {"tiles/whole":>11}')
-    for seq, block, on_chip, counted, per_bound, whole, ratio in rows:
+          f'{"N → ∞":>6} {"whole: bytes":>14} {"tiles/whole":>11}')
+    for seq, block, on_chip, counted, per_bound, limit, whole, ratio in rows:
         print(f'{seq:>6} {block:>5} {on_chip:>11} {counted:>14,} {per_bound:>11.2f} '
-              f'{whole:>14,} {ratio:>11.2f}')
+              f'{limit:>6.2f} {whole:>14,} {ratio:>11.2f}')
 
 
 def step(q, k, v, block_size):
