@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import d2lperf as d2l
-from d2lperf import autograd, np, npx, nn
+from d2lperf import autograd, hybrid, np, npx, nn, ops
 from d2lperf.ops import attention as tiles
 
 from strategies import checks
@@ -202,6 +202,17 @@ def test_one_block_moves_less_than_the_whole_matrix():
 
 # -- hybridized --------------------------------------------------------------------------------
 
+def test_a_trace_holds_attention_as_one_op_and_a_view_of_its_output():
+    """The compiler sees one opaque op (the registry's default kind), the slice of its
+    first d columns and the rounding back to the inputs' dtype: no (seq, seq) node."""
+    graph = hybrid.trace(lambda q, k, v: npx.attention(q, k, v, block_size=4),
+                         [hybrid.Spec((1, 2, 8, 4))] * 3)
+    calls = [(n.op, n.shape) for n in graph.nodes if n.kind == 'call']
+    assert calls == [('attention', (1, 2, 8, 5)), ('getitem', (1, 2, 8, 4)),
+                     ('astype', (1, 2, 8, 4))]
+    assert ops.REGISTRY['attention'].kind == 'opaque'
+
+
 class SelfAttention(nn.HybridBlock):
     """q, k, v projected from x (batch, seq, 8), two heads of 4, attended in tiles."""
 
@@ -267,3 +278,16 @@ def test_tiles_on_fake_gpus_take_the_cupy_path(fake_gpus, causal, block_size):
 @pytest.mark.parametrize('causal, block_size', [(True, 4), (False, (2, 5))])
 def test_tiles_on_a_gpu_match_the_cpu(causal, block_size):
     gpu_matches_cpu(causal, block_size)
+
+
+def test_an_exported_block_with_tiles_is_imported_with_identical_outputs(tmp_path):
+    """The op's attributes (causal, the pair of block sizes) survive the JSON file."""
+    np.random.seed(3)
+    net = SelfAttention((2, 3), True)
+    net.initialize()
+    net.hybridize()
+    x = np.array(RNG.normal(size=(2, 7, 8)).astype('float32'))
+    want = net(x).asnumpy()
+    symbol, params = net.export(str(tmp_path / 'attention'))
+    block = nn.SymbolBlock.imports(symbol, ['data'], params, device=d2l.cpu())
+    numpy.testing.assert_array_equal(block(x).asnumpy(), want)
