@@ -3,6 +3,7 @@ attention with the same gradients, what the tape keeps (O(seq) against O(seq²),
 the bytes the tile loop moves against its formula, and the same results hybridized."""
 import gc
 import math
+import tracemalloc
 
 import ml_dtypes
 import numpy
@@ -182,6 +183,37 @@ def test_the_peak_grows_linearly_in_tiles_and_quadratically_whole():
     whole = [activations_and_peak(seq, None)[1] for seq in (64, 128, 256)]
     assert tiled[1] == 2 * tiled[0] and tiled[2] == 2 * tiled[1]
     assert whole[2] - 2 * whole[1] == 4 * (whole[1] - 2 * whole[0]) > 0
+
+
+def scratch_bytes(seq, heads=2, width=16, block_size=(32, 32)):
+    """What the op's compute and vjp allocate beyond their results, at their peak, traced by
+    tracemalloc (NumPy reports its buffers to it): the ledger sees arrays, not this."""
+    q = problem_values((1, heads, seq, width), 'float32')[0]
+    tracemalloc.start()
+    try:
+        packed = tiles.attention(numpy, q, q, q, True, block_size)
+        forward = tracemalloc.get_traced_memory()[1] - packed.nbytes
+        g = numpy.ones_like(packed)
+        held = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        grads = tiles.attention_vjp(numpy, g, packed, q, q, q, True, block_size)
+        backward = tracemalloc.get_traced_memory()[1] - held - sum(d.nbytes for d in grads)
+    finally:
+        tracemalloc.stop()
+    return forward, backward
+
+
+def test_the_ops_own_scratch_never_holds_a_seq_by_seq_matrix():
+    """Forward: the tiles' scratch is the same whatever seq is (within 4 KiB of Python's own
+    objects). Backward: what grows with seq is O(seq · d) (dq, dk, dv in float64 before they
+    are rounded, the rows' D), so each doubling of seq doubles its growth; a (seq, seq) array
+    would quadruple it, and at seq = 1024 one would be 16 MiB."""
+    seqs = (128, 256, 512, 1024)
+    forward, backward = zip(*(scratch_bytes(seq) for seq in seqs))
+    assert max(forward) - min(forward) < 4096
+    growth = [b - a for a, b in zip(backward, backward[1:])]
+    assert all(1.8 < later / earlier < 2.2 for earlier, later in zip(growth, growth[1:]))
+    assert backward[-1] < 2 ** 20
 
 
 # -- traffic: the bytes the tile loop moves ------------------------------------------------------
