@@ -86,6 +86,10 @@ CASES = {
     'layer_norm': (npx.layer_norm, signed(2, 3, 5), signed(5), signed(5)),
     'gelu': (npx.gelu, signed(3, 4)),
     'causal_softmax': (npx.causal_softmax, signed(2, 3, 5)),
+    'attention': (lambda q, k, v: npx.attention(q, k, v, block_size=(2, 3)),
+                  signed(1, 2, 5, 3), signed(1, 2, 5, 3), signed(1, 2, 5, 3)),
+    'attention_full': (lambda q, k, v: npx.attention(q, k, v, causal=False, block_size=2),
+                       signed(2, 1, 3, 2), signed(2, 1, 3, 2), signed(2, 1, 3, 2)),
     # elementwise, with broadcasting and Python scalars
     'add': (lambda a, b: a + b, signed(2, 3), signed(3)),
     'add_outer': (lambda a, b: a + b, signed(2, 1), signed(1, 3)),

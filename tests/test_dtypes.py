@@ -34,6 +34,8 @@ OP_CASES = {           # op name -> (a function of float arrays that runs it, it
     'matmul': (lambda a, b: a @ b, signed(2, 2, 4, 4), signed(2, 2, 4, 4)),
     'multiply': (lambda a, b: a * b * 0.5, signed(2, 4, 8), signed(2, 4, 8)),
     'causal_softmax': (npx.causal_softmax, 3 * signed(2, 2, 4, 4)),
+    'attention': (lambda q, k, v: npx.attention(q, k, v, block_size=3),
+                  *(2 * signed(2, 2, 5, 4) for _ in range(3))),
     'gelu': (npx.gelu, 3 * signed(2, 4, 8)),
     'add': (lambda a, b: a + b, signed(2, 4, 8), signed(2, 4, 8)),
     'log_softmax': (npx.log_softmax, 3 * signed(2, 4, VOCAB)),

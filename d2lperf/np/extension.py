@@ -1,8 +1,11 @@
 """`d2lperf.npx`: operators NumPy lacks (activations, softmax, picking, convolution, pooling,
-batch normalization, a Transformer's embedding, layer norm, GELU and causal softmax) and
-engine controls. Images are NCHW: (batch, channels, height, width)."""
+batch normalization, a Transformer's embedding, layer norm, GELU, causal softmax and
+attention) and engine controls. Images are NCHW: (batch, channels, height, width)."""
+import math
+
 from .. import engine
 from .multiarray import apply
+from ..ops.attention import block_pair, check_shapes
 from ..ops.rules import pair
 from .tape import TAPE
 
@@ -61,6 +64,20 @@ def causal_softmax(scores):
     """Softmax of attention scores (..., queries, keys) along the keys, each query seeing
     only the keys at or before its own position."""
     return apply('causal_softmax', scores)
+
+
+def attention(q, k, v, causal=True, block_size=None):
+    """softmax(q kᵀ / √d) v for q, k, v of shape (batch, heads, seq, d), each query seeing
+    only the keys at or before its own position when `causal`. block_size=None makes the
+    whole (seq, seq) matrix of scores, which the tape keeps; an int (or a pair: query rows,
+    key rows) walks tiles with an online softmax and never makes it (ops/attention.py)."""
+    check_shapes(q, k, v)
+    if block_size is None:
+        scores = (q @ k.transpose(0, 1, 3, 2)) * (1 / math.sqrt(q.shape[-1]))
+        return (causal_softmax(scores) if causal else softmax(scores)) @ v
+    packed = apply('attention', q, k, v, causal=bool(causal), block_size=block_pair(block_size))
+    out = packed[..., :q.shape[-1]]                 # then each row's log-sum-exp, for backward
+    return out if out.dtype == q.dtype else out.astype(q.dtype)
 
 
 def convolution(data, weight, bias=None, kernel=(3, 3), stride=(1, 1), pad=(0, 0),

@@ -12,6 +12,7 @@ means. Ops are registered with `defop` by family, one module each:
     shape.py        reshape, transpose, broadcast_to, astype, copy, getitem, concatenate, where
     nn.py           relu, sigmoid, softmax, log_softmax, pick, fully_connected
     transformer.py  embedding, add_position_embedding, layer_norm, gelu, causal_softmax
+    attention.py    attention in tiles (FlashAttention): online softmax, the bytes it moves
     random.py       one generator per device; dropout_mask
     convolution.py  convolution (im2col and one product), pooling, batch normalization
     winograd.py     3×3 convolutions by Winograd's F(2×2, 3×3): fewer multiplications
@@ -24,7 +25,7 @@ from .rules import (compare, differentiable, dot_shape, dtype_of, expand_reduced
                     index_shape, input_grads, matmul_shape, normalize_axes, promote, reduced_shape,
                     reshape_shape, same, shape_of, sum_dtype, unbroadcast)
 from . import elementwise, linalg, reduction, shape, nn, random, convolution  # noqa: F401
-from . import transformer  # noqa: F401
+from . import transformer, attention  # noqa: F401
 
 __all__ = ['OP_KINDS', 'REGISTRY', 'Op', 'as_array', 'defop', 'compare', 'dot_shape', 'dtype_of',
            'expand_reduced', 'floating', 'index_shape', 'input_grads', 'matmul_shape',

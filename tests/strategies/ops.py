@@ -232,6 +232,25 @@ def causal_softmax_cases(draw):
     keys = queries + draw(st.integers(0, 2))
     return (host(batch + (queries, keys), draw(floats)),), {}
 
+@st.composite
+def attention_problems(draw, max_seq=12):
+    """(shape (batch, heads, seq, d), block_size, causal): block sizes from one row to past
+    the sequence, that do and do not divide it, square (an int) or not (a pair)."""
+    shape = (draw(st.integers(1, 2)), draw(st.integers(1, 2)), draw(st.integers(1, max_seq)),
+             draw(st.integers(1, 6)))
+    rows = st.integers(1, shape[2] + 2)
+    block_size = draw(st.one_of(rows, st.tuples(rows, rows)))
+    return shape, block_size, draw(st.booleans())
+
+
+@st.composite
+def attention_cases(draw):
+    shape, block_size, causal = draw(attention_problems(max_seq=5))
+    block_size = (block_size, block_size) if isinstance(block_size, int) else block_size
+    q, k, v = (host(shape, draw(floats)) for _ in range(3))
+    return (q, k, v), {'causal': causal, 'block_size': block_size}
+
+
 OP_CASES = {name: binary_cases() for name in (
     'add', 'subtract', 'multiply', 'divide', 'power', 'maximum', 'minimum', 'greater', 'less',
     'equal', 'greater_equal', 'less_equal', 'not_equal')}
@@ -250,4 +269,5 @@ OP_CASES.update({
     'batch_norm_predict': batch_norm_cases(), 'embedding': embedding_cases(),
     'add_position_embedding': add_position_embedding_cases(), 'layer_norm': layer_norm_cases(),
     'gelu': unary_cases(), 'causal_softmax': causal_softmax_cases(),
+    'attention': attention_cases(),
 })
