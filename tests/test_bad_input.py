@@ -118,9 +118,9 @@ def test_ranks_that_drift_apart_raise_instead_of_dropping_a_gradient():
         logits = tp(np.array(numpy.zeros((2, SEQ), numpy.int64)))
         losses = [out.sum() for out in logits]
     with pytest.raises(ValueError, match='1 heads for 2 devices'):
-        tp.walk_back(losses[:1], None)
+        tp.backward(losses[:1], None)
     with pytest.raises(ValueError, match='3 head gradients for 2 devices'):
-        tp.walk_back(losses, [np.ones(())] * 3)
+        tp.backward(losses, [np.ones(())] * 3)
 
 
 def test_a_gpt_with_no_layers_is_a_bigram_model_split_like_any_other():
