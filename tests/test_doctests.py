@@ -15,7 +15,7 @@ pytestmark = pytest.mark.chapter('parameter_servers')
 
 MODULES_WITH_EXAMPLES = ['d2lperf.kvstore.base', 'd2lperf.kvstore.local',
                          'd2lperf.comm.allreduce', 'd2lperf.comm.flat_sum',
-                         'd2lperf.nn.transformer']
+                         'd2lperf.nn.transformer', 'd2lperf.comm.all_to_all']
 
 
 @pytest.mark.parametrize('name', MODULES_WITH_EXAMPLES)
