@@ -34,4 +34,5 @@ __all__ = ['slice_sizes', 'split_and_load', 'split_batch', 'chunk_bounds', 'half
            'REDUCTIONS', 'allreduce', 'allreduce_on_first', 'reduce_scatter', 'all_gather',
            'all_gather_into', 'fill', 'TransferName', 'transfers_in', 'bytes_sent',
            'FlatBufferSum', 'send_to_owners', 'receive_from_owners', 'chunk_states',
-           'draw_chunk_states', 'draw_transfers', 'cost', 'all_to_all']
+           'draw_chunk_states', 'draw_transfers', 'cost']
+__all__ += ['all_to_all']
