@@ -91,3 +91,23 @@ def test_on_a_ring_the_far_chunks_share_links():
 def test_bad_input_is_refused_with_the_fix(bad, message):
     with pytest.raises(ValueError, match=message):
         comm.all_to_all(on_devices(bad))
+
+
+def gpus_and_host_agree():
+    """Two GPUs and a CPU: sends into a GPU land in a buffer, then its own stream places them;
+    sends into the CPU copy straight into it."""
+    places = [d2l.gpu(0), d2l.gpu(1), d2l.cpu(1)]
+    hosts = [numpy.arange(12.0).reshape(6, 2) + 100 * i for i in range(3)]
+    outs = comm.all_to_all([np.array(h, device=d) for h, d in zip(hosts, places)])
+    for out, place, want in zip(outs, places, transposed(hosts)):
+        assert out.device == place
+        numpy.testing.assert_array_equal(out.asnumpy(), want)
+
+
+def test_on_fake_gpus_and_the_host(fake_gpus):
+    gpus_and_host_agree()
+
+
+@pytest.mark.skipif(d2l.num_gpus() < 2, reason='needs two GPUs and CuPy')
+def test_on_gpus_and_the_host():
+    gpus_and_host_agree()

@@ -53,12 +53,23 @@ def split(ep, host, n):
 @pytest.mark.parametrize('n, experts, top_k', [(1, 2, 1), (2, 2, 1), (2, 4, 2), (4, 4, 1),
                                                (4, 8, 2)])
 def test_with_no_token_dropped_it_equals_one_device(n, experts, top_k):
+    equals_one_device(devices(n), experts, top_k)
+
+
+@pytest.mark.skipif(not d2l.num_gpus(), reason='needs a GPU and CuPy')
+def test_over_a_gpu_and_the_host_it_equals_one_device():
+    # Not on tests/fakes/cupy.py: its ufuncs have no `.at`, which embedding's gradient calls.
+    equals_one_device([d2l.gpu(0), d2l.cpu(1)], 4, 2)
+
+
+def equals_one_device(places, experts, top_k):
+    n = len(places)
     tokens = 8 * n
     moe = made(experts, top_k, factor=experts / top_k)     # room for every token
     host = numpy.random.default_rng(1).normal(size=(tokens, HIDDEN)).astype('float32')
     want, want_dx = one_device(moe, host)
     assert moe.dropped == 0
-    ep = expert_parallel(moe, devices(n))
+    ep = expert_parallel(moe, places)
     got, dx = split(ep, host, n)
     assert ep.dropped == 0
     numpy.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
