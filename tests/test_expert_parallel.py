@@ -3,11 +3,13 @@ gradient equal one device's; the capacity factor's effect on the dropped share, 
 and the bytes each all-to-all moves, against their formulas."""
 import numpy
 import pytest
+from hypothesis import given, strategies as st
 
 import d2lperf as d2l
 from d2lperf import autograd, comm, np, npx, profiler
 from d2lperf.model_parallel import expert_parallel
 from d2lperf.nn.moe import MoE, capacity
+from strategies import checks
 
 pytestmark = pytest.mark.usefixtures('fresh_engine')
 
@@ -62,11 +64,18 @@ def test_over_a_gpu_and_the_host_it_equals_one_device():
     equals_one_device([d2l.gpu(0), d2l.cpu(1)], 4, 2)
 
 
-def equals_one_device(places, experts, top_k):
+@checks(10)
+@given(n=st.sampled_from([1, 2, 4]), top_k=st.integers(1, 2), each=st.integers(1, 6),
+       seed=st.integers(0, 2 ** 16))
+def test_any_draw_with_room_for_every_token_equals_one_device(n, top_k, each, seed):
+    equals_one_device(devices(n), 4, top_k, each * n, seed)
+
+
+def equals_one_device(places, experts, top_k, tokens=None, seed=0):
     n = len(places)
-    tokens = 8 * n
-    moe = made(experts, top_k, factor=experts / top_k)     # room for every token
-    host = numpy.random.default_rng(1).normal(size=(tokens, HIDDEN)).astype('float32')
+    tokens = tokens or 8 * n
+    moe = made(experts, top_k, factor=experts / top_k, seed=seed)   # room for every token
+    host = numpy.random.default_rng(seed + 1).normal(size=(tokens, HIDDEN)).astype('float32')
     want, want_dx = one_device(moe, host)
     assert moe.dropped == 0
     ep = expert_parallel(moe, places)

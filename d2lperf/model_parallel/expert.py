@@ -28,7 +28,17 @@ from .layers import copied
 
 def expert_parallel(moe: MoE, devices: Sequence[Device]) -> ExpertParallelMoE:
     """`moe`'s experts split over `devices` (E/n each, in order), its router copied to each;
-    `moe` itself is left as it is. Call it on a list of inputs, one a device."""
+    `moe` itself is left as it is. Call it on a list of inputs, one a device.
+
+    >>> moe = d2l.nn.MoE(8, num_experts=4, capacity_factor=4.0).initialize()
+    >>> ep = d2l.model_parallel.expert_parallel(moe, [d2l.cpu(1), d2l.cpu(2)])
+    >>> [len(rank.experts) for rank in ep.ranks], [rank.device for rank in ep.ranks]
+    ([2, 2], [cpu(1), cpu(2)])
+    >>> x = d2l.np.random.normal(size=(6, 8))
+    >>> outs = ep([x.copyto(d2l.cpu(1)), x.copyto(d2l.cpu(2))])
+    >>> bool(abs(outs[1].asnumpy() - moe(x).asnumpy()).max() < 1e-6), ep.dropped
+    (True, 0)
+    """
     return ExpertParallelMoE(moe, devices)
 
 
