@@ -111,3 +111,9 @@ def test_on_fake_gpus_and_the_host(fake_gpus):
 @pytest.mark.skipif(d2l.num_gpus() < 2, reason='needs two GPUs and CuPy')
 def test_on_gpus_and_the_host():
     gpus_and_host_agree()
+
+
+def test_under_both_engines(engine_kind):
+    hosts = [numpy.arange(8.0).reshape(4, 2) * (i + 1) for i in range(4)]
+    for out, want in zip(comm.all_to_all(on_devices(hosts)), transposed(hosts)):
+        numpy.testing.assert_array_equal(out.asnumpy(), want)

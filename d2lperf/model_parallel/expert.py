@@ -20,8 +20,8 @@ from typing import Sequence
 
 from .. import autograd, comm, np
 from ..device import Device
-from ..nn.block import Block
-from ..nn.moe import MoE
+from ..nn.moe import Mixture, MoE
+from ..nn.transformer import MLP
 from ..np.multiarray import NDArray
 from .layers import copied
 
@@ -42,25 +42,20 @@ def expert_parallel(moe: MoE, devices: Sequence[Device]) -> ExpertParallelMoE:
     return ExpertParallelMoE(moe, devices)
 
 
-class ExpertRank(MoE):
-    """One device's part: the router, whole, and experts `first` onwards (`local` of them).
-    Routing, dispatch and combine are the mixture's own, over all E experts."""
+class ExpertRank(Mixture):
+    """One device's part: the router, whole, and experts `first` onwards (`local` of them),
+    with `moe`'s values. Routing, dispatch and combine are the mixture's, over all E experts;
+    it has no forward of its own: `ExpertParallelMoE` calls its parts."""
 
     def __init__(self, moe, first, local, device):
-        Block.__init__(self)
-        self.num_experts, self.top_k = moe.num_experts, moe.top_k
-        self.capacity_factor, self.device = moe.capacity_factor, device
-        router = moe.router
-        self.router = copied(type(router)(router.units, in_units=router.weight.shape[1],
-                                          flatten=False), router)
-        self.experts = []
+        super().__init__(moe.num_hiddens, moe.num_experts, moe.top_k, moe.capacity_factor)
+        copied(self.router, moe.router)
+        self.device, self.experts = device, []
         for e in range(first, first + local):
-            whole = moe.experts[e]
-            expert = copied(type(whole)(whole.output.units), whole)
+            expert = copied(MLP(moe.num_hiddens), moe.experts[e])
             setattr(self, f'expert{e}', expert)
             self.experts.append(expert)
         self.reset_device(device)
-        self.aux_loss, self.dropped = None, None
 
     def run_experts(self, arrived, senders, rows):
         """The local experts' outputs for the rows that `senders` devices sent, in the order

@@ -70,39 +70,21 @@ def route(probs_host, top_k, rows):
     return choices, slot_token, token_slot, dropped, first_share
 
 
-class MoE(Block):
-    """(..., num_hiddens) -> (..., num_hiddens): each token through its top_k experts' MLPs.
-
-    After a forward pass, `aux_loss` holds Switch's load-balancing loss without α (recorded,
-    so that `loss + alpha * moe.aux_loss` trains the router) and `dropped` the choices that
-    went over capacity (tokens, for top_k = 1).
-
-    >>> moe = d2l.nn.MoE(8, num_experts=4, top_k=2, capacity_factor=2.0).initialize()
-    >>> moe(d2l.np.ones((2, 3, 8))).shape, moe.dropped
-    ((2, 3, 8), 0)
-    """
+class Mixture(Block):
+    """What every part of a mixture holds: the router, and routing, dispatch and combine over
+    all E experts. The experts are the subclass's: all of them (`MoE`), or one device's
+    share (`model_parallel.expert.ExpertRank`). After a forward pass, `aux_loss` holds
+    Switch's load-balancing loss without α (recorded, so that `loss + alpha * aux_loss`
+    trains the router) and `dropped` the choices that went over capacity (tokens, for
+    top_k = 1)."""
 
     def __init__(self, num_hiddens, num_experts, top_k=1, capacity_factor=1.25):
         super().__init__()
         check(num_experts, top_k, capacity_factor)
-        self.num_experts, self.top_k = num_experts, top_k
+        self.num_hiddens, self.num_experts, self.top_k = num_hiddens, num_experts, top_k
         self.capacity_factor = capacity_factor
         self.router = projection(num_experts, num_hiddens)
-        self.experts = []
-        for e in range(num_experts):
-            expert = MLP(num_hiddens)
-            setattr(self, f'expert{e}', expert)          # a child: its parameters are ours
-            self.experts.append(expert)
         self.aux_loss, self.dropped = None, None
-
-    def forward(self, x):
-        tokens = x.reshape(-1, x.shape[-1])
-        routing = self.route(tokens)
-        rows = routing.capacity
-        buffer = self.dispatch(tokens, routing)
-        outputs = [expert(buffer[e * rows:(e + 1) * rows])
-                   for e, expert in enumerate(self.experts)]
-        return self.combine(np.concatenate(outputs), routing).reshape(x.shape)
 
     def route(self, tokens):
         """The router's choices for (tokens, hiddens), the router's copy on their device;
@@ -144,6 +126,32 @@ class MoE(Block):
     @staticmethod
     def ids(host, like):
         return np.array(host, device=like.device)
+
+
+class MoE(Mixture):
+    """(..., num_hiddens) -> (..., num_hiddens): each token through its top_k experts' MLPs.
+
+    >>> moe = d2l.nn.MoE(8, num_experts=4, top_k=2, capacity_factor=2.0).initialize()
+    >>> moe(d2l.np.ones((2, 3, 8))).shape, moe.dropped
+    ((2, 3, 8), 0)
+    """
+
+    def __init__(self, num_hiddens, num_experts, top_k=1, capacity_factor=1.25):
+        super().__init__(num_hiddens, num_experts, top_k, capacity_factor)
+        self.experts = []
+        for e in range(num_experts):
+            expert = MLP(num_hiddens)
+            setattr(self, f'expert{e}', expert)          # a child: its parameters are ours
+            self.experts.append(expert)
+
+    def forward(self, x):
+        tokens = x.reshape(-1, x.shape[-1])
+        routing = self.route(tokens)
+        rows = routing.capacity
+        buffer = self.dispatch(tokens, routing)
+        outputs = [expert(buffer[e * rows:(e + 1) * rows])
+                   for e, expert in enumerate(self.experts)]
+        return self.combine(np.concatenate(outputs), routing).reshape(x.shape)
 
     def __repr__(self):
         return (f'MoE({self.num_experts} experts, top_k={self.top_k}, '
