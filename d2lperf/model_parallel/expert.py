@@ -71,7 +71,7 @@ class ExpertRank(Mixture):
             mine = [arrived[slice(*block(i, e))] for i in range(senders)]
             outputs.append(expert(mine[0] if senders == 1 else np.concatenate(mine)))
         return np.concatenate([outputs[e][i * rows:(i + 1) * rows]
-                             for i in range(senders) for e in range(local)])
+                               for i in range(senders) for e in range(local)])
 
 
 class ExpertParallelMoE:
