@@ -7,7 +7,7 @@ from hypothesis import given, strategies as st
 
 import d2lperf as d2l
 from d2lperf import comm, np, npx, profiler
-from d2lperf.comm import cost
+from d2lperf.comm import cost, schedules
 from d2lperf.comm.all_to_all import bytes_each_sends
 from strategies import checks
 
@@ -44,6 +44,18 @@ def test_twice_is_the_identity():
     back = comm.all_to_all(comm.all_to_all(on_devices(hosts)))
     for out, host in zip(back, hosts):
         numpy.testing.assert_array_equal(out.asnumpy(), host)
+
+
+@pytest.mark.parametrize('n', [1, 2, 5, 8])
+def test_each_step_of_the_pairwise_exchange_keeps_every_link_busy_once(n):
+    plan = schedules.pairwise_exchange(n)
+    assert len(plan.steps) == n - 1
+    for step in plan.steps:
+        assert sorted(t.source for t in step.transfers) == list(range(n))
+        assert sorted(t.target for t in step.transfers) == list(range(n))
+        assert all(t.chunk == t.target != t.source for t in step.transfers)
+    pairs = {(t.source, t.target) for step in plan.steps for t in step.transfers}
+    assert len(pairs) == n * (n - 1)                    # every ordered pair once
 
 
 @pytest.mark.parametrize('n', [2, 3, 4, 8])

@@ -25,9 +25,7 @@ from .. import engine
 from ..device import transfer
 from ..np.multiarray import NDArray
 from .allreduce import Party, TransferName
-from .schedules import Schedule, Step, Transfer
-
-ALGORITHM = 'all-to-all'
+from .schedules import ALL_TO_ALL as ALGORITHM, pairwise_exchange
 
 
 def all_to_all(arrays: Sequence[NDArray]) -> list[NDArray]:
@@ -56,15 +54,6 @@ def all_to_all(arrays: Sequence[NDArray]) -> list[NDArray]:
     for party in senders + receivers:
         party.close(ALGORITHM)
     return outs
-
-
-def pairwise_exchange(n: int) -> Schedule:
-    """The all-to-all's schedule: step s (1 .. n-1), device i sends chunk (i + s) mod n to
-    device (i + s) mod n. A transfer's `chunk` is the sender's; the receiver puts it at the
-    sender's place. Each device's own chunk stays where it is (no transfer)."""
-    steps = [Step(ALGORITHM, s, [Transfer(i, (i + s) % n, (i + s) % n, False)
-                                 for i in range(n)]) for s in range(1, n)]
-    return Schedule(ALGORITHM, n, n, steps)
 
 
 def bytes_each_sends(size_bytes: int, devices: int) -> int:

@@ -24,8 +24,7 @@ from typing import Sequence
 
 import numpy
 
-from .all_to_all import pairwise_exchange
-from .schedules import Schedule, Step, chunk_bounds, half, schedule
+from .schedules import Schedule, Step, chunk_bounds, half, pairwise_exchange, schedule
 
 GB = 1e9            # the MXNet edition's units: 160 MB / 16 GB/s = 10 ms
 PCIE3_X16 = 16 * GB
