@@ -14,6 +14,8 @@ two rings of 8 V100s at about 3.7 ms; the MXNet edition's "about 6 ms" comes fro
 (`NVLINK_MXNET_EDITION`) and from rounding the ring's (n-1)/n to 1. Latencies are assumptions
 of the right order; the MXNet edition leaves them out (alpha=0). `half_time` prices the two
 halves of an allreduce apart (reduce-scatter, all-gather). Taught in "Parameter Servers".
+`all_to_all_time` prices the pairwise exchange of an all-to-all the same way: n - 1 steps, each
+device sending 1/n of its array in each ("Long Sequences and Many Experts").
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from typing import Sequence
 
 import numpy
 
-from .schedules import Schedule, Step, chunk_bounds, half, schedule
+from .schedules import Schedule, Step, chunk_bounds, half, pairwise_exchange, schedule
 
 GB = 1e9            # the MXNet edition's units: 160 MB / 16 GB/s = 10 ms
 PCIE3_X16 = 16 * GB
@@ -80,6 +82,14 @@ def half_time(collective: str, algorithm: str, size_bytes: int, topology: Topolo
     training pays them."""
     return plan_time(half(collective, algorithm, topology.devices), algorithm, size_bytes,
                      topology)
+
+
+def all_to_all_time(size_bytes: int, topology: Topology) -> float:
+    """Seconds an all-to-all of `size_bytes` (each device's whole array) takes by the pairwise
+    exchange: on a switch, (n - 1)(α + size / (n · bandwidth)), since every step keeps each
+    device's port out and port in busy with one chunk; on a ring, each chunk takes the
+    shorter way round, so the far chunks share links and cost more."""
+    return plan_time(pairwise_exchange(topology.devices), 'all-to-all', size_bytes, topology)
 
 
 def plan_time(plan: Schedule, algorithm: str, size_bytes: int, topology: Topology) -> float:

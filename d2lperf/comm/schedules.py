@@ -7,7 +7,7 @@ chapter can print it. Parties are numbered 0 .. n-1 (the devices, in the order g
 with the target's (adds it, for a sum) or *overwrites* the target's chunk with it. Transfers
 within one step do not depend on each other; a step depends on the steps before it.
 Taught in "Parameter Servers"; the algorithms' costs are in Thakur, Rabenseifner and Gropp
-(2005).
+(2005). `pairwise_exchange` is the all-to-all's schedule (`all_to_all.py`), from the same paper.
 """
 import collections
 
@@ -164,3 +164,15 @@ def schedule(algorithm, n):
     if not isinstance(n, int) or n < 1:
         raise ValueError(f'an allreduce needs at least one device, not {n!r}')
     return SCHEDULES[algorithm](n)
+
+
+ALL_TO_ALL = 'all-to-all'
+
+
+def pairwise_exchange(n):
+    """The all-to-all's schedule: step s (1 .. n-1), device i sends chunk (i + s) mod n to
+    device (i + s) mod n. A transfer's `chunk` is the sender's; the receiver puts it at the
+    sender's place. Each device's own chunk stays where it is (no transfer)."""
+    steps = [Step(ALL_TO_ALL, s, [Transfer(i, (i + s) % n, (i + s) % n, False)
+                                  for i in range(n)]) for s in range(1, n)]
+    return Schedule(ALL_TO_ALL, n, n, steps)

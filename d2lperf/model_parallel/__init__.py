@@ -11,6 +11,8 @@
     tensor      Megatron-LM's split of each Transformer layer over devices: attention by
                 heads, the MLP by features; a device's share is the GPT made of the
                 parallel layers, its forward the GPT's own.
+    expert      expert parallelism: a mixture's experts over devices, tokens sent to them
+                and back by all-to-all.
     layout      the three at once: data × tensor × pipeline on a grid of devices.
 
 Taught in "Model Parallelism".
@@ -21,7 +23,9 @@ from .pipeline import Part, Pipeline
 from .layers import ColumnParallelDense, RowParallelDense, TensorGroup
 from .tensor import TensorParallelGPT, tensor_parallel
 from .layout import ParallelGPT, parallel_gpt
+from .expert import ExpertParallelMoE, expert_parallel
 
 __all__ = ['Action', 'SCHEDULES', 'ColumnParallelDense', 'ParallelGPT', 'Part', 'Pipeline',
            'RowParallelDense', 'Stage', 'TensorGroup', 'TensorParallelGPT', 'bubble',
            'held_microbatches', 'parallel_gpt', 'schedule', 'simulate', 'tensor_parallel']
+__all__ += ['ExpertParallelMoE', 'expert_parallel']

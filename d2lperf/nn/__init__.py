@@ -7,5 +7,6 @@ from .conv_layers import AvgPool2D, BatchNorm, Conv2D, Flatten, GlobalAvgPool2D,
 from .loss import L2Loss, SoftmaxCrossEntropyLoss
 from .parameter import DeferredInitializationError, Parameter
 from .models import Residual, lenet, resnet18
+from .moe import MoE
 from .transformer import (GPT, CausalSelfAttention, Embedding, GPTEmbedding, LanguageModelHead,
                           LayerNorm, MLP, TransformerLayer)
