@@ -11,6 +11,8 @@
     device_halves
                 one device's half of a reduce-scatter or an all-gather over owners' shards,
                 as its own process would run it: ZeRO's units move so.
+    send        one array from one device to another, its gradient sent back in backward:
+                the point-to-point transfer context parallelism's ring is made of.
     cost        what each algorithm costs on a topology, in the α-β model.
     replay      an allreduce replayed from the profiler's records: each chunk's contents
                 after every step, and when each transfer ran, drawn.
@@ -23,6 +25,7 @@ from .schedules import chunk_bounds, half, schedule
 from .allreduce import (REDUCTIONS, TransferName, all_gather, all_gather_into, allreduce,
                         allreduce_on_first, bytes_sent, fill, reduce_scatter, transfers_in)
 from .flat_sum import FlatBufferSum
+from .send import send
 from .device_halves import receive_from_owners, send_to_owners
 from .replay import chunk_states, draw_chunk_states, draw_transfers
 from . import cost
@@ -31,4 +34,4 @@ __all__ = ['slice_sizes', 'split_and_load', 'split_batch', 'chunk_bounds', 'half
            'REDUCTIONS', 'allreduce', 'allreduce_on_first', 'reduce_scatter', 'all_gather',
            'all_gather_into', 'fill', 'TransferName', 'transfers_in', 'bytes_sent',
            'FlatBufferSum', 'send_to_owners', 'receive_from_owners', 'chunk_states',
-           'draw_chunk_states', 'draw_transfers', 'cost']
+           'draw_chunk_states', 'draw_transfers', 'cost', 'send']
