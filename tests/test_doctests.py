@@ -15,7 +15,8 @@ pytestmark = pytest.mark.chapter('parameter_servers')
 
 MODULES_WITH_EXAMPLES = ['d2lperf.kvstore.base', 'd2lperf.kvstore.local',
                          'd2lperf.comm.allreduce', 'd2lperf.comm.flat_sum',
-                         'd2lperf.nn.transformer']
+                         'd2lperf.nn.transformer', 'd2lperf.comm.send',
+                         'd2lperf.model_parallel.context']
 
 
 @pytest.mark.parametrize('name', MODULES_WITH_EXAMPLES)
