@@ -8,7 +8,7 @@ from hypothesis import given, strategies as st
 
 import d2lperf as d2l
 from d2lperf import autograd, comm, np, npx, profiler
-from d2lperf.model_parallel import context
+from d2lperf.model_parallel import context, predict
 
 from strategies import checks
 from strategies.comm import context_parallel_problems
@@ -205,3 +205,29 @@ def test_a_send_returns_its_gradient_the_way_it_came():
     numpy.testing.assert_array_equal(x.grad.asnumpy(), [3.0, 4.0])
     assert x.grad.device == d2l.cpu(0)
     assert comm.bytes_sent(records, 'forward') == comm.bytes_sent(records, 'backward') == 8
+
+
+# -- the calculator -----------------------------------------------------------------------------
+
+CLUSTER = predict.Cluster(64, 8, 80e9, 150e12, 300e9, 25e9)
+
+
+@pytest.mark.parametrize('c', [2, 4, 8])
+def test_the_calculator_divides_activations_by_c(c):
+    whole = predict.layout_costs(predict.GPT3, CLUSTER, 8, 8, 8, 1536)
+    split = predict.layout_costs(predict.GPT3, CLUSTER, 8, 8, 8, 1536, context=c)
+    assert split['activations'] == pytest.approx(whole['activations'] / c)
+    assert split['states'] == whole['states'] and whole['context'] == 0
+
+
+def test_the_calculator_prices_the_ring_from_its_bytes_per_step():
+    """Per layer and micro-batch: c - 1 steps forward, twice as many backward, each sending a
+    device's keys and values of 1/c of the tokens and 1/t of the heads, in 16 bits."""
+    gpt3, c, t, p = predict.GPT3, 4, 2, 8
+    costs = predict.layout_costs(gpt3, CLUSTER, 8, t, p, 1536, context=c)
+    step_bytes = 2 * 1 * (gpt3.heads // t) * (gpt3.seq // c) * (gpt3.hidden // gpt3.heads) * 2
+    assert step_bytes == context.ring_bytes_per_step(
+        (1, gpt3.heads // t, gpt3.seq, gpt3.hidden // gpt3.heads), c, 'float16')
+    microbatches, layers_here = 1536 // 8, gpt3.layers // p
+    assert costs['context'] == pytest.approx(3 * (c - 1) * microbatches * layers_here * (
+        CLUSTER.alpha + step_bytes / CLUSTER.nvlink))
