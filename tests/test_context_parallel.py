@@ -64,6 +64,13 @@ def test_equals_one_device_forward_and_backward(c, layout, algorithm, causal):
     assert_equals_one_device((2, 2, 32, 8), devices(c), layout, algorithm, causal)
 
 
+@pytest.mark.parametrize('c', [2, 4, 8])
+@pytest.mark.parametrize('layout', LAYOUTS)
+@pytest.mark.parametrize('causal', [True, False])
+def test_ulysses_equals_one_device_forward_and_backward(c, layout, causal):
+    assert_equals_one_device((1, 8, 32, 4), devices(c), layout, 'ulysses', causal)
+
+
 @checks(20)
 @given(problem=context_parallel_problems(), seed=st.integers(0, 2 ** 16))
 def test_any_split_equals_one_device(problem, seed):
@@ -79,12 +86,14 @@ def test_the_output_comes_back_to_qs_device_in_qs_dtype():
 
 @pytest.mark.parametrize('kwargs, words', [
     ({'layout': 'striped'}, "unknown layout='striped'"),
-    ({'algorithm': 'ulysses'}, "unknown algorithm='ulysses'"),
+    ({'algorithm': 'striped'}, "unknown algorithm='striped'"),
     ({'seq': 12}, 'a sequence of 12 does not cut into 8 equal chunks'),
     ({'group': []}, 'at least one device'),
+    ({'algorithm': 'ulysses', 'group': devices(3), 'seq': 12},
+     'Ulysses splits the 4 heads over 3 devices'),
 ])
 def test_bad_input_is_refused_by_name(kwargs, words):
-    q = np.ones((1, 1, kwargs.pop('seq', 16), 2))
+    q = np.ones((1, 4, kwargs.pop('seq', 16), 2))
     with pytest.raises(ValueError, match=words):
         d2l.model_parallel.context_parallel_attention(q, q, q, kwargs.pop('group', devices(4)),
                                                       **kwargs)
@@ -189,6 +198,17 @@ def test_the_all_gather_brings_each_device_its_formula(c):
     for device in group:
         received = sum(t['bytes'] for t in sends if t['target'] == device)
         assert received == context.all_gather_bytes(shape, c) == (c - 1) * \
+            context.ring_bytes_per_step(shape, c)
+
+
+@pytest.mark.parametrize('c', [2, 4, 8])
+def test_ulysses_all_to_alls_send_their_formula_2_over_c_of_the_rings(c):
+    shape, group = (1, 8, 32, 4), devices(c)
+    sends = [t for t in profiled_sends(shape, group, 'zigzag', 'ulysses', backward=False)
+             if t['algorithm'] == 'ulysses attention']
+    for device in group:
+        sent = sum(t['bytes'] for t in sends if t['source'] == device)
+        assert sent == context.ulysses_bytes(shape, c) == 2 / c * (c - 1) * \
             context.ring_bytes_per_step(shape, c)
 
 

@@ -8,6 +8,9 @@ them:
   to it;
 - **the all-gather** (Llama 3's choice): every device first receives every other's keys and
   values, then attends.
+- **Ulysses** (DeepSpeed's, Jacobs et al. 2023), which trades the split: an all-to-all gives
+  each device the whole sequence of 1/c of the heads, it attends, and an all-to-all gives the
+  output back by tokens. It needs c to divide the heads, and it balances any mask.
 
 Either way a device attends its queries to one chunk of keys at a time, with tiled attention
 (`ops/attention.py`), which also gives each query row its log-sum-exp L. Partial results
@@ -25,12 +28,13 @@ from fractions import Fraction
 import numpy
 
 from .. import comm, np
+from ..np import extension as npx
 from ..engine import profiler
 from ..np.multiarray import apply
 from ..ops.attention import check_shapes
 
 LAYOUTS = ('zigzag', 'contiguous')
-ALGORITHMS = ('ring', 'all_gather')
+ALGORITHMS = ('ring', 'all_gather', 'ulysses')
 FULL, DIAGONAL = 'full', 'diagonal'
 
 
@@ -93,6 +97,15 @@ def all_gather_bytes(shape, devices, dtype='float32'):
     return (devices - 1) * ring_bytes_per_step(shape, devices, dtype)
 
 
+def ulysses_bytes(shape, devices, dtype='float32'):
+    """Bytes one device sends in Ulysses' two all-to-alls: (c - 1)/c of its tokens of q, k
+    and v, then of the output, 4(c - 1)·batch·heads·seq·d / c² elements, against the ring's
+    2(c - 1)·batch·heads·seq·d / c: 2/c of it."""
+    batch, heads, seq, width = shape
+    return (4 * (devices - 1) * batch * (heads // devices) * (seq // devices) * width
+            * numpy.dtype(dtype).itemsize)
+
+
 def busy_per_device(records, devices):
     """Seconds each device's compute lane ran something, from the engine's records: with
     the zig-zag they come out alike; contiguous, the last device's is the longest."""
@@ -113,17 +126,16 @@ def context_parallel_attention(q, k, v, devices, causal=True, layout='zigzag',
     True
     """
     devices = check(q, k, v, devices, layout, algorithm)
-    chunks = num_chunks(len(devices), layout)
     queries, keys = scatter(q, k, v, devices, layout)
-    if algorithm == 'ring':
-        parts = ring(queries, keys, devices, causal)
+    if algorithm == 'ulysses':
+        outs = ulysses(queries, keys, devices, causal)
     else:
-        parts = attend_all(queries, all_gather_keys(keys, devices), causal)
-    outs = [None] * chunks
-    for device_parts in parts:
-        for chunk, (out, _) in device_parts.items():
-            outs[chunk] = comm.send(out.astype(q.dtype), q.device, 'gather sequence', 0, chunk)
-    return np.concatenate(outs, axis=2)
+        gathered = ring(queries, keys, devices, causal) if algorithm == 'ring' else \
+            attend_all(queries, all_gather_keys(keys, devices), causal)
+        outs = [{i: out for i, (out, _) in parts.items()} for parts in gathered]
+    whole = {chunk: comm.send(out.astype(q.dtype), q.device, 'gather sequence', 0, chunk)
+             for device_outs in outs for chunk, out in device_outs.items()}
+    return np.concatenate([whole[chunk] for chunk in sorted(whole)], axis=2)
 
 
 def scatter(q, k, v, devices, layout):
@@ -188,6 +200,33 @@ def attend(parts, queries, chunks, causal):
                 parts[i] = part if i not in parts else merge(parts[i], part)
 
 
+def ulysses(queries, keys, devices, causal):
+    """DeepSpeed-Ulysses: device j receives heads j of every chunk of q, k and v (an
+    all-to-all), attends over the whole sequence for its heads, and returns each device the
+    output of its chunks' tokens, heads j (an all-to-all back). Per device {chunk: out}."""
+    some = next(iter(queries[0].values()))
+    size, per = some.shape[2], some.shape[1] // len(devices)
+
+    def by_heads(pieces, j):
+        """The whole sequence of heads j on device j, from every device's chunks."""
+        chunks = {i: move(x[:, j * per:(j + 1) * per], devices[j], 1, i)
+                  for device_pieces in pieces for i, x in device_pieces.items()}
+        return np.concatenate([chunks[i] for i in sorted(chunks)], axis=2)
+    keys_by_chunk = [{i: key for i, key, _ in mine} for mine in keys]
+    values_by_chunk = [{i: value for i, _, value in mine} for mine in keys]
+    outs = [npx.attention(by_heads(queries, j), by_heads(keys_by_chunk, j),
+                          by_heads(values_by_chunk, j), causal, block_size=size)
+            for j in range(len(devices))]
+    return [{i: np.concatenate([move(out[:, :, i * size:(i + 1) * size], device, 2, i)
+                                for out in outs], axis=1) for i in queries[rank]}
+            for rank, device in enumerate(devices)]
+
+
+def move(x, device, step, chunk):
+    """Ulysses' all-to-all, one piece at a time: a send unless the piece is home already."""
+    return x if x.device == device else comm.send(x, device, 'ulysses attention', step, chunk)
+
+
 def block_attention(q, k, v, causal):
     """(out, L) of one chunk of queries against one chunk of keys, in one tile: the tiled
     op's output holds each row's log-sum-exp beside it (one precision wider than q)."""
@@ -216,6 +255,9 @@ def check(q, k, v, devices, layout, algorithm):
     devices = list(devices)
     if not devices:
         raise ValueError('context parallelism needs at least one device')
+    if algorithm == 'ulysses' and q.shape[1] % len(devices):
+        raise ValueError(f'Ulysses splits the {q.shape[1]} heads over {len(devices)} devices: '
+                         'use a number of devices that divides the heads, or the ring')
     chunks = num_chunks(len(devices), layout)
     if q.shape[2] % chunks:
         raise ValueError(f'a sequence of {q.shape[2]} does not cut into {chunks} equal chunks '
