@@ -15,7 +15,10 @@ them:
 Either way a device attends its queries to one chunk of keys at a time, with tiled attention
 (`ops/attention.py`), which also gives each query row its log-sum-exp L. Partial results
 merge exactly: out = Σᵢ exp(Lᵢ − L) outᵢ with L = log Σᵢ exp(Lᵢ). Everything, the sends
-included (`comm.send`), is recorded, so autograd gives q, k and v their gradients.
+included (`comm.send`), is recorded, so autograd gives q, k and v their gradients: each send's
+gradient goes back the way it came. The price is memory: the tape keeps every chunk a device
+received, as the all-gather does, where Ring Attention's own backward sends the keys and values
+round again (with their gradients) so as to hold two chunks at a time.
 
 Under a causal mask a contiguous split gives the last device the most work, 2 − 1/c times the
 average. The zig-zag layout cuts the sequence into 2c chunks and gives device i chunks i and
@@ -93,7 +96,7 @@ def ring_bytes_per_step(shape, devices, dtype='float32'):
 def all_gather_bytes(shape, devices, dtype='float32'):
     """Bytes one device receives in the all-gather of keys and values: the c − 1 others'
     chunks, as many as c − 1 steps of the ring, but at once, and then held: every device
-    keeps all 2·seq keys and values where the ring keeps two chunks of them."""
+    holds all the keys and values, where the ring needs two chunks of them at a time."""
     return (devices - 1) * ring_bytes_per_step(shape, devices, dtype)
 
 
@@ -182,22 +185,19 @@ def all_gather_keys(keys, devices):
 
 
 def attend_all(queries, gathered, causal):
-    parts = []
-    for mine, chunks in zip(queries, gathered):
-        parts.append({})
-        attend(parts[-1], mine, chunks, causal)
-    return parts
+    return [attend({}, mine, chunks, causal) for mine, chunks in zip(queries, gathered)]
 
 
 def attend(parts, queries, chunks, causal):
     """Attend each chunk of `queries` to each of `chunks` of keys its mask leaves it, merging
-    into `parts` ({query chunk: (out, L)})."""
+    into `parts` ({query chunk: (out, L)}); returns them."""
     for i, query in queries.items():
         for j, key, value in chunks:
             mask = mask_between(i, j, causal)
             if mask:
                 part = block_attention(query, key, value, mask == DIAGONAL)
                 parts[i] = part if i not in parts else merge(parts[i], part)
+    return parts
 
 
 def ulysses(queries, keys, devices, causal):
