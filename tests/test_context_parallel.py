@@ -251,3 +251,11 @@ def test_the_calculator_prices_the_ring_from_its_bytes_per_step():
     microbatches, layers_here = 1536 // 8, gpt3.layers // p
     assert costs['context'] == pytest.approx(3 * (c - 1) * microbatches * layers_here * (
         CLUSTER.alpha + step_bytes / CLUSTER.nvlink))
+
+
+def test_the_layout_search_fills_the_cluster_with_d_t_p_c():
+    plain = dict(predict.layouts(predict.GPT3, CLUSTER, batch=1536))
+    rows = dict(predict.layouts(predict.GPT3, CLUSTER, batch=1536, context=2))
+    assert rows and all(d * t * p * 2 == CLUSTER.devices for d, t, p in rows)
+    for (d, t, p), row in rows.items():
+        assert row['activations'] == pytest.approx(plain[2 * d, t, p]['activations'] / 2)

@@ -281,18 +281,21 @@ def data_seconds(cluster, data, values, states, zero_stage):
         cost.half_time('all-gather', 'ring', weights, network)
 
 
-def layouts(sizes, cluster, batch, micro=1, sequence=True, states=MEGATRON, zero_stage=0):
-    """Every (d, t, p) that uses all of the cluster's devices, whose t divides the heads and
-    fills whole machines or divides one, that splits the layers into whole stages and the
-    batch into micro-batches, with its `layout_costs`, fastest first among those that fit."""
+def layouts(sizes, cluster, batch, micro=1, sequence=True, states=MEGATRON, zero_stage=0,
+            context=1):
+    """Every (d, t, p) that uses all of the cluster's devices (d·t·p·c, with `context`
+    parallelism over c), whose t divides the heads and fills whole machines or divides one,
+    that splits the layers into whole stages and the batch into micro-batches, with its
+    `layout_costs`, fastest first among those that fit."""
     rows = []
     for tensor, pipeline in itertools.product(range(1, cluster.devices + 1),
                                               range(1, sizes.layers + 1)):
-        data, rest = divmod(cluster.devices, tensor * pipeline)
+        data, rest = divmod(cluster.devices, tensor * pipeline * context)
         fills = cluster.per_machine % tensor == 0 or tensor % cluster.per_machine == 0
         if rest or not fills or sizes.heads % tensor or sizes.layers % pipeline or \
                 batch % (data * micro):
             continue
         rows.append(((data, tensor, pipeline), layout_costs(
-            sizes, cluster, data, tensor, pipeline, batch, micro, sequence, states, zero_stage)))
+            sizes, cluster, data, tensor, pipeline, batch, micro, sequence, states, zero_stage,
+            context)))
     return sorted(rows, key=lambda row: (not row[1]['fits'], row[1]['step']))
