@@ -2,6 +2,8 @@
 devices, by the ring and by the all-gather, in both layouts, equal to one device forward and
 backward; the work each device does under the causal mask, counted; the bytes the ring and the
 all-gather move, read from the engine's records against their formulas."""
+from fractions import Fraction
+
 import numpy
 import pytest
 from hypothesis import given, strategies as st
@@ -108,6 +110,12 @@ def test_contiguous_shards_give_the_last_device_2_minus_1_over_c_of_the_mean(c, 
     assert max(work) == work[-1]
 
 
+@given(c=st.integers(1, 64))
+def test_for_any_c_contiguous_is_2_minus_1_over_c_and_the_zigzag_even(c):
+    assert context.imbalance(context.counted_work(c, 'contiguous')) == 2 - Fraction(1, c)
+    assert context.imbalance(context.counted_work(c, 'zigzag')) == 1
+
+
 @pytest.mark.parametrize('c', [1, 2, 3, 4, 8, 16])
 def test_the_zigzag_balances_the_causal_mask(c):
     work = context.counted_work(c, 'zigzag')
@@ -179,15 +187,17 @@ def test_each_step_of_the_ring_sends_its_formula_to_the_next_device(c, layout, c
 
 @pytest.mark.parametrize('c', [2, 4, 8])
 @pytest.mark.parametrize('layout', LAYOUTS)
-def test_backward_sends_the_gradients_back_round_the_ring(c, layout):
+@pytest.mark.parametrize('causal', [True, False])
+def test_backward_sends_the_gradients_back_round_the_ring(c, layout, causal):
     """Without a mask every chunk's gradient goes back each step, as many bytes as forward;
     under the causal mask a chunk no later device attends to has none to send back."""
-    group, per_step = devices(c), context.ring_bytes_per_step((2, 3, 32, 4), c)
-    assert ring_sends(c, layout, False, 'backward') == {
-        (step, device): (per_step, {group[rank - 1]})
-        for step in range(1, c) for rank, device in enumerate(group)}
-    for sent, targets in ring_sends(c, layout, True, 'backward').values():
-        assert sent <= per_step and len(targets) == 1
+    group, shape = devices(c), (2, 3, 32, 4)
+    expected = context.ring_gradient_bytes(shape, c, layout, causal)
+    assert ring_sends(c, layout, causal, 'backward') == {
+        (step, group[rank]): (sent, {group[rank - 1]}) for (step, rank), sent in expected.items()}
+    if not causal:
+        assert set(expected.values()) == {context.ring_bytes_per_step(shape, c)}
+        assert len(expected) == c * (c - 1)
 
 
 @pytest.mark.parametrize('c', [2, 4, 8])

@@ -88,9 +88,27 @@ def imbalance(work):
 def ring_bytes_per_step(shape, devices, dtype='float32'):
     """Bytes one device sends in one step of the ring: its keys' and values' chunks,
     2·batch·heads·(seq/c)·d elements. A forward pass takes c − 1 steps (the last chunk
-    received is not sent on); the backward pass sends as much back."""
+    received is not sent on); backward, their gradients go back (`ring_gradient_bytes`)."""
     batch, heads, seq, width = shape
     return 2 * batch * heads * (seq // devices) * width * numpy.dtype(dtype).itemsize
+
+
+def ring_gradient_bytes(shape, devices, layout='zigzag', causal=True, dtype='float32'):
+    """{(step, rank): bytes} device `rank` sends back in the backward pass: the gradients of
+    the keys and values it received at `step`, to the device they came from. Without a mask
+    that is the forward's bytes again; under the causal mask a chunk that neither this device
+    nor those it passes the chunk on to attends to has no gradient, and nothing goes back."""
+    per_chunk = ring_bytes_per_step(shape, devices, dtype) // len(chunks_of(0, devices, layout))
+    sent = {}
+    for step in range(1, devices):
+        for rank in range(devices):
+            holders = [(rank + ahead) % devices for ahead in range(devices - step)]
+            queries = [i for r in holders for i in chunks_of(r, devices, layout)]
+            used = [j for j in chunks_of((rank - step) % devices, devices, layout)
+                    if any(mask_between(i, j, causal) for i in queries)]
+            if used:
+                sent[step, rank] = per_chunk * len(used)
+    return sent
 
 
 def all_gather_bytes(shape, devices, dtype='float32'):
