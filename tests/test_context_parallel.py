@@ -79,6 +79,25 @@ def test_any_split_equals_one_device(problem, seed):
     assert_equals_one_device(*problem, seed=seed)
 
 
+@pytest.mark.parametrize('algorithm', context.ALGORITHMS)
+def test_under_either_engine(engine_kind, algorithm):
+    assert_equals_one_device((1, 4, 16, 4), devices(4), 'zigzag', algorithm, True)
+
+
+@pytest.mark.parametrize('algorithm', context.ALGORITHMS)
+def test_on_fake_gpus_the_sends_take_the_cupy_paths(fake_gpus, algorithm):
+    """From the host to the GPUs, between them, and back."""
+    assert_equals_one_device((1, 2, 16, 4), [d2l.gpu(0), d2l.gpu(1)], 'zigzag', algorithm,
+                             True)
+
+
+@pytest.mark.skipif(not d2l.num_gpus(), reason='needs a GPU and CuPy')
+def test_on_the_gpus_here():
+    group = d2l.try_all_gpus()
+    assert_equals_one_device((1, 4 * len(group), 16 * len(group), 8), group, 'zigzag', 'ring',
+                             True)
+
+
 def test_the_output_comes_back_to_qs_device_in_qs_dtype():
     q = np.array(numpy.ones((1, 1, 8, 2), numpy.float32), device=d2l.cpu(3))
     out = d2l.model_parallel.context_parallel_attention(q, q, q, devices(2))
