@@ -1,7 +1,7 @@
 """Context parallelism: one long sequence split over c devices, each computing attention for
 the queries it holds. Taught in "Long Sequences and Many Experts".
 
-A query needs every key and value before it, which live on other devices. Two ways to bring
+A query needs every key and value before it, which live on other devices. Three ways to bring
 them:
 - **the ring** (Liu et al. 2023, Ring Attention): in c steps every device's keys and values
   pass each device once, each device sending what it holds to the next one while it attends
@@ -12,7 +12,7 @@ them:
   each device the whole sequence of 1/c of the heads, it attends, and an all-to-all gives the
   output back by tokens. It needs c to divide the heads, and it balances any mask.
 
-Either way a device attends its queries to one chunk of keys at a time, with tiled attention
+In the first two a device attends its queries to one chunk of keys at a time, with tiled attention
 (`ops/attention.py`), which also gives each query row its log-sum-exp L. Partial results
 merge exactly: out = Σᵢ exp(Lᵢ − L) outᵢ with L = log Σᵢ exp(Lᵢ). Everything, the sends
 included (`comm.send`), is recorded, so autograd gives q, k and v their gradients: each send's
@@ -194,7 +194,10 @@ def pass_on(chunks, device, step):
 
 
 def all_gather_keys(keys, devices):
-    """Every device's keys and values on every device, each sent once from its owner."""
+    """Every device's keys and values on every device, each sent once from its owner.
+    Sends rather than `comm.all_gather`, whose backward (a reduce-scatter) would need the
+    devices' backward walks to meet (`autograd.backward_together`): a send's gradient goes
+    back on its own, inside one backward pass of the whole output."""
     return [[(j, key, value) if owner == rank else
              (j, comm.send(key, device, 'all-gather attention', 1, j),
               comm.send(value, device, 'all-gather attention', 1, j))
