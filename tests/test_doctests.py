@@ -16,7 +16,8 @@ pytestmark = pytest.mark.chapter('parameter_servers')
 MODULES_WITH_EXAMPLES = ['d2lperf.kvstore.base', 'd2lperf.kvstore.local',
                          'd2lperf.comm.allreduce', 'd2lperf.comm.flat_sum',
                          'd2lperf.nn.transformer', 'd2lperf.comm.all_to_all',
-                         'd2lperf.nn.moe', 'd2lperf.model_parallel.expert']
+                         'd2lperf.nn.moe', 'd2lperf.model_parallel.expert', 'd2lperf.comm.send',
+                         'd2lperf.model_parallel.context']
 
 
 @pytest.mark.parametrize('name', MODULES_WITH_EXAMPLES)

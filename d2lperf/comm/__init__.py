@@ -13,6 +13,8 @@
                 as its own process would run it: ZeRO's units move so.
     all_to_all  every device a different chunk to every other (expert parallelism's
                 dispatch), by the pairwise exchange, its operations named as the allreduce's.
+    send        one array from one device to another, its gradient sent back in backward:
+                the point-to-point transfer context parallelism's ring is made of.
     cost        what each algorithm costs on a topology, in the α-β model.
     replay      an allreduce replayed from the profiler's records: each chunk's contents
                 after every step, and when each transfer ran, drawn.
@@ -26,6 +28,7 @@ from .allreduce import (REDUCTIONS, TransferName, all_gather, all_gather_into, a
                         allreduce_on_first, bytes_sent, fill, reduce_scatter, transfers_in)
 from .flat_sum import FlatBufferSum
 from .all_to_all import all_to_all
+from .send import send
 from .device_halves import receive_from_owners, send_to_owners
 from .replay import chunk_states, draw_chunk_states, draw_transfers
 from . import cost
@@ -34,5 +37,5 @@ __all__ = ['slice_sizes', 'split_and_load', 'split_batch', 'chunk_bounds', 'half
            'REDUCTIONS', 'allreduce', 'allreduce_on_first', 'reduce_scatter', 'all_gather',
            'all_gather_into', 'fill', 'TransferName', 'transfers_in', 'bytes_sent',
            'FlatBufferSum', 'send_to_owners', 'receive_from_owners', 'chunk_states',
-           'draw_chunk_states', 'draw_transfers', 'cost']
+           'draw_chunk_states', 'draw_transfers', 'cost', 'send']
 __all__ += ['all_to_all']

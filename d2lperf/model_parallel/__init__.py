@@ -14,6 +14,9 @@
     expert      expert parallelism: a mixture's experts over devices, tokens sent to them
                 and back by all-to-all.
     layout      the three at once: data × tensor × pipeline on a grid of devices.
+    context     context parallelism: a long sequence split over devices, keys and values
+                passed round a ring or all-gathered; the zig-zag layout balances the
+                causal mask's work.
 
 Taught in "Model Parallelism".
 """
@@ -23,9 +26,11 @@ from .pipeline import Part, Pipeline
 from .layers import ColumnParallelDense, RowParallelDense, TensorGroup
 from .tensor import TensorParallelGPT, tensor_parallel
 from .layout import ParallelGPT, parallel_gpt
+from .context import context_parallel_attention
 from .expert import ExpertParallelMoE, expert_parallel
 
 __all__ = ['Action', 'SCHEDULES', 'ColumnParallelDense', 'ParallelGPT', 'Part', 'Pipeline',
            'RowParallelDense', 'Stage', 'TensorGroup', 'TensorParallelGPT', 'bubble',
-           'held_microbatches', 'parallel_gpt', 'schedule', 'simulate', 'tensor_parallel']
+           'context_parallel_attention', 'held_microbatches', 'parallel_gpt', 'schedule',
+           'simulate', 'tensor_parallel']
 __all__ += ['ExpertParallelMoE', 'expert_parallel']

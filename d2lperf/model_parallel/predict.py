@@ -21,6 +21,7 @@ import math
 
 from ..comm import cost
 from ..nn.footprint import MEGATRON, STATE_VALUES, model_states, transformer_layer_activations
+from .context import ring_bytes_per_step
 from .layers import DeviceSpec, TensorGroup
 from .pipeline import cut
 from .schedules import schedule
@@ -203,7 +204,7 @@ def layer_activations(sizes, micro, tensor, sequence=True):
 
 
 def layout_costs(sizes, cluster, data, tensor, pipeline, batch, micro=1, sequence=True,
-                 states=MEGATRON, zero_stage=0):
+                 states=MEGATRON, zero_stage=0, context=1):
     """{what: value} for one layout of `sizes` on `cluster`: bytes a device holds and the
     seconds of a step, none of its communication hidden (an upper bound).
 
@@ -212,7 +213,11 @@ def layout_costs(sizes, cluster, data, tensor, pipeline, batch, micro=1, sequenc
     replicas, Megatron's distributed optimizer: 6 + 12/d) and the first stage's activations:
     1F1B keeps p micro-batches of its L/p layers, L layers' worth. A step is the compute, the
     bubble (the stages' idle time: compute·(p - 1)/m, its (p - 1)/(m + p - 1) share of the
-    step), and tensor, pipeline and data parallelism's communication on their links."""
+    step), and tensor, pipeline and data parallelism's communication on their links.
+
+    With context parallelism over c devices (`context`), a device keeps the activations of
+    1/c of each sequence, the ring passes keys and values round each layer's attention, and
+    the gradients are summed over the d·c devices that hold the same weights (Megatron-LM's)."""
     if zero_stage not in (0, 1):
         raise ValueError(f'the layout search shards the optimizer (zero_stage=1) or not (0), '
                          f'not {zero_stage!r}: a pipeline adds up gradients over its '
@@ -220,7 +225,7 @@ def layout_costs(sizes, cluster, data, tensor, pipeline, batch, micro=1, sequenc
     microbatches = batch // (data * micro)
     values = sizes.params() / (tensor * pipeline)
     held_states = model_states(values, data, zero_stage, states)['total']
-    activations = sizes.layers * layer_activations(sizes, micro, tensor, sequence)
+    activations = sizes.layers * layer_activations(sizes, micro, tensor, sequence) / context
     compute = 6 * sizes.params() * batch * sizes.seq / (cluster.devices * cluster.flops)
     boundary = 2 * micro * sizes.seq * sizes.hidden          # 16-bit activations
     seconds = {
@@ -229,7 +234,9 @@ def layout_costs(sizes, cluster, data, tensor, pipeline, batch, micro=1, sequenc
         'tensor': tensor_seconds(sizes, cluster, tensor, pipeline, microbatches, boundary),
         'pipeline': 0 if pipeline == 1 else 2 * microbatches * (
             cluster.alpha + boundary / (tensor if sequence else 1) / cluster.network),
-        'data': data_seconds(cluster, data, values, states, zero_stage)}
+        'context': context_seconds(sizes, cluster, tensor, pipeline, context, micro,
+                                   microbatches),
+        'data': data_seconds(cluster, data * context, values, states, zero_stage)}
     held = held_states + activations
     return {'held': held, 'fits': held <= cluster.memory, 'states': held_states,
             'activations': activations, **seconds, 'step': sum(seconds.values())}
@@ -247,6 +254,19 @@ def tensor_seconds(sizes, cluster, tensor, pipeline, microbatches, boundary):
     return 4 * layers_here * microbatches * cost.allreduce_time('ring', boundary, group)
 
 
+def context_seconds(sizes, cluster, tensor, pipeline, context, micro, microbatches):
+    """The ring of each layer's attention: c - 1 steps forward, each sending a device's
+    16-bit keys and values of s/c tokens and its 1/t of the heads (`ring_bytes_per_step`), and
+    twice that backward (keys and values again, and their gradients). Megatron-LM's order,
+    tp-cp-..., puts the c devices of a ring t apart: on NVLink while the t·c fit a machine."""
+    if context == 1:
+        return 0
+    link = cluster.link(tensor * context)
+    shape = (micro, sizes.heads // tensor, sizes.seq, sizes.hidden // sizes.heads)
+    step = cluster.alpha + ring_bytes_per_step(shape, context, 'float16') / link
+    return 3 * (context - 1) * step * microbatches * sizes.layers / pipeline
+
+
 def data_seconds(cluster, data, values, states, zero_stage):
     """The sum over the d replicas of a device's gradients: an allreduce; with the optimizer
     sharded, a reduce-scatter of the gradients and an all-gather of the updated weights."""
@@ -261,18 +281,21 @@ def data_seconds(cluster, data, values, states, zero_stage):
         cost.half_time('all-gather', 'ring', weights, network)
 
 
-def layouts(sizes, cluster, batch, micro=1, sequence=True, states=MEGATRON, zero_stage=0):
-    """Every (d, t, p) that uses all of the cluster's devices, whose t divides the heads and
-    fills whole machines or divides one, that splits the layers into whole stages and the
-    batch into micro-batches, with its `layout_costs`, fastest first among those that fit."""
+def layouts(sizes, cluster, batch, micro=1, sequence=True, states=MEGATRON, zero_stage=0,
+            context=1):
+    """Every (d, t, p) that uses all of the cluster's devices (d·t·p·c, with `context`
+    parallelism over c), whose t divides the heads and fills whole machines or divides one,
+    that splits the layers into whole stages and the batch into micro-batches, with its
+    `layout_costs`, fastest first among those that fit."""
     rows = []
     for tensor, pipeline in itertools.product(range(1, cluster.devices + 1),
                                               range(1, sizes.layers + 1)):
-        data, rest = divmod(cluster.devices, tensor * pipeline)
+        data, rest = divmod(cluster.devices, tensor * pipeline * context)
         fills = cluster.per_machine % tensor == 0 or tensor % cluster.per_machine == 0
         if rest or not fills or sizes.heads % tensor or sizes.layers % pipeline or \
                 batch % (data * micro):
             continue
         rows.append(((data, tensor, pipeline), layout_costs(
-            sizes, cluster, data, tensor, pipeline, batch, micro, sequence, states, zero_stage)))
+            sizes, cluster, data, tensor, pipeline, batch, micro, sequence, states, zero_stage,
+            context)))
     return sorted(rows, key=lambda row: (not row[1]['fits'], row[1]['step']))

@@ -3,7 +3,7 @@
     ops        inputs and attributes for every operation
     programs   instruction lists run by the engine and by NumPy
     nets       random networks and programs for the compiler (hybridized against imperative)
-    comm       batches to split and arrays to allreduce over devices
+    comm       batches to split, arrays to allreduce over devices, attention split over them
 """
 from hypothesis import HealthCheck, settings
 

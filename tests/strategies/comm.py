@@ -77,3 +77,17 @@ def gradient_groups(draw):
         groups.append([[draw(hnp.arrays(numpy.float32, shape, elements=elements))
                         for shape in shapes] for _ in range(count)])
     return groups
+
+
+@st.composite
+def context_parallel_problems(draw):
+    """(shape (batch, heads, seq, d), devices, layout, algorithm, causal) for attention with
+    the sequence split over 2, 4 or 8 devices: seq a multiple of its chunks (2c for the
+    zig-zag)."""
+    devices = draw(st.sampled_from([2, 4, 8]))
+    layout = draw(st.sampled_from(['zigzag', 'contiguous']))
+    chunks = 2 * devices if layout == 'zigzag' else devices
+    shape = (draw(st.integers(1, 2)), draw(st.integers(1, 2)),
+             chunks * draw(st.integers(1, 3)), draw(st.integers(1, 6)))
+    return (shape, [d2l.cpu(i) for i in range(devices)], layout,
+            draw(st.sampled_from(['ring', 'all_gather'])), draw(st.booleans()))

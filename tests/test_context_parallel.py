@@ -1,0 +1,290 @@
+"""Context parallelism (model_parallel/context.py): attention with the sequence split over
+devices, by the ring and by the all-gather, in both layouts, equal to one device forward and
+backward; the work each device does under the causal mask, counted; the bytes the ring and the
+all-gather move, read from the engine's records against their formulas."""
+from fractions import Fraction
+
+import numpy
+import pytest
+from hypothesis import given, strategies as st
+
+import d2lperf as d2l
+from d2lperf import autograd, comm, np, npx, profiler
+from d2lperf.model_parallel import context, predict
+
+from strategies import checks
+from strategies.comm import context_parallel_problems
+
+pytestmark = pytest.mark.chapter('model_parallelism')
+
+LAYOUTS, ALGORITHMS = ['zigzag', 'contiguous'], ['ring', 'all_gather']
+
+
+def devices(c):
+    return [d2l.cpu(i) for i in range(c)]
+
+
+def output_and_gradients(f, values, weights):
+    """f(q, k, v) and the gradients of sum(f · weights) for q, k and v, as NumPy arrays."""
+    xs = [np.array(v) for v in values]
+    for x in xs:
+        x.attach_grad()
+    with autograd.record():
+        out = f(*xs)
+        loss = (out * np.array(weights)).sum()
+    loss.backward()
+    return [out.asnumpy()] + [x.grad.asnumpy() for x in xs]
+
+
+def relative_error(got, want):
+    return float(numpy.abs(got.astype(numpy.float64) - want).max()
+                 / (numpy.abs(want).max() or 1))
+
+
+def assert_equals_one_device(shape, group, layout, algorithm, causal, seed=0):
+    rng = numpy.random.default_rng(seed)
+    values = [rng.normal(size=shape).astype(numpy.float32) for _ in range(3)]
+    weights = rng.normal(size=shape).astype(numpy.float32)
+    want = output_and_gradients(lambda q, k, v: npx.attention(q, k, v, causal=causal),
+                                values, weights)
+    got = output_and_gradients(
+        lambda q, k, v: d2l.model_parallel.context_parallel_attention(
+            q, k, v, group, causal=causal, layout=layout, algorithm=algorithm),
+        values, weights)
+    for name, a, b in zip(['out', 'dq', 'dk', 'dv'], got, want):
+        assert a.dtype == numpy.float32
+        assert relative_error(a, b) < 1e-5, (name, relative_error(a, b))
+
+
+# -- equal to one device, forward and backward -------------------------------------------------
+
+@pytest.mark.parametrize('c', [2, 4, 8])
+@pytest.mark.parametrize('layout', LAYOUTS)
+@pytest.mark.parametrize('algorithm', ALGORITHMS)
+@pytest.mark.parametrize('causal', [True, False])
+def test_equals_one_device_forward_and_backward(c, layout, algorithm, causal):
+    assert_equals_one_device((2, 2, 32, 8), devices(c), layout, algorithm, causal)
+
+
+@pytest.mark.parametrize('c', [2, 4, 8])
+@pytest.mark.parametrize('layout', LAYOUTS)
+@pytest.mark.parametrize('causal', [True, False])
+def test_ulysses_equals_one_device_forward_and_backward(c, layout, causal):
+    assert_equals_one_device((1, 8, 32, 4), devices(c), layout, 'ulysses', causal)
+
+
+@checks(20)
+@given(problem=context_parallel_problems(), seed=st.integers(0, 2 ** 16))
+def test_any_split_equals_one_device(problem, seed):
+    assert_equals_one_device(*problem, seed=seed)
+
+
+@pytest.mark.parametrize('algorithm', context.ALGORITHMS)
+def test_under_either_engine(engine_kind, algorithm):
+    assert_equals_one_device((1, 4, 16, 4), devices(4), 'zigzag', algorithm, True)
+
+
+@pytest.mark.parametrize('algorithm', context.ALGORITHMS)
+def test_on_fake_gpus_the_sends_take_the_cupy_paths(fake_gpus, algorithm):
+    """From the host to the GPUs, between them, and back."""
+    assert_equals_one_device((1, 2, 16, 4), [d2l.gpu(0), d2l.gpu(1)], 'zigzag', algorithm,
+                             True)
+
+
+@pytest.mark.skipif(not d2l.num_gpus(), reason='needs a GPU and CuPy')
+def test_on_the_gpus_here():
+    group = d2l.try_all_gpus()
+    assert_equals_one_device((1, 4 * len(group), 16 * len(group), 8), group, 'zigzag', 'ring',
+                             True)
+
+
+def test_the_output_comes_back_to_qs_device_in_qs_dtype():
+    q = np.array(numpy.ones((1, 1, 8, 2), numpy.float32), device=d2l.cpu(3))
+    out = d2l.model_parallel.context_parallel_attention(q, q, q, devices(2))
+    assert out.device == d2l.cpu(3) and out.dtype == numpy.float32
+    numpy.testing.assert_allclose(out.asnumpy(), 1, rtol=1e-6)
+
+
+@pytest.mark.parametrize('kwargs, words', [
+    ({'layout': 'striped'}, "unknown layout='striped'"),
+    ({'algorithm': 'striped'}, "unknown algorithm='striped'"),
+    ({'seq': 12}, 'a sequence of 12 does not cut into 8 equal chunks'),
+    ({'group': []}, 'at least one device'),
+    ({'algorithm': 'ulysses', 'group': devices(3), 'seq': 12},
+     'Ulysses splits the 4 heads over 3 devices'),
+])
+def test_bad_input_is_refused_by_name(kwargs, words):
+    q = np.ones((1, 4, kwargs.pop('seq', 16), 2))
+    with pytest.raises(ValueError, match=words):
+        d2l.model_parallel.context_parallel_attention(q, q, q, kwargs.pop('group', devices(4)),
+                                                      **kwargs)
+
+
+# -- the work each device does ------------------------------------------------------------------
+
+@pytest.mark.parametrize('c, ratio', [(2, 1.5), (4, 1.75), (8, 1.875)])
+def test_contiguous_shards_give_the_last_device_2_minus_1_over_c_of_the_mean(c, ratio):
+    work = context.counted_work(c, 'contiguous')
+    assert context.imbalance(work) == ratio == 2 - 1 / c
+    assert max(work) == work[-1]
+
+
+@given(c=st.integers(1, 64))
+def test_for_any_c_contiguous_is_2_minus_1_over_c_and_the_zigzag_even(c):
+    assert context.imbalance(context.counted_work(c, 'contiguous')) == 2 - Fraction(1, c)
+    assert context.imbalance(context.counted_work(c, 'zigzag')) == 1
+
+
+@pytest.mark.parametrize('c', [1, 2, 3, 4, 8, 16])
+def test_the_zigzag_balances_the_causal_mask(c):
+    work = context.counted_work(c, 'zigzag')
+    assert context.imbalance(work) <= 1.05
+    assert sum(work) == sum(context.counted_work(c, 'contiguous')) == 0.5   # half the scores
+
+
+@pytest.mark.parametrize('layout', LAYOUTS)
+def test_without_a_mask_every_device_computes_its_share_of_every_score(layout):
+    assert context.counted_work(4, layout, causal=False) == [0.25] * 4
+
+
+@pytest.mark.parametrize('layout', LAYOUTS)
+@pytest.mark.parametrize('algorithm', ALGORITHMS)
+def test_each_device_runs_the_blocks_that_are_counted(layout, algorithm):
+    """The count is of what runs: each device's compute lane runs one attention a block."""
+    c, group = 4, devices(4)
+    q = np.ones((1, 1, 32, 2))
+    npx.waitall()
+    with profiler.profile() as records:
+        d2l.model_parallel.context_parallel_attention(q, q, q, group, layout=layout,
+                                                      algorithm=algorithm)
+        npx.waitall()
+    for rank, device in enumerate(group):
+        ran = [r for r in records if r.name == 'attention' and r.worker == f'{device} compute']
+        assert len(ran) == len(context.attention_blocks(rank, c, layout))
+    busy = context.busy_per_device(records, group)
+    assert len(busy) == c and all(b > 0 for b in busy)
+
+
+# -- the bytes that move, from the records ------------------------------------------------------
+
+def profiled_sends(shape, group, layout, algorithm, backward=True, causal=True):
+    """The sends of one forward (and backward) pass, from the engine's records."""
+    q = np.array(numpy.random.default_rng(0).normal(size=shape).astype(numpy.float32))
+    q.attach_grad()
+    npx.waitall()
+    with profiler.profile() as records:
+        with autograd.record():
+            out = d2l.model_parallel.context_parallel_attention(
+                q, q, q, group, causal=causal, layout=layout, algorithm=algorithm)
+        if backward:
+            out.backward()
+        npx.waitall()
+    return [t for t in comm.transfers_in(records) if t['action'] == 'send']
+
+
+def ring_sends(c, layout, causal, phase):
+    """{(step, source): (bytes, targets)} of the ring's sends in one phase."""
+    sends = profiled_sends((2, 3, 32, 4), devices(c), layout, 'ring', causal=causal)
+    found = {}
+    for t in sends:
+        if t['algorithm'] == 'ring attention' and t['phase'] == phase:
+            sent, targets = found.get((t['step'], t['source']), (0, set()))
+            found[t['step'], t['source']] = sent + t['bytes'], targets | {t['target']}
+    return found
+
+
+@pytest.mark.parametrize('c', [2, 4, 8])
+@pytest.mark.parametrize('layout', LAYOUTS)
+@pytest.mark.parametrize('causal', [True, False])
+def test_each_step_of_the_ring_sends_its_formula_to_the_next_device(c, layout, causal):
+    group, per_step = devices(c), context.ring_bytes_per_step((2, 3, 32, 4), c)
+    assert per_step == 2 * 2 * 3 * (32 // c) * 4 * 4          # keys and values, float32
+    assert ring_sends(c, layout, causal, 'forward') == {
+        (step, device): (per_step, {group[(rank + 1) % c]})
+        for step in range(1, c) for rank, device in enumerate(group)}
+
+
+@pytest.mark.parametrize('c', [2, 4, 8])
+@pytest.mark.parametrize('layout', LAYOUTS)
+@pytest.mark.parametrize('causal', [True, False])
+def test_backward_sends_the_gradients_back_round_the_ring(c, layout, causal):
+    """Without a mask every chunk's gradient goes back each step, as many bytes as forward;
+    under the causal mask a chunk no later device attends to has none to send back."""
+    group, shape = devices(c), (2, 3, 32, 4)
+    expected = context.ring_gradient_bytes(shape, c, layout, causal)
+    assert ring_sends(c, layout, causal, 'backward') == {
+        (step, group[rank]): (sent, {group[rank - 1]}) for (step, rank), sent in expected.items()}
+    if not causal:
+        assert set(expected.values()) == {context.ring_bytes_per_step(shape, c)}
+        assert len(expected) == c * (c - 1)
+
+
+@pytest.mark.parametrize('c', [2, 4, 8])
+def test_the_all_gather_brings_each_device_its_formula(c):
+    shape, group = (1, 2, 32, 4), devices(c)
+    sends = [t for t in profiled_sends(shape, group, 'zigzag', 'all_gather', backward=False)
+             if t['algorithm'] == 'all-gather attention']
+    for device in group:
+        received = sum(t['bytes'] for t in sends if t['target'] == device)
+        assert received == context.all_gather_bytes(shape, c) == (c - 1) * \
+            context.ring_bytes_per_step(shape, c)
+
+
+@pytest.mark.parametrize('c', [2, 4, 8])
+def test_ulysses_all_to_alls_send_their_formula_2_over_c_of_the_rings(c):
+    shape, group = (1, 8, 32, 4), devices(c)
+    sends = [t for t in profiled_sends(shape, group, 'zigzag', 'ulysses', backward=False)
+             if t['algorithm'] == 'ulysses attention']
+    for device in group:
+        sent = sum(t['bytes'] for t in sends if t['source'] == device)
+        assert sent == context.ulysses_bytes(shape, c) == 2 / c * (c - 1) * \
+            context.ring_bytes_per_step(shape, c)
+
+
+def test_a_send_returns_its_gradient_the_way_it_came():
+    x = np.array([1.0, 2.0])
+    x.attach_grad()
+    npx.waitall()
+    with profiler.profile() as records:
+        with autograd.record():
+            y = comm.send(x, d2l.cpu(1), 'test', 0, 0)
+            (y * np.array([3.0, 4.0], device=d2l.cpu(1))).sum().backward()
+        npx.waitall()
+    assert y.device == d2l.cpu(1)
+    numpy.testing.assert_array_equal(x.grad.asnumpy(), [3.0, 4.0])
+    assert x.grad.device == d2l.cpu(0)
+    assert comm.bytes_sent(records, 'forward') == comm.bytes_sent(records, 'backward') == 8
+
+
+# -- the calculator -----------------------------------------------------------------------------
+
+CLUSTER = predict.Cluster(64, 8, 80e9, 150e12, 300e9, 25e9)
+
+
+@pytest.mark.parametrize('c', [2, 4, 8])
+def test_the_calculator_divides_activations_by_c(c):
+    whole = predict.layout_costs(predict.GPT3, CLUSTER, 8, 8, 8, 1536)
+    split = predict.layout_costs(predict.GPT3, CLUSTER, 8, 8, 8, 1536, context=c)
+    assert split['activations'] == pytest.approx(whole['activations'] / c)
+    assert split['states'] == whole['states'] and whole['context'] == 0
+
+
+def test_the_calculator_prices_the_ring_from_its_bytes_per_step():
+    """Per layer and micro-batch: c - 1 steps forward, twice as many backward, each sending a
+    device's keys and values of 1/c of the tokens and 1/t of the heads, in 16 bits."""
+    gpt3, c, t, p = predict.GPT3, 4, 2, 8
+    costs = predict.layout_costs(gpt3, CLUSTER, 8, t, p, 1536, context=c)
+    step_bytes = 2 * 1 * (gpt3.heads // t) * (gpt3.seq // c) * (gpt3.hidden // gpt3.heads) * 2
+    assert step_bytes == context.ring_bytes_per_step(
+        (1, gpt3.heads // t, gpt3.seq, gpt3.hidden // gpt3.heads), c, 'float16')
+    microbatches, layers_here = 1536 // 8, gpt3.layers // p
+    assert costs['context'] == pytest.approx(3 * (c - 1) * microbatches * layers_here * (
+        CLUSTER.alpha + step_bytes / CLUSTER.nvlink))
+
+
+def test_the_layout_search_fills_the_cluster_with_d_t_p_c():
+    plain = dict(predict.layouts(predict.GPT3, CLUSTER, batch=1536))
+    rows = dict(predict.layouts(predict.GPT3, CLUSTER, batch=1536, context=2))
+    assert rows and all(d * t * p * 2 == CLUSTER.devices for d, t, p in rows)
+    for (d, t, p), row in rows.items():
+        assert row['activations'] == pytest.approx(plain[2 * d, t, p]['activations'] / 2)
