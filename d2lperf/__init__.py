@@ -43,7 +43,8 @@ Hardware
 Training on Multiple GPUs, Concise Implementation for Multiple GPUs
     comm/         a minibatch split among devices; allreduce across them by six algorithms
                   (schedules run as engine operations), its two halves (reduce-scatter,
-                  all-gather), and what each costs on a topology.
+                  all-gather), gradients summed through flat buffers made once, the
+                  all-to-all and a point-to-point send, and what each costs on a topology.
     data_parallel/  every way the book sums gradients: by hand (from_scratch), the Trainer
                   through a key-value store of any type, overlap with backward, test accuracy
                   on one device or split among several (evaluation), and, "Data Parallelism
@@ -53,7 +54,8 @@ Training on Multiple GPUs, Concise Implementation for Multiple GPUs
                   1F1B, interleaved), their bubble and the activations a stage holds;
                   Megatron-LM's tensor and sequence parallelism; the three parallelisms at
                   once on a grid of devices (layout), and the calculator that predicts what
-                  each device of a layout holds and sends (predict).
+                  each device of a layout holds and sends (predict); context parallelism
+                  (the ring, the all-gather, Ulysses) and expert parallelism.
 Parameter Servers
     optimizer/    the update rules (SGD with momentum and weight decay, Adam) that a trainer
                   or a key-value store applies, with their states as plain arrays (rules.py),
