@@ -55,6 +55,8 @@ def fill_cache(app, env, docnames):
     from jupyter_cache import get_cache
     from jupyter_cache.base import CacheBundleIn
     from myst_nb.core.read import create_nb_reader
+    if env.mystnb_config.execution_mode != 'cache':      # "off" or "force": no cache to fill
+        return
     cache = get_cache(env.mystnb_config.execution_cache_path or '.jupyter_cache')
     cache.clear_cache()
     taken = []
