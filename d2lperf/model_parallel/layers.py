@@ -43,19 +43,21 @@ class TensorGroup:
 
     def run(self, program, inputs, tokens_shape):
         """[program(rank, inputs[rank]) for each rank], each on a thread of its own, one at
-        a time: rank 0 first, each until it meets the others (`meet`) or ends, then the next.
-        `tokens_shape` is the (batch, sequence) of the tokens the inputs come from."""
+        a time: rank 0 first, each until it meets the others (`meet`) or ends, then the next
+        in the cycle. `tokens_shape` is the (batch, sequence) of the tokens the inputs come
+        from."""
         t = len(self.devices)
         self.tokens_shape, self.failure = tuple(tokens_shape), None
-        self.turns = [threading.Semaphore(0) for _ in range(t + 1)]    # the last: nobody's
+        self.turns = [threading.Semaphore(0) for _ in range(t)]
         self.arrived, self.joined, self.entered = [None] * t, [None] * t, [None] * t
+        self.meeting = self.joining = 0             # the devices come so far
         outputs = [None] * t
 
         def device_program(rank):
             try:
                 self.wait_turn(rank)
                 outputs[rank] = program(rank, inputs[rank])
-                self.turns[rank + 1].release()
+                self.hand_on(rank)
             except BaseException as error:        # noqa: BLE001 - raised by run, below
                 self.fail(error)
         threads = [threading.Thread(target=device_program, args=(rank,), daemon=True,
@@ -77,16 +79,20 @@ class TensorGroup:
         return outputs
 
     def meet(self, rank, array, collective):
-        """`collective` over every device's `array`, run by the last device to come; each
-        gets its own result back."""
-        self.arrived[rank] = array
-        if rank == len(self.devices) - 1:
-            self.results = collective(list(self.arrived))
-            self.turns[0].release()
+        """`collective` over every device's `array`, run by the last device to come, which
+        goes on at once (one hand-off fewer); each gets its own result back."""
+        self.arrived[rank], self.meeting = array, self.meeting + 1
+        if self.meeting < len(self.devices):
+            self.hand_on(rank)
+            self.wait_turn(rank)
         else:
-            self.turns[rank + 1].release()
-        self.wait_turn(rank)
+            self.meeting, self.results = 0, collective(list(self.arrived))
         return self.results[rank]
+
+    def hand_on(self, rank):
+        """The turn to the next device in the cycle (the order of the devices only changes
+        which runs first: each device's operations keep their own order)."""
+        self.turns[(rank + 1) % len(self.devices)].release()
 
     def wait_turn(self, rank):
         self.turns[rank].acquire()
@@ -125,7 +131,9 @@ class TensorGroup:
         if not autograd.is_recording():
             return x
         self.joined[rank] = x, alias(x, x.shape, x.dtype, lambda data: data, 'collective')
-        if rank == len(self.devices) - 1:         # the devices come in turn: all are here
+        self.joining += 1
+        if self.joining == len(self.devices):
+            self.joining = 0
             xs, outs = zip(*self.joined)
             autograd.collective(list(outs), list(xs), self.allreduce)
         return self.joined[rank][1]
