@@ -42,10 +42,10 @@ class TensorGroup:
         self.devices, self.algorithm, self.sequence = list(devices), algorithm, sequence
 
     def run(self, program, inputs, tokens_shape):
-        """[program(rank, inputs[rank]) for each rank], each on a thread of its own, one at
-        a time: rank 0 first, each until it meets the others (`meet`) or ends, then the next
-        in the cycle. `tokens_shape` is the (batch, sequence) of the tokens the inputs come
-        from."""
+        """[program(rank, inputs[rank]) for each rank], each on a thread of its own (rank
+        0's the caller's), one at a time: rank 0 first, each until it meets the others
+        (`meet`) or ends, then the next in the cycle. `tokens_shape` is the (batch, sequence)
+        of the tokens the inputs come from."""
         t = len(self.devices)
         self.tokens_shape, self.failure = tuple(tokens_shape), None
         self.turns = [threading.Semaphore(0) for _ in range(t)]
@@ -61,11 +61,12 @@ class TensorGroup:
             except BaseException as error:        # noqa: BLE001 - raised by run, below
                 self.fail(error)
         threads = [threading.Thread(target=device_program, args=(rank,), daemon=True,
-                                    name=f'tensor rank {rank}') for rank in range(t)]
+                                    name=f'tensor rank {rank}') for rank in range(1, t)]
         try:
             for thread in threads:
                 thread.start()
             self.turns[0].release()
+            device_program(0)                      # device 0's program is this thread's
             for thread in threads:
                 thread.join()
         except BaseException as error:             # a Ctrl-C: let no thread wait forever
