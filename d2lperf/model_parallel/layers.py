@@ -29,6 +29,7 @@ import threading
 
 from .. import autograd, comm
 from ..nn.block import Dense
+from ..np.multiarray import alias
 from ..nn.init import Normal
 from ..nn.transformer import INIT_SIGMA, LayerSpec
 
@@ -39,68 +40,71 @@ class TensorGroup:
 
     def __init__(self, devices, algorithm='ring', sequence=False):
         self.devices, self.algorithm, self.sequence = list(devices), algorithm, sequence
-        self.turn = threading.Condition()
 
     def run(self, program, inputs, tokens_shape):
-        """[program(rank, inputs[rank]) for each rank], each on a thread of its own, one at
-        a time: rank 0 first, each until it meets the others (`meet`) or ends, then the next.
-        `tokens_shape` is the (batch, sequence) of the tokens the inputs come from."""
+        """[program(rank, inputs[rank]) for each rank], each on a thread of its own (rank
+        0's the caller's), one at a time: rank 0 first, each until it meets the others
+        (`meet`) or ends, then the next in the cycle. `tokens_shape` is the (batch, sequence)
+        of the tokens the inputs come from."""
         t = len(self.devices)
-        self.tokens_shape, self.now, self.failure = tuple(tokens_shape), 0, None
-        self.arrived, self.entered, outputs = [None] * t, [None] * t, [None] * t
+        self.tokens_shape, self.failure = tuple(tokens_shape), None
+        self.turns = [threading.Semaphore(0) for _ in range(t)]
+        self.arrived, self.joined, self.entered = [None] * t, [None] * t, [None] * t
+        self.meeting = self.joining = 0             # the devices come so far
+        outputs = [None] * t
 
         def device_program(rank):
             try:
                 self.wait_turn(rank)
                 outputs[rank] = program(rank, inputs[rank])
-                self.hand_to(rank + 1)
+                self.hand_on(rank)
             except BaseException as error:        # noqa: BLE001 - raised by run, below
                 self.fail(error)
         threads = [threading.Thread(target=device_program, args=(rank,), daemon=True,
-                                    name=f'tensor rank {rank}') for rank in range(t)]
+                                    name=f'tensor rank {rank}') for rank in range(1, t)]
         try:
             for thread in threads:
                 thread.start()
+            self.turns[0].release()
+            device_program(0)                      # device 0's program is this thread's
             for thread in threads:
                 thread.join()
         except BaseException as error:             # a Ctrl-C: let no thread wait forever
             self.fail(error)
             raise
         finally:
-            self.arrived = self.entered = self.results = None     # hold no arrays
+            self.arrived = self.joined = self.entered = self.results = None   # no arrays held
         failure, self.failure = self.failure, None
         if failure is not None:
             raise failure
         return outputs
 
     def meet(self, rank, array, collective):
-        """`collective` over every device's `array`, run by the last device to come; each
-        gets its own result back."""
-        self.arrived[rank] = array
-        if rank == len(self.devices) - 1:
-            self.results = collective(list(self.arrived))
-            self.hand_to(0)
+        """`collective` over every device's `array`, run by the last device to come, which
+        goes on at once (one hand-off fewer); each gets its own result back."""
+        self.arrived[rank], self.meeting = array, self.meeting + 1
+        if self.meeting < len(self.devices):
+            self.hand_on(rank)
+            self.wait_turn(rank)
         else:
-            self.hand_to(rank + 1)
-        self.wait_turn(rank)
+            self.meeting, self.results = 0, collective(list(self.arrived))
         return self.results[rank]
 
-    def wait_turn(self, rank):
-        with self.turn:
-            self.turn.wait_for(lambda: self.now == rank or self.failure is not None)
-            if self.failure is not None:
-                raise Abandoned()
+    def hand_on(self, rank):
+        """The turn to the next device in the cycle (the order of the devices only changes
+        which runs first: each device's operations keep their own order)."""
+        self.turns[(rank + 1) % len(self.devices)].release()
 
-    def hand_to(self, rank):
-        with self.turn:
-            self.now = rank
-            self.turn.notify_all()
+    def wait_turn(self, rank):
+        self.turns[rank].acquire()
+        if self.failure is not None:
+            raise Abandoned()
 
     def fail(self, error):
-        with self.turn:
-            if self.failure is None and not isinstance(error, Abandoned):
-                self.failure = error
-            self.turn.notify_all()
+        if self.failure is None and not isinstance(error, Abandoned):
+            self.failure = error
+        for turn in self.turns:            # wake every device: each sees the failure
+            turn.release()
 
     # -- f and g ------------------------------------------------------------------------------
     def enter(self, rank, x):
@@ -109,7 +113,10 @@ class TensorGroup:
         for the three (Megatron fuses them into one column-parallel layer for this)."""
         if self.entered[rank] is not None and self.entered[rank][0] is x:
             return self.entered[rank][1]
-        out = self.meet(rank, x, self.gather_tokens if self.sequence else self.copy_in)
+        if self.sequence:
+            out = self.meet(rank, x, self.gather_tokens)
+        else:
+            out = self.copy_in(rank, x)
         self.entered[rank] = (x, out)
         return out
 
@@ -118,13 +125,24 @@ class TensorGroup:
         with sequence parallelism)."""
         return self.meet(rank, part, self.scatter_tokens if self.sequence else self.sum_parts)
 
-    def copy_in(self, xs):
-        """The identity forward; an allreduce of the gradients backward."""
-        return autograd.reduce_in_backward(xs, self.allreduce)
+    def copy_in(self, rank, x):
+        """f, the tokens whole: the identity forward, so a device goes on at once with an
+        alias of its `x`; once the last device's has come, their gradients are tied together
+        (`autograd.collective`), to be summed by an allreduce in backward."""
+        if not autograd.is_recording():
+            return x
+        self.joined[rank] = x, alias(x, x.shape, x.dtype, lambda data: data, 'collective')
+        self.joining += 1
+        if self.joining == len(self.devices):
+            self.joining = 0
+            xs, outs = zip(*self.joined)
+            autograd.collective(list(outs), list(xs), self.allreduce)
+        return self.joined[rank][1]
 
     def sum_parts(self, parts):
-        """The parts summed on every device, the identity in backward (a recorded copy,
-        whose gradient is its output's, then summed in place outside the tape)."""
+        """g, the tokens whole: the parts summed on every device, the identity in backward (a
+        recorded copy, whose gradient is its output's, then summed in place outside the
+        tape)."""
         return self.allreduce([part.copy() for part in parts])
 
     def allreduce(self, arrays):
