@@ -645,6 +645,7 @@ def parallel_gpt_rows():
                 values = [loss(out, np.array(labels, device=out.device)).sum()
                           for out in logits]
             split.backward(values)
+            split.finish_gradients()        # with sequence parallelism, the copies' sum
             trainer.step(1)
             npx.waitall()
         return step
