@@ -14,6 +14,7 @@ from d2lperf.model_parallel import context, predict
 
 from strategies import checks
 from strategies.comm import context_parallel_problems
+from test_attention import output_and_gradients, relative_error
 
 pytestmark = pytest.mark.chapter('model_parallelism')
 
@@ -23,22 +24,6 @@ LAYOUTS, ALGORITHMS = ['zigzag', 'contiguous'], ['ring', 'all_gather']
 def devices(c):
     return [d2l.cpu(i) for i in range(c)]
 
-
-def output_and_gradients(f, values, weights):
-    """f(q, k, v) and the gradients of sum(f · weights) for q, k and v, as NumPy arrays."""
-    xs = [np.array(v) for v in values]
-    for x in xs:
-        x.attach_grad()
-    with autograd.record():
-        out = f(*xs)
-        loss = (out * np.array(weights)).sum()
-    loss.backward()
-    return [out.asnumpy()] + [x.grad.asnumpy() for x in xs]
-
-
-def relative_error(got, want):
-    return float(numpy.abs(got.astype(numpy.float64) - want).max()
-                 / (numpy.abs(want).max() or 1))
 
 
 def assert_equals_one_device(shape, group, layout, algorithm, causal, seed=0):

@@ -24,7 +24,7 @@ import numpy
 from .. import engine
 from ..device import transfer
 from ..np.multiarray import NDArray
-from .allreduce import Party, TransferName
+from .allreduce import Party, TransferName, check_one_shape_a_device
 from .schedules import ALL_TO_ALL as ALGORITHM, pairwise_exchange
 
 
@@ -107,19 +107,8 @@ def _send(sender, receiver, move, step):
 
 
 def _check(arrays):
-    if not arrays:
-        raise ValueError('all_to_all needs at least one array, one a device')
-    if not all(isinstance(a, NDArray) for a in arrays):
-        kinds = sorted({type(a).__name__ for a in arrays})
-        raise TypeError(f'all_to_all takes d2lperf NDArrays, got {kinds}; wrap NumPy arrays '
-                        'with d2l.np.array(x, device=...)')
+    check_one_shape_a_device(arrays, 'all_to_all', 'all_to_all')
     first, n = arrays[0], len(arrays)
-    for other in arrays[1:]:
-        if other.shape != first.shape or other.dtype != first.dtype:
-            raise ValueError(
-                f'all_to_all needs one shape and dtype on every device, got {first.dtype}'
-                f'{list(first.shape)} on {first.device} and {other.dtype}{list(other.shape)} '
-                f'on {other.device}')
     if first.ndim == 0 or first.shape[0] % n:
         raise ValueError(f'all_to_all splits each array in {n} equal chunks on axis 0, but '
                          f'its shape is {list(first.shape)}: pad the first axis to a multiple '

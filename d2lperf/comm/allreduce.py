@@ -279,19 +279,24 @@ def _copy_into_host(target, source):
 def _check(arrays, op, what='allreduce'):
     if op not in REDUCTIONS:
         raise ValueError(f'unknown reduction op={op!r}; use one of {sorted(REDUCTIONS)}')
+    check_one_shape_a_device(arrays, what, 'allreduce')
+    if len({a.var for a in arrays}) < len(arrays):
+        raise ValueError('allreduce got the same array (or views of one array) twice; give '
+                         'it one distinct array per device')
+
+
+def check_one_shape_a_device(arrays, what, collective):
+    """A collective's arrays: at least one, all NDArrays, one shape and dtype."""
     if not arrays:
         raise ValueError(f'{what} needs at least one array, one a device')
-    _check_ndarrays(arrays, 'allreduce')
+    _check_ndarrays(arrays, collective)
     first = arrays[0]
     for other in arrays[1:]:
         if other.shape != first.shape or other.dtype != first.dtype:
             raise ValueError(
-                f'allreduce needs one shape and dtype on every device, got {first.dtype}'
+                f'{collective} needs one shape and dtype on every device, got {first.dtype}'
                 f'{list(first.shape)} on {first.device} and {other.dtype}{list(other.shape)} on '
                 f'{other.device}; reshape or astype them to match first')
-    if len({a.var for a in arrays}) < len(arrays):
-        raise ValueError('allreduce got the same array (or views of one array) twice; give '
-                         'it one distinct array per device')
 
 
 def _check_ndarrays(arrays, what):
