@@ -8,9 +8,9 @@ Sequences and Many Experts".
 """
 from __future__ import annotations
 
-from .. import autograd, engine
-from ..device import Device, transfer
-from ..np.multiarray import NDArray
+from .. import autograd
+from ..device import Device
+from ..np.multiarray import NDArray, copy_to_device
 from .allreduce import TransferName
 
 
@@ -27,15 +27,9 @@ def send(x: NDArray, device: Device, algorithm: str, step: int, chunk: int,
     """
     if not isinstance(device, Device):
         raise TypeError(f'send needs a Device such as d2l.cpu(1), not {device!r}')
-    out = NDArray(x.shape, x.dtype, device)
-    move = transfer(x.device, device)
-
-    def run():
-        out.data = move(x.data)
     nbytes = x.size * x.dtype.itemsize
     name = TransferName(algorithm, phase, step, chunk, x.device, device, 'send', nbytes)
-    where, lane = engine.copy_lane(x.device, device)
-    engine.push(run, [x.var], [out.var], where, name, lane)
+    out = copy_to_device(x, device, name)
 
     def backward(grads):
         return [send(grads[0], x.device, algorithm, step, chunk, 'backward')]

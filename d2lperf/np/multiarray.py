@@ -428,11 +428,12 @@ def overwrites(target, key, value):
             and not (isinstance(value, NDArray) and value.var is target.var))
 
 
-def copy_to_device(x, device):
+def copy_to_device(x, device, name='copyto'):
     """`x.copyto(device)`: one engine operation, on a copy lane, that reads x and writes the copy.
 
     It runs beside the devices' computation (see `engine.copy_lane`): whatever does not read
-    the copy goes on while the data moves.
+    the copy goes on while the data moves. `name` names it in the engine's records (comm's
+    sends give a `TransferName`, so that profiles count their bytes).
     """
     if not isinstance(device, Device):
         raise TypeError(f'copyto needs a Device such as d2l.cpu(1) or d2l.gpu(0), not {device!r}')
@@ -442,7 +443,7 @@ def copy_to_device(x, device):
     def run():
         out.data = move(x.data)
     where, lane = engine.copy_lane(x.device, device)
-    engine.push(run, [x.var], [out.var], where, 'copyto', lane)
+    engine.push(run, [x.var], [out.var], where, name, lane)
     return out
 
 
