@@ -43,6 +43,30 @@ def test_importing_d2lperf_leaves_the_products_of_other_threads_running(monkeypa
     assert products >= 10, f'{products} products of 300 × 300 in the 2 s after the import'
 
 
+
+LOOKING_WHILE_IMPORTING = """
+    import sys, threading
+    import numpy
+    from d2lperf.engine import blas
+    importing = True
+    def look():                     # what a lane does before each operation, as often as it can
+        while importing:
+            blas.openblas_thread_controls()
+    threading.Thread(target=look, daemon=True).start()
+    import scipy.special, scipy.sparse, scipy.linalg, scipy.optimize, scipy.signal, scipy.stats
+    import scipy.ndimage, scipy.interpolate, scipy.spatial, scipy.integrate, scipy.io, scipy.fft
+    importing = False
+    print(len(blas.openblas_thread_controls()))
+"""
+
+
+def test_a_lane_looking_for_openblas_while_the_program_imports_never_deadlocks():
+    """A lane looked for new libraries with glibc's dl_iterate_phdr, whose Python callback
+    waits for the GIL under the loader's lock, while the main thread, importing an extension
+    module, held the GIL and waited for that lock: a 3-rank training job hung in CI."""
+    pytest.importorskip('scipy')
+    assert int(run_in_subprocess(LOOKING_WHILE_IMPORTING, seconds=60)) >= 1
+
 SPIN_CHECK = """
     import ctypes, os, subprocess, sys
     {first}

@@ -15,7 +15,6 @@ Taught in "Automatic Parallelism" and "Hardware".
 import collections
 import contextlib
 import ctypes
-import functools
 import itertools
 import os
 import sys
@@ -209,8 +208,8 @@ class SharedCores:
         self.set(threads_that_fit(self.limit, self.cores, self.taken, self.sharing))
 
     def libraries(self):
-        """The OpenBLAS libraries to set, looked for once per load sample: a microsecond, too
-        long to spend each time a device starts or stops computing."""
+        """The OpenBLAS libraries to set, looked for once per load sample rather than each time
+        a device starts or stops computing."""
         if self.controllers is not None:
             return self.controllers
         if self.found is None:
@@ -253,29 +252,72 @@ def openblas_thread_controls():
     """One `OpenBLASThreads` per OpenBLAS the process has loaded (none with MKL or Accelerate:
     then `SharedCores` counts the free cores, and nothing sets BLAS's threads).
 
-    Finding them takes milliseconds, so they are found again only once the process has loaded
-    another library: SciPy, imported after NumPy by scikit-learn, brings an OpenBLAS of its
-    own. One answer for the whole process, as the libraries are the process's."""
+    Finding them takes a millisecond, so they are found again only once the process has
+    imported another module: a new OpenBLAS comes with one (SciPy, imported after NumPy by
+    scikit-learn, brings its own). One answer for the whole process, as the libraries are the
+    process's."""
     global _controls
-    loaded = libraries_loaded()
-    if _controls is None or _controls[0] != loaded:
-        _controls = (loaded, tuple(find_openblas()))
+    imported = modules_imported()
+    if _controls is None or _controls[0] != imported:
+        _controls = (imported, tuple(find_openblas()))
     return _controls[1]
 
 
-_controls = None        # (libraries_loaded() when found, the controls found then)
+_controls = None        # (modules_imported() when found, the controls found then)
+
+
+def modules_imported():
+    """A count that changes whenever the process imports a module, read in nanoseconds."""
+    return len(sys.modules)
 
 
 def find_openblas():
+    """An `OpenBLASThreads` for each OpenBLAS loaded now (`openblas_libraries`)."""
+    for library in openblas_libraries():
+        yield OpenBLASThreads(*openblas_thread_functions(library))
+
+
+def openblas_libraries():
     """The OpenBLAS libraries loaded now, by one rule: a BLAS library that exports OpenBLAS's
     thread-count functions (`openblas_thread_functions`). One whose threads are OpenMP's is
     left out: its count is per calling thread."""
-    import threadpoolctl      # on first use: importing it costs milliseconds
-    for info in threadpoolctl.threadpool_info():
-        if info['user_api'] == 'blas' and info.get('threading_layer') != 'openmp':
-            functions = openblas_thread_functions(ctypes.CDLL(info['filepath']))
-            if functions is not None:
-                yield OpenBLASThreads(*functions)
+    for path in loaded_libraries():
+        name = os.path.basename(path).lower()
+        if name.startswith('lib') and 'blas' in name:       # not a module linked to one
+            library = ctypes.CDLL(path)
+            if openblas_thread_functions(library) is not None and not uses_openmp(library):
+                yield library
+
+
+def loaded_libraries():
+    """The paths of the shared libraries the process has loaded, read without calling back
+    into Python: from /proc/self/maps on Linux, from dyld on macOS, none elsewhere.
+
+    Not glibc's `dl_iterate_phdr`, the way threadpoolctl lists them: it calls its Python
+    callback while it holds the loader's lock, and the engine's workers look from their own
+    threads. Meanwhile the main thread may import an extension module, which holds the GIL and
+    waits for that lock: each thread then waits for the other's, for ever."""
+    libc = ctypes.CDLL(None)
+    if hasattr(libc, '_dyld_image_count'):                      # macOS
+        libc._dyld_get_image_name.restype = ctypes.c_char_p
+        return [libc._dyld_get_image_name(i).decode()
+                for i in range(libc._dyld_image_count())]
+    try:
+        with open('/proc/self/maps') as maps:
+            fields = [line.split(maxsplit=5) for line in maps]
+    except OSError:
+        return []
+    paths = [f[5].strip() for f in fields if len(f) == 6 and f[5].startswith('/')]
+    return list(dict.fromkeys(path for path in paths if '.so' in os.path.basename(path)))
+
+
+def uses_openmp(library):
+    """Whether an OpenBLAS runs its threads with OpenMP (`openblas_get_parallel` says 2)."""
+    for prefix, suffix in itertools.product(('', 'scipy_'), ('', '64_', '_64')):
+        parallel = getattr(library, f'{prefix}openblas_get_parallel{suffix}', None)
+        if parallel is not None:
+            return parallel() == 2
+    return False
 
 
 def openblas_thread_functions(library):
@@ -330,10 +372,7 @@ def restart_alone():
     product waiting forever. So every thread of the process but this one must be one of
     OpenBLAS's own idle threads, counted from /proc; elsewhere (a Jupyter kernel's threads,
     another library's pool, no /proc) OpenBLAS keeps its spin. Returns whether it restarted."""
-    import threadpoolctl      # only here: importing it costs milliseconds
-    paths = [info['filepath'] for info in threadpoolctl.threadpool_info()
-             if info['internal_api'] == 'openblas' and info.get('threading_layer') != 'openmp']
-    libraries = [ctypes.CDLL(path) for path in paths]
+    libraries = list(openblas_libraries())
     if not libraries or not all(hasattr(lib, name) for lib in libraries for name in RESTART):
         return False
     idle_threads = sum(openblas_thread_functions(lib)[0]() - 1 for lib in libraries)
@@ -355,37 +394,3 @@ def threads_of_this_process():
         return None
 
 
-class _LoadedLibrary(ctypes.Structure):       # the head of glibc's struct dl_phdr_info
-    _fields_ = [('address', ctypes.c_void_p), ('name', ctypes.c_char_p),
-                ('headers', ctypes.c_void_p), ('header_count', ctypes.c_uint16),
-                ('loads', ctypes.c_ulonglong), ('unloads', ctypes.c_ulonglong)]
-
-
-def libraries_loaded():
-    """A count that changes whenever the process loads or unloads a shared library (the
-    loader's own, read in a microsecond), or None where it cannot be read (neither glibc nor
-    macOS): a new OpenBLAS can only come with a new library."""
-    return _loader_count()()
-
-
-@functools.cache
-def _loader_count():
-    """A function that reads the loader's count, made once."""
-    libc = ctypes.CDLL(None)
-    if hasattr(libc, '_dyld_image_count'):                      # macOS
-        return libc._dyld_image_count
-    if not hasattr(libc, 'dl_iterate_phdr'):
-        return lambda: None
-    counts, reading = [], threading.Lock()        # any thread may ask
-
-    def first(info, size, data):
-        counts.append((info.contents.loads, info.contents.unloads))
-        return 1                                   # stop: the first library holds the counts
-    visit = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(_LoadedLibrary), ctypes.c_size_t,
-                             ctypes.c_void_p)(first)
-
-    def read():
-        with reading:
-            libc.dl_iterate_phdr(visit, None)
-            return counts.pop()
-    return read
