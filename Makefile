@@ -19,13 +19,18 @@ book: $(STAMP)
 ## Unit tests, then every chapter cell under nbval, in quick mode.
 test: unit notebooks
 
+## Two tests at a time (most wait on child processes, MPI jobs and threads), then, alone, the
+## tests marked serial, which read the machine's load or their own CPU time.
 unit: $(STAMP)
-	D2LPERF_QUICK=1 $(BIN)/python -m pytest -q tests
+	D2LPERF_QUICK=1 $(BIN)/python -m pytest -q -n 2 -m 'not serial' tests
+	D2LPERF_QUICK=1 $(BIN)/python -m pytest -q -m serial tests
 
 NOTEBOOKS := D2LPERF_QUICK=1 $(BIN)/python -m pytest -q --nbval-lax --nbval-cell-timeout=600 chapters/*.ipynb
 
+## Two chapters at a time, each whole in one worker (--dist loadfile): each chapter's timed
+## verdicts hold beside a busy core (make test-noisy), which the other chapter is.
 notebooks: $(STAMP)
-	$(NOTEBOOKS)
+	$(NOTEBOOKS) -n 2 --dist loadfile
 
 ## The notebook run while one core is kept busy, as by a browser or a noisy neighbour.
 ## The busy loop is killed when the run ends, passed or failed, and ends by itself if the

@@ -8,6 +8,7 @@ under each engine; `fake_gpus` gives a test two GPUs backed by NumPy (tests/fake
 (a module's `pytestmark`), the checks of its Markdown and notebook pair, and, under
 `--nbval-lax`, its notebook; so an author who edits a chapter reruns what it rests on.
 """
+import gc
 import pathlib
 import subprocess
 import sys
@@ -41,6 +42,14 @@ def pytest_configure(config):
                                 f'are {names}')
     if config.getoption('nbval', False) or config.getoption('nbval_lax', False):
         config.args.append(str(CHAPTERS / f'{chapter}.ipynb'))
+
+
+def pytest_collection_finish(session):
+    """What the imports and the collection made, out of the collector's sight (`gc.freeze`):
+    the tests that count memory collect garbage after each step, and every collection, theirs
+    and Python's own, then reads what the tests made rather than the whole process's objects."""
+    gc.collect()
+    gc.freeze()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -12,6 +12,8 @@ from d2lperf.engine import blas as blas_module
 from d2lperf.engine.blas import SharedCores
 from test_workers import FakeBlas, FakeLoad
 
+pytestmark = pytest.mark.serial          # spins and idle threads, read from CPU time
+
 
 # -- the spin of OpenBLAS's idle threads ---------------------------------------------------------
 

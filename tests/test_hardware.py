@@ -16,6 +16,8 @@ from hypothesis import given, strategies as st
 import d2lperf as d2l
 from d2lperf import hardware, utils
 from d2lperf.hardware import memory_hierarchy
+
+pytestmark = pytest.mark.serial          # loads, busy cores and bandwidths, read from the machine
 from fakes import cupy as fake_cupy
 
 UNIT_WORDS = {'bytes', 'seconds', 'ns', 'us', 'gb', 'mb', 'gflop', 'tflop', 'flop', 'mhz',

@@ -301,6 +301,7 @@ def test_the_load_is_read_at_most_every_sample_interval():
     assert load.calls == 1
 
 
+@pytest.mark.serial                       # two timings, each disturbed by another test's load
 def test_deciding_costs_far_less_than_a_small_product():
     shared_cores = SharedCores(2, controllers=[FakeBlas(2)], sample=FakeLoad(0.0))
     shared_cores.fit()

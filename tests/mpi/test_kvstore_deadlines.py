@@ -230,6 +230,7 @@ def test_a_rank_that_never_reaches_the_store_ends_the_job_at_the_deadline(tmp_pa
     assert left == []
 
 
+@pytest.mark.serial                       # each rank's CPU time over the wall time
 def test_a_waiting_rank_leaves_the_cpu_to_the_others(tmp_path):
     """Rank 0 waits 4 s for rank 1 to create its store, then 3 s for its push. Waiting costs
     it a few percent of a core (it waited in a blocking Comm_split at 0.72 of one)."""
