@@ -15,7 +15,8 @@ two rings of 8 V100s at about 3.7 ms; the MXNet edition's "about 6 ms" comes fro
 of the right order; the MXNet edition leaves them out (alpha=0). `half_time` prices the two
 halves of an allreduce apart (reduce-scatter, all-gather). Taught in "Parameter Servers".
 `all_to_all_time` prices the pairwise exchange of an all-to-all the same way: n - 1 steps, each
-device sending 1/n of its array in each ("Long Sequences and Many Experts").
+device sending 1/n of its array in each ("Long Sequences and Many Experts");
+`all_to_all_across_time` the same exchange over devices in several machines.
 """
 from __future__ import annotations
 
@@ -90,6 +91,20 @@ def all_to_all_time(size_bytes: int, topology: Topology) -> float:
     device's port out and port in busy with one chunk; on a ring, each chunk takes the
     shorter way round, so the far chunks share links and cost more."""
     return plan_time(pairwise_exchange(topology.devices), 'all-to-all', size_bytes, topology)
+
+
+def all_to_all_across_time(size_bytes: float, devices: int, per_machine: int,
+                           inside: float, across: float, alpha: float) -> float:
+    """Seconds an all-to-all of `size_bytes` (each device's whole array) takes over `devices`
+    that sit `per_machine` to a machine: each device sends a 1/n chunk to each of the others,
+    the m - 1 in its machine over NVLink (`inside` bytes/s) and the n - m in others over its
+    network link (`across`). The two links are separate hardware and run at once, so the
+    exchange lasts as long as the slower of the two, (m - 1)(α + size/(n·inside)) or
+    (n - m)(α + size/(n·across)): in one machine, `all_to_all_time` on a switch of `inside`."""
+    mates = min(devices, per_machine)
+    chunk = size_bytes / devices
+    return max((mates - 1) * (alpha + chunk / inside),
+               (devices - mates) * (alpha + chunk / across))
 
 
 def plan_time(plan: Schedule, algorithm: str, size_bytes: int, topology: Topology) -> float:

@@ -21,6 +21,8 @@ import math
 
 from ..comm import cost
 from ..nn.footprint import MEGATRON, STATE_VALUES, model_states, transformer_layer_activations
+from ..nn.moe import MoE
+from ..nn.transformer import MLP
 from .context import ring_bytes_per_step
 from .layers import DeviceSpec, TensorGroup
 from .pipeline import cut
@@ -299,3 +301,229 @@ def layouts(sizes, cluster, batch, micro=1, sequence=True, states=MEGATRON, zero
             sizes, cluster, data, tensor, pipeline, batch, micro, sequence, states, zero_stage,
             context)))
     return sorted(rows, key=lambda row: (not row[1]['fits'], row[1]['step']))
+
+
+# -- mixtures of experts, grouped-query attention, and two published layouts -----------------
+
+@dataclasses.dataclass(frozen=True)
+class Experts:
+    """Which layers' MLPs are mixtures, and of what: `count` routed experts of hidden width
+    `width`, each token sent to `top_k` of them, and `shared` experts every token goes
+    through (DeepSeekMoE's). The first `dense_first` layers keep a dense MLP; after them every
+    `every`-th layer is a mixture (`nn.GPT`'s moe_every)."""
+    count: int
+    top_k: int
+    width: int
+    every: int = 1
+    dense_first: int = 0
+    shared: int = 0
+
+    def __post_init__(self):
+        if not 1 <= self.top_k <= self.count:
+            raise ValueError(f'top_k={self.top_k} must be between 1 and the {self.count} '
+                             'experts: a token goes to at least one expert, each at most once')
+
+    def layers(self, total):
+        """How many of `total` layers are mixtures."""
+        return max(total - self.dense_first, 0) // self.every
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSizes:
+    """A published decoder's sizes, built as Llama and DeepSeek build theirs: SwiGLU MLPs
+    (three matrices), RMSNorm, no biases, rotary positions (no parameters), the embedding and
+    the head untied. `ffn` is a dense MLP's width. `kv_heads` below `heads` is grouped-query
+    attention (Ainslie et al., 2023): each key/value head serves heads/kv_heads query heads,
+    so the key and value projections, and what attention keeps of them, shrink by that
+    ratio. `attention`, where given, is one layer's attention parameters when they are not
+    (grouped-)query attention's (DeepSeek's multi-head latent attention: `mla_values`).
+
+    The package cannot build these models (its GPT is GPT-2's), so they are counted by
+    formula; `gpt_with_experts` counts the package's own model on the model."""
+    vocab: int
+    layers: int
+    hidden: int
+    heads: int
+    seq: int
+    ffn: int
+    kv_heads: int | None = None
+    head_dim: int | None = None
+    experts: Experts | None = None
+    attention: int | None = None
+
+    @property
+    def query_width(self):
+        return self.heads * (self.head_dim or self.hidden // self.heads)
+
+    @property
+    def kv_width(self):
+        """Features of a token's keys and values together."""
+        return 2 * self.query_width * (self.kv_heads or self.heads) // self.heads
+
+    def attention_values(self):
+        if self.attention is not None:
+            return self.attention
+        return self.hidden * (self.query_width + self.kv_width) + self.query_width * self.hidden
+
+    def mlp_values(self, width):
+        return 3 * self.hidden * width
+
+    def layer_values(self, mixture, active=False):
+        """One layer's parameters (with `active`, those one token uses): two norms, the
+        attention, and a dense MLP or the mixture: router, shared and routed experts."""
+        dense = 2 * self.hidden + self.attention_values()
+        if not mixture:
+            return dense + self.mlp_values(self.ffn)
+        e = self.experts
+        routed = e.top_k if active else e.count
+        return dense + e.count * self.hidden + (routed + e.shared) * self.mlp_values(e.width)
+
+    def mixture_layers(self):
+        return self.experts.layers(self.layers) if self.experts else 0
+
+    def params(self, active=False):
+        """Every parameter; with `active`, those a token uses: the dense part and, in a
+        mixture, the router and the k routed (and shared) experts it goes to."""
+        moe = self.mixture_layers()
+        ends = 2 * self.vocab * self.hidden + self.hidden           # embedding, head, norm
+        mixtures = moe and moe * self.layer_values(True, active)
+        return ends + (self.layers - moe) * self.layer_values(False, active) + mixtures
+
+    def routed_values(self):
+        """The routed experts' parameters: what expert parallelism splits."""
+        e = self.experts
+        return self.mixture_layers() * e.count * self.mlp_values(e.width) if e else 0
+
+
+def mla_values(hidden, heads, q_rank, kv_rank, nope_dim, rope_dim, v_dim):
+    """One layer of DeepSeek's multi-head latent attention (DeepSeek-V2, §2.1; DeepSeek-V3,
+    §2.1.1): queries and keys/values go down to latent vectors of `q_rank` and `kv_rank`
+    features (each normed) and back up to the heads; a decoupled key of `rope_dim` features
+    is shared by the heads; the output projection maps the heads' values back."""
+    query = hidden * q_rank + q_rank + q_rank * heads * (nope_dim + rope_dim)
+    key_value = hidden * (kv_rank + rope_dim) + kv_rank + kv_rank * heads * (nope_dim + v_dim)
+    return query + key_value + heads * v_dim * hidden
+
+
+def gpt_with_experts(sizes, num_experts, top_k=1, moe_every=2):
+    """(total, active) parameters of the package's GPT of `sizes` (a `GPTSizes`) whose every
+    `moe_every`-th layer's MLP is an `nn.MoE`, counted on the blocks themselves, built in
+    shapes alone (nothing drawn): a change to the mixture changes the count. A token uses the
+    router and `top_k` of the experts."""
+    mixture, mlp = MoE(sizes.hidden, num_experts, top_k), MLP(sizes.hidden)
+    expert = values_of(mixture.experts[0].collect_params().values())
+    swapped = sizes.layers // moe_every
+    total = sizes.params() + swapped * (values_of(mixture.collect_params().values())
+                                        - values_of(mlp.collect_params().values()))
+    return total, total - swapped * (num_experts - top_k) * expert
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How a job splits a model: `data` × `tensor` × `pipeline` × `context` devices, and
+    `expert` ranks for the mixtures' routed experts, carved out of the data × context ones
+    (Megatron-LM's: it does not multiply the devices). `micro`: sequences a micro-batch.
+    `zero_stage=1` shards the master weights and the optimizer's state over the replicas;
+    `fsdp` shards weights, gradients and optimizer state (ZeRO-3's table) and keeps the
+    stage's 16-bit weights gathered through the step, as Llama 3 does (it does not reshard
+    after the forward pass, to save the backward's all-gather). `copies`: copies of a stage's
+    parameters a device holds (DualPipe's 2). `in_flight`: micro-batches whose activations
+    the first stage keeps at its peak (None: 1F1B's p)."""
+    data: int
+    tensor: int = 1
+    pipeline: int = 1
+    context: int = 1
+    expert: int = 1
+    micro: int = 1
+    zero_stage: int = 0
+    fsdp: bool = False
+    copies: int = 1
+    in_flight: int | None = None
+
+    @property
+    def devices(self):
+        return self.data * self.tensor * self.pipeline * self.context
+
+    def __post_init__(self):
+        if (self.data * self.context) % self.expert:
+            raise ValueError(f'{self.expert} expert ranks are carved out of the data × '
+                             f'context ranks ({self.data} × {self.context}): use a divisor')
+
+
+def token_activations(sizes, mixture):
+    """Bytes one layer keeps of a token for its backward, in 16-bit values: Korthikanti et
+    al.'s count (their Table 2) with what these models change. No dropout; the attention's
+    scores are never kept (FlashAttention recomputes them); keys and values are kv_heads/heads
+    as wide (GQA); SwiGLU keeps three wide values (its two products' outputs and their
+    product) where GeLU keeps two. Attention: the norm's input, the projections' input, the
+    queries, keys, values and the heads' output. MLP: the norm's input, its input and the
+    wide values; a mixture keeps, for each of the k experts a token goes to, its copy of the
+    token, the wide values and the expert's output (for the gate's gradient)."""
+    h = sizes.hidden
+    attention = 2 * h + 2 * sizes.query_width + sizes.kv_width
+    if not mixture:
+        return 2 * (attention + 2 * h + 3 * sizes.ffn)
+    e = sizes.experts
+    experts = e.top_k * (2 * h + 3 * e.width) + e.shared * 3 * e.width
+    return 2 * (attention + 2 * h + experts)
+
+
+def layout_memory(sizes, layout, memory=80e9, states=MEGATRON):
+    """{what: bytes} a device of the first pipeline stage holds at its peak, for a
+    `ModelSizes`: its states and its activations, and whether they fit in `memory`."""
+    held_states = stage_states(sizes, layout, states)
+    activations = first_stage_activations(sizes, layout)
+    held = held_states + activations
+    return {'states': held_states, 'activations': activations, 'held': held,
+            'fits': held <= memory}
+
+
+def stage_states(sizes, layout, states):
+    """A stage's parameters on one device: the dense ones 1/t of them, the routed experts
+    1/ep of them (whole experts, no tensor split), each sharded over its own replicas: the
+    d data-parallel ranks for the dense part, the d·c/ep that hold the same experts."""
+    pipeline = layout.pipeline
+    dense = (sizes.params() - sizes.routed_values()) / (layout.tensor * pipeline)
+    routed = sizes.routed_values() / (layout.expert * pipeline)
+    expert_replicas = layout.data * layout.context // layout.expert
+    return layout.copies * (sharded(dense, layout.data, layout, states) +
+                            sharded(routed, expert_replicas, layout, states))
+
+
+def sharded(values, replicas, layout, states):
+    if layout.fsdp:
+        gathered = states['weights'] * values
+        return model_states(values, replicas, 3, states)['total'] + gathered
+    return model_states(values, replicas, layout.zero_stage, states)['total']
+
+
+def first_stage_activations(sizes, layout):
+    """The first stage's peak: `in_flight` micro-batches of its layers, each device keeping
+    1/c of a sequence's tokens (context parallelism) and 1/t of what each keeps (sequence
+    parallelism). The embedding and the head take a layer's place each, as Llama 3 balances
+    its stages (§3.3.2: one layer fewer on the first and last), so the first stage has
+    (L + 2)/p - 1 layers."""
+    pipeline = layout.pipeline
+    layers = (sizes.layers + 2) / pipeline - 1 if pipeline > 1 else sizes.layers
+    share = sizes.mixture_layers() / sizes.layers
+    per_token = (1 - share) * token_activations(sizes, False) + \
+        share * (share and token_activations(sizes, True))
+    tokens = layout.micro * sizes.seq / layout.context
+    in_flight = layout.in_flight or pipeline
+    return in_flight * layers * tokens * per_token / layout.tensor
+
+
+def all_to_all_seconds(sizes, cluster, layout, microbatches):
+    """The mixtures' all-to-alls in a step: dispatch and combine, forward and backward, for
+    each mixture layer of a stage and each micro-batch, each moving a device's k copies of
+    its tokens' 16-bit features. Megatron-LM's order, tp-cp-ep-dp-pp, puts a device's ep
+    group-mates t·c apart: the group stays on NVLink while t·c·ep fit in a machine, and
+    otherwise sends (ep - m)/ep of its bytes over the network, m its mates in a machine."""
+    if layout.expert == 1 or not sizes.experts:
+        return 0
+    tokens = layout.micro * sizes.seq / (layout.context * layout.tensor)
+    size = 2 * sizes.experts.top_k * tokens * sizes.hidden
+    mates = max(cluster.per_machine // (layout.tensor * layout.context), 1)
+    one = cost.all_to_all_across_time(size, layout.expert, mates, cluster.nvlink,
+                                      cluster.network, cluster.alpha)
+    return 4 * one * microbatches * sizes.mixture_layers() / layout.pipeline
