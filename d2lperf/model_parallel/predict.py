@@ -384,10 +384,14 @@ class ModelSizes:
     def params(self, active=False):
         """Every parameter; with `active`, those a token uses: the dense part and, in a
         mixture, the router and the k routed (and shared) experts it goes to."""
-        moe = self.mixture_layers()
         ends = 2 * self.vocab * self.hidden + self.hidden           # embedding, head, norm
-        mixtures = moe and moe * self.layer_values(True, active)
-        return ends + (self.layers - moe) * self.layer_values(False, active) + mixtures
+        return ends + self.over_layers(lambda mixture: self.layer_values(mixture, active))
+
+    def over_layers(self, count):
+        """The sum of `count(mixture)` over the layers, dense (False) and mixtures (True)."""
+        moe = self.mixture_layers()
+        dense = (self.layers - moe) * count(False)
+        return dense + moe * count(True) if moe else dense
 
     def routed_values(self):
         """The routed experts' parameters: what expert parallelism splits."""
@@ -422,7 +426,8 @@ def gpt_with_experts(sizes, num_experts, top_k=1, moe_every=2):
 class Layout:
     """How a job splits a model: `data` × `tensor` × `pipeline` × `context` devices, and
     `expert` ranks for the mixtures' routed experts, carved out of the data × context ones
-    (Megatron-LM's: it does not multiply the devices). `micro`: sequences a micro-batch.
+    (Megatron-LM's: it does not multiply the devices). `tokens`: a micro-batch's tokens (None:
+    one sequence).
     `zero_stage=1` shards the master weights and the optimizer's state over the replicas;
     `fsdp` shards weights, gradients and optimizer state (ZeRO-3's table) and keeps the
     stage's 16-bit weights gathered through the step, as Llama 3 does (it does not reshard
@@ -434,7 +439,7 @@ class Layout:
     pipeline: int = 1
     context: int = 1
     expert: int = 1
-    micro: int = 1
+    tokens: int | None = None
     zero_stage: int = 0
     fsdp: bool = False
     copies: int = 1
@@ -499,18 +504,32 @@ def sharded(values, replicas, layout, states):
 
 def first_stage_activations(sizes, layout):
     """The first stage's peak: `in_flight` micro-batches of its layers, each device keeping
-    1/c of a sequence's tokens (context parallelism) and 1/t of what each keeps (sequence
+    1/c of a micro-batch's tokens (context parallelism) and 1/t of what each keeps (sequence
     parallelism). The embedding and the head take a layer's place each, as Llama 3 balances
-    its stages (§3.3.2: one layer fewer on the first and last), so the first stage has
+    its stages (§3.3.2: one layer fewer on the first and the last), so the first stage has
     (L + 2)/p - 1 layers."""
     pipeline = layout.pipeline
     layers = (sizes.layers + 2) / pipeline - 1 if pipeline > 1 else sizes.layers
-    share = sizes.mixture_layers() / sizes.layers
-    per_token = (1 - share) * token_activations(sizes, False) + \
-        share * (share and token_activations(sizes, True))
-    tokens = layout.micro * sizes.seq / layout.context
     in_flight = layout.in_flight or pipeline
-    return in_flight * layers * tokens * per_token / layout.tensor
+    return in_flight * layers * device_tokens(sizes, layout) * mean_token_activations(sizes)
+
+
+def device_tokens(sizes, layout):
+    """Tokens of a micro-batch whose activations one device keeps: 1/(c·t) of them."""
+    return (layout.tokens or sizes.seq) / (layout.context * layout.tensor)
+
+
+def mean_token_activations(sizes):
+    return sizes.over_layers(lambda mixture: token_activations(sizes, mixture)) / sizes.layers
+
+
+def tokens_that_fit(sizes, layout, memory=80e9, states=MEGATRON):
+    """The most tokens a micro-batch may have for the layout to fit in `memory`: what its
+    states leave, over what a token's activations take at the first stage's peak (0 when the
+    states alone do not fit)."""
+    one_token = dataclasses.replace(layout, tokens=1)
+    room = memory - stage_states(sizes, layout, states)
+    return max(room, 0) / first_stage_activations(sizes, one_token)
 
 
 def all_to_all_seconds(sizes, cluster, layout, microbatches):
@@ -521,9 +540,43 @@ def all_to_all_seconds(sizes, cluster, layout, microbatches):
     otherwise sends (ep - m)/ep of its bytes over the network, m its mates in a machine."""
     if layout.expert == 1 or not sizes.experts:
         return 0
-    tokens = layout.micro * sizes.seq / (layout.context * layout.tensor)
-    size = 2 * sizes.experts.top_k * tokens * sizes.hidden
+    size = 2 * sizes.experts.top_k * device_tokens(sizes, layout) * sizes.hidden
     mates = max(cluster.per_machine // (layout.tensor * layout.context), 1)
     one = cost.all_to_all_across_time(size, layout.expert, mates, cluster.nvlink,
                                       cluster.network, cluster.alpha)
     return 4 * one * microbatches * sizes.mixture_layers() / layout.pipeline
+
+
+# Llama 3 405B (Dubey et al., 2024, "The Llama 3 Herd of Models"), Table 3: 126 layers, model
+# dimension 16,384, FFN dimension 53,248, 128 attention heads, 8 key/value heads, a vocabulary
+# of 128K tokens (128,256), SwiGLU; 128K tokens a sequence in its long-context stage (§3.4.2).
+LLAMA3_405B = ModelSizes(vocab=128256, layers=126, hidden=16384, heads=128, seq=131072,
+                         ffn=53248, kv_heads=8)
+# Table 4's long-context row: 16,384 H100s, TP 8, CP 16, PP 16, 16 sequences of 131,072 tokens
+# a DP rank, 16M tokens a batch. The table prints DP = 4 there, but 16,384 GPUs and 16M tokens
+# both need DP = 8 (8·16·16·8 = 16,384; 16 · 131,072 · 8 = 16.8M): we take 8. DP is FSDP
+# (§3.3.2), and each micro-batch one sequence.
+LLAMA3_LONG_CONTEXT = Layout(data=8, tensor=8, pipeline=16, context=16, fsdp=True)
+
+# DeepSeek-V3 (DeepSeek-AI, 2024, arXiv 2412.19437), §4.2: 61 layers, hidden 7,168, 128 heads
+# of 128 features (plus 64 decoupled for RoPE), latent attention with KV compression 512 and
+# query compression 1,536; every layer but the first three a mixture of 1 shared and 256
+# routed experts of width 2,048, 8 routed a token; 671B parameters, 37B activated a token;
+# 4K tokens a sequence. Vocabulary 129,280 and the dense layers' width 18,432 are the released
+# configuration's (config.json). The multi-token-prediction module (14B more) is not counted.
+DEEPSEEK_V3 = ModelSizes(
+    vocab=129280, layers=61, hidden=7168, heads=128, seq=4096, ffn=18432, head_dim=192,
+    experts=Experts(count=256, top_k=8, width=2048, dense_first=3, shared=1),
+    attention=mla_values(7168, 128, q_rank=1536, kv_rank=512, nope_dim=128, rope_dim=64,
+                         v_dim=128))
+# §3.2: "16-way Pipeline Parallelism (PP), 64-way Expert Parallelism (EP) spanning 8 nodes,
+# and ZeRO-1 Data Parallelism (DP)" on 2,048 H800s (§3.1), no tensor parallelism. DualPipe
+# (§3.2.1, Table 2) keeps two copies of the parameters and PP + 1 micro-batches' activations.
+DEEPSEEK_V3_LAYOUT = Layout(data=128, pipeline=16, expert=64, zero_stage=1, copies=2,
+                            in_flight=17)
+# §3.3.3: BF16 weights for the FP8 GEMMs' casts, FP32 gradients and master weights, and
+# AdamW's two moments in BF16.
+DEEPSEEK_STATES = {'weights': 2, 'gradients': 4, 'master weights': 4, 'optimizer state': 4}
+# §3.1, §3.2.2: 8 H800s a node on NVLink at 160 GB/s, InfiniBand at 50 GB/s a GPU.
+H800_CLUSTER = Cluster(machines=256, per_machine=8, memory=80e9, flops=0, nvlink=160e9,
+                       network=50e9)
