@@ -35,7 +35,7 @@ def gpt_with_mixtures(sizes, num_experts, top_k, moe_every):
     return net, [layer.mlp for layer in mixtures]
 
 
-# -- parameters, total and active ----------------------------------------------------------------
+# -- parameters, total and active ---------------------------------------------------------------
 
 @pytest.mark.parametrize('num_experts, top_k, moe_every', [(4, 1, 2), (4, 2, 2), (8, 2, 1),
                                                            (2, 2, 3)])
@@ -89,7 +89,7 @@ def test_multi_head_latent_attention_is_counted_by_its_projections():
     assert DEEPSEEK.attention_values() == expected == 187_107_328
 
 
-# -- grouped-query attention ----------------------------------------------------------------------
+# -- grouped-query attention --------------------------------------------------------------------
 
 def test_grouped_query_attention_shrinks_the_key_and_value_projections():
     """Llama 3's 8 key/value heads for 128 query heads: the key and value projections are
@@ -110,7 +110,7 @@ def test_grouped_query_attention_keeps_smaller_keys_and_values():
     assert saved == 2 * 2 * (16384 - 1024)
 
 
-# -- FSDP-style sharding ---------------------------------------------------------------------------
+# -- FSDP-style sharding ------------------------------------------------------------------------
 
 @pytest.mark.parametrize('d', [1, 8, 64])
 def test_fsdp_shards_every_state_and_keeps_the_stage_gathered(d):
@@ -126,7 +126,23 @@ def test_fsdp_shards_every_state_and_keeps_the_stage_gathered(d):
     assert zero1 == pytest.approx((6 + 12 / d) * values)
 
 
-# -- the all-to-all inside and across machines ---------------------------------------------------
+def test_the_layout_search_prices_fsdp_as_zero1_and_holds_less():
+    """GPT-3 on 64 × 8 devices: FSDP holds 2 + 18/d bytes a parameter against ZeRO-1's
+    6 + 12/d, and sends what ZeRO-1 sends (a reduce-scatter of the gradients, an all-gather
+    of the weights, once a step), so more layouts fit."""
+    cluster = predict.Cluster(64, 8, 80e9, 150e12, 300e9, 25e9)
+    d, t, p = 16, 8, 4
+    zero1 = predict.layout_costs(predict.GPT3, cluster, d, t, p, 1536, zero_stage=1)
+    fsdp = predict.layout_costs(predict.GPT3, cluster, d, t, p, 1536, fsdp=True)
+    values = predict.GPT3.params() / (t * p)
+    assert fsdp['states'] == pytest.approx((2 + 18 / d) * values)
+    assert fsdp['data'] == zero1['data']
+    fits = [sum(row['fits'] for _, row in predict.layouts(predict.GPT3, cluster, 1536, **kw))
+            for kw in ({'zero_stage': 1}, {'fsdp': True})]
+    assert fits[1] > fits[0]
+
+
+# -- the all-to-all inside and across machines --------------------------------------------------
 
 @pytest.mark.parametrize('n', [2, 4, 8])
 def test_inside_a_machine_the_all_to_all_is_the_pairwise_exchange_on_nvlink(n):
@@ -160,7 +176,7 @@ def test_deepseeks_all_to_alls_cost_what_their_bytes_say():
     assert seconds / within == pytest.approx(3.26, abs=0.01)
 
 
-# -- DeepSeek-V3: 16-way pipeline, 64-way experts, ZeRO-1 -----------------------------------------
+# -- DeepSeek-V3: 16-way pipeline, 64-way experts, ZeRO-1 ---------------------------------------
 
 def deepseek_tokens(**change):
     layout = dataclasses.replace(DEEPSEEK_LAYOUT, **change)
@@ -206,7 +222,7 @@ def test_what_memory_does_not_set_in_deepseeks_layout():
     assert one_f_one_b == pytest.approx(2451.4, abs=0.1) and one_f_one_b > deepseek_tokens()
 
 
-# -- Llama 3 405B at 128K tokens: TP 8, CP 16, PP 16, FSDP ----------------------------------------
+# -- Llama 3 405B at 128K tokens: TP 8, CP 16, PP 16, FSDP --------------------------------------
 
 def llama(**change):
     return predict.layout_memory(LLAMA, dataclasses.replace(LONG_CONTEXT, **change))
@@ -252,7 +268,7 @@ def test_llamas_all_gather_is_not_memory_driven():
     assert gathered < 0.001 * 80e9
 
 
-# -- bad input --------------------------------------------------------------------------------------
+# -- bad input ----------------------------------------------------------------------------------
 
 def test_bad_mixtures_and_layouts_are_named():
     with pytest.raises(ValueError, match='top_k=9 must be between 1 and the 8 experts'):

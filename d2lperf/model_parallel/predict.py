@@ -206,13 +206,15 @@ def layer_activations(sizes, micro, tensor, sequence=True):
 
 
 def layout_costs(sizes, cluster, data, tensor, pipeline, batch, micro=1, sequence=True,
-                 states=MEGATRON, zero_stage=0, context=1):
+                 states=MEGATRON, zero_stage=0, context=1, fsdp=False):
     """{what: value} for one layout of `sizes` on `cluster`: bytes a device holds and the
     seconds of a step, none of its communication hidden (an upper bound).
 
     A device holds the states of its 1/(t·p) of the parameters (`states` bytes a parameter of
     each kind, Megatron-LM's 18 by default; `zero_stage=1` shards the optimizer's over the d
-    replicas, Megatron's distributed optimizer: 6 + 12/d) and the first stage's activations:
+    replicas, Megatron's distributed optimizer: 6 + 12/d; `fsdp` shards every state and
+    keeps the stage's 16-bit weights gathered through the step: 2 + 18/d, at ZeRO-1's
+    traffic, one reduce-scatter and one all-gather a step) and the first stage's activations:
     1F1B keeps p micro-batches of its L/p layers, L layers' worth. A step is the compute, the
     bubble (the stages' idle time: compute·(p - 1)/m, its (p - 1)/(m + p - 1) share of the
     step), and tensor, pipeline and data parallelism's communication on their links.
@@ -223,10 +225,11 @@ def layout_costs(sizes, cluster, data, tensor, pipeline, batch, micro=1, sequenc
     if zero_stage not in (0, 1):
         raise ValueError(f'the layout search shards the optimizer (zero_stage=1) or not (0), '
                          f'not {zero_stage!r}: a pipeline adds up gradients over its '
-                         'micro-batches, and ZeRO-3 would gather the weights for each one')
+                         'micro-batches, and ZeRO-3 would gather the weights for each one; '
+                         'fsdp=True shards every state and keeps the weights gathered')
     microbatches = batch // (data * micro)
     values = sizes.params() / (tensor * pipeline)
-    held_states = model_states(values, data, zero_stage, states)['total']
+    held_states = sharded(values, data, states, zero_stage, fsdp)
     activations = sizes.layers * layer_activations(sizes, micro, tensor, sequence) / context
     compute = 6 * sizes.params() * batch * sizes.seq / (cluster.devices * cluster.flops)
     boundary = 2 * micro * sizes.seq * sizes.hidden          # 16-bit activations
@@ -238,7 +241,7 @@ def layout_costs(sizes, cluster, data, tensor, pipeline, batch, micro=1, sequenc
             cluster.alpha + boundary / (tensor if sequence else 1) / cluster.network),
         'context': context_seconds(sizes, cluster, tensor, pipeline, context, micro,
                                    microbatches),
-        'data': data_seconds(cluster, data * context, values, states, zero_stage)}
+        'data': data_seconds(cluster, data * context, values, states, 1 if fsdp else zero_stage)}
     held = held_states + activations
     return {'held': held, 'fits': held <= cluster.memory, 'states': held_states,
             'activations': activations, **seconds, 'step': sum(seconds.values())}
@@ -284,7 +287,7 @@ def data_seconds(cluster, data, values, states, zero_stage):
 
 
 def layouts(sizes, cluster, batch, micro=1, sequence=True, states=MEGATRON, zero_stage=0,
-            context=1):
+            context=1, fsdp=False):
     """Every (d, t, p) that uses all of the cluster's devices (d·t·p·c, with `context`
     parallelism over c), whose t divides the heads and fills whole machines or divides one,
     that splits the layers into whole stages and the batch into micro-batches, with its
@@ -299,7 +302,7 @@ def layouts(sizes, cluster, batch, micro=1, sequence=True, states=MEGATRON, zero
             continue
         rows.append(((data, tensor, pipeline), layout_costs(
             sizes, cluster, data, tensor, pipeline, batch, micro, sequence, states, zero_stage,
-            context)))
+            context, fsdp)))
     return sorted(rows, key=lambda row: (not row[1]['fits'], row[1]['step']))
 
 
@@ -491,15 +494,21 @@ def stage_states(sizes, layout, states):
     dense = (sizes.params() - sizes.routed_values()) / (layout.tensor * pipeline)
     routed = sizes.routed_values() / (layout.expert * pipeline)
     expert_replicas = layout.data * layout.context // layout.expert
-    return layout.copies * (sharded(dense, layout.data, layout, states) +
-                            sharded(routed, expert_replicas, layout, states))
+    stage, fsdp = layout.zero_stage, layout.fsdp
+    return layout.copies * (sharded(dense, layout.data, states, stage, fsdp) +
+                            sharded(routed, expert_replicas, states, stage, fsdp))
 
 
-def sharded(values, replicas, layout, states):
-    if layout.fsdp:
+def sharded(values, replicas, states, zero_stage=0, fsdp=False):
+    """Bytes of the states of `values` parameters on one of `replicas` devices: ZeRO's
+    table at `zero_stage`, or FSDP's, every state 1/d, plus the 16-bit weights it has
+    gathered and keeps through the step (Llama 3 does not reshard after the forward pass,
+    §3.3.2, to save the backward's all-gather; a pipeline would otherwise gather them again
+    for each micro-batch)."""
+    if fsdp:
         gathered = states['weights'] * values
         return model_states(values, replicas, 3, states)['total'] + gathered
-    return model_states(values, replicas, layout.zero_stage, states)['total']
+    return model_states(values, replicas, zero_stage, states)['total']
 
 
 def first_stage_activations(sizes, layout):
