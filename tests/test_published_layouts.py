@@ -275,3 +275,5 @@ def test_bad_mixtures_and_layouts_are_named():
         predict.Experts(count=8, top_k=9, width=16)
     with pytest.raises(ValueError, match='48 expert ranks are carved out of the data'):
         dataclasses.replace(DEEPSEEK_LAYOUT, expert=48)
+    with pytest.raises(ValueError, match='fsdp=True shards every state already'):
+        dataclasses.replace(LONG_CONTEXT, zero_stage=1)

@@ -10,7 +10,14 @@ builds it, in shapes alone (nothing is drawn), so that a change to the GPT chang
 16-bit values and 18 bytes a parameter, or 6 + 12/d with its distributed optimizer; Korthikanti
 et al.'s activations) and the α-β links of `comm.cost`, to choose a layout before renting the
 machines.
-Taught in "Parallelism in Three Dimensions".
+
+The models people train today need more than GPT-3's sizes: `ModelSizes` adds mixtures of
+experts (`Experts`: parameters total and active a token), grouped-query attention and
+DeepSeek's latent attention, and `layout_memory` a `Layout` with context and expert
+parallelism, FSDP and DualPipe's copies, so that DeepSeek-V3's and Llama 3's published layouts
+can be checked against the memory they ran in (`gpt_with_experts` counts the package's own
+GPT with mixtures on the model). Taught in "Parallelism in Three Dimensions" and "Long
+Sequences and Many Experts".
 """
 from __future__ import annotations
 
@@ -453,6 +460,9 @@ class Layout:
         return self.data * self.tensor * self.pipeline * self.context
 
     def __post_init__(self):
+        if self.fsdp and self.zero_stage:
+            raise ValueError(f'fsdp=True shards every state already: leave zero_stage '
+                             f'({self.zero_stage}) at 0')
         if (self.data * self.context) % self.expert:
             raise ValueError(f'{self.expert} expert ranks are carved out of the data × '
                              f'context ranks ({self.data} × {self.context}): use a divisor')
@@ -558,13 +568,17 @@ def all_to_all_seconds(sizes, cluster, layout, microbatches):
 
 # Llama 3 405B (Dubey et al., 2024, "The Llama 3 Herd of Models"), Table 3: 126 layers, model
 # dimension 16,384, FFN dimension 53,248, 128 attention heads, 8 key/value heads, a vocabulary
-# of 128K tokens (128,256), SwiGLU; 128K tokens a sequence in its long-context stage (§3.4.2).
+# of 128K tokens (128,256 in the released configuration), SwiGLU; 128K tokens a sequence in
+# its long-context stage (§3.4.2).
 LLAMA3_405B = ModelSizes(vocab=128256, layers=126, hidden=16384, heads=128, seq=131072,
                          ffn=53248, kv_heads=8)
 # Table 4's long-context row: 16,384 H100s, TP 8, CP 16, PP 16, 16 sequences of 131,072 tokens
 # a DP rank, 16M tokens a batch. The table prints DP = 4 there, but 16,384 GPUs and 16M tokens
 # both need DP = 8 (8·16·16·8 = 16,384; 16 · 131,072 · 8 = 16.8M): we take 8. DP is FSDP
-# (§3.3.2), and each micro-batch one sequence.
+# (§3.3.2), and each micro-batch one sequence. Memory sets CP (16 brings a rank back to the 8K
+# tokens Llama 3 trained without activation checkpointing), PP and FSDP (halve either and the
+# layout no longer fits); the all-gather of keys and values over the ring is not memory's
+# choice but the document masks' and GQA's (the gathered keys and values are small, §3.3.2).
 LLAMA3_LONG_CONTEXT = Layout(data=8, tensor=8, pipeline=16, context=16, fsdp=True)
 
 # DeepSeek-V3 (DeepSeek-AI, 2024, arXiv 2412.19437), §4.2: 61 layers, hidden 7,168, 128 heads
@@ -573,6 +587,8 @@ LLAMA3_LONG_CONTEXT = Layout(data=8, tensor=8, pipeline=16, context=16, fsdp=Tru
 # routed experts of width 2,048, 8 routed a token; 671B parameters, 37B activated a token;
 # 4K tokens a sequence. Vocabulary 129,280 and the dense layers' width 18,432 are the released
 # configuration's (config.json). The multi-token-prediction module (14B more) is not counted.
+# head_dim 192 is a query's and a key's 128 + 64 features; what attention keeps counts the
+# values' 128 as 192 too, a small overcount beside the 1 shared + 8 routed experts'.
 DEEPSEEK_V3 = ModelSizes(
     vocab=129280, layers=61, hidden=7168, heads=128, seq=4096, ffn=18432, head_dim=192,
     experts=Experts(count=256, top_k=8, width=2048, dense_first=3, shared=1),
@@ -581,11 +597,15 @@ DEEPSEEK_V3 = ModelSizes(
 # §3.2: "16-way Pipeline Parallelism (PP), 64-way Expert Parallelism (EP) spanning 8 nodes,
 # and ZeRO-1 Data Parallelism (DP)" on 2,048 H800s (§3.1), no tensor parallelism. DualPipe
 # (§3.2.1, Table 2) keeps two copies of the parameters and PP + 1 micro-batches' activations.
+# Memory sets EP's floor (on one node the experts leave no room) and, with PP, the micro-batch
+# that fits; DualPipe costs memory and is chosen to hide the all-to-all, and tensor
+# parallelism is left out because §3.2.3's savings make it unneeded, not for lack of memory.
 DEEPSEEK_V3_LAYOUT = Layout(data=128, pipeline=16, expert=64, zero_stage=1, copies=2,
                             in_flight=17)
-# §3.3.3: BF16 weights for the FP8 GEMMs' casts, FP32 gradients and master weights, and
-# AdamW's two moments in BF16.
+# §3.3.3: FP32 master weights and gradients, AdamW's two moments in BF16. The 16-bit weights
+# the FP8 GEMMs are cast from we take as BF16, as Megatron-LM's (the paper does not say).
 DEEPSEEK_STATES = {'weights': 2, 'gradients': 4, 'master weights': 4, 'optimizer state': 4}
-# §3.1, §3.2.2: 8 H800s a node on NVLink at 160 GB/s, InfiniBand at 50 GB/s a GPU.
-H800_CLUSTER = Cluster(machines=256, per_machine=8, memory=80e9, flops=0, nvlink=160e9,
+# §3.1, §3.2.2: 8 H800s a node on NVLink at 160 GB/s, InfiniBand at 50 GB/s a GPU. The paper
+# gives no achieved rate: `flops` is the dense BF16 peak the H800 shares with the H100 SXM.
+H800_CLUSTER = Cluster(machines=256, per_machine=8, memory=80e9, flops=989e12, nvlink=160e9,
                        network=50e9)
