@@ -7,10 +7,13 @@ it that do not fit."""
 import dataclasses
 
 import pytest
+from hypothesis import given, strategies as st
 
 import d2lperf as d2l
 from d2lperf.comm import cost
 from d2lperf.model_parallel import predict
+
+from strategies import checks
 
 pytestmark = pytest.mark.chapter('parallel_layouts')
 
@@ -61,6 +64,24 @@ def test_the_count_follows_the_mixture(monkeypatch):
     net, _ = gpt_with_mixtures(sizes, 4, 2, 1)
     assert predict.gpt_with_experts(sizes, 4, 2, 1)[0] == real_values(
         net.collect_params().values())
+
+
+@checks(30)
+@given(count=st.integers(1, 64), data=st.data(), every=st.integers(1, 4),
+       dense_first=st.integers(0, 5), shared=st.integers(0, 2))
+def test_a_token_uses_the_dense_part_and_k_experts_a_mixture(count, data, every, dense_first,
+                                                             shared):
+    """Whatever the mixture: the experts a token skips, E - k a mixture layer, are what
+    total and active differ by, and a mixture of one expert is a dense model's count."""
+    top_k = data.draw(st.integers(1, count))
+    experts = predict.Experts(count, top_k, width=32, every=every, dense_first=dense_first,
+                              shared=shared)
+    sizes = predict.ModelSizes(vocab=100, layers=12, hidden=16, heads=4, seq=8, ffn=64,
+                               experts=experts)
+    moe = (12 - dense_first) // every
+    assert sizes.mixture_layers() == moe
+    assert sizes.params() - sizes.params(active=True) == moe * (count - top_k) * 3 * 16 * 32
+    assert sizes.routed_values() == moe * count * 3 * 16 * 32
 
 
 def test_llama3_405b_has_405_billion_parameters():
@@ -144,11 +165,16 @@ def test_the_layout_search_prices_fsdp_as_zero1_and_holds_less():
 
 # -- the all-to-all inside and across machines --------------------------------------------------
 
-@pytest.mark.parametrize('n', [2, 4, 8])
-def test_inside_a_machine_the_all_to_all_is_the_pairwise_exchange_on_nvlink(n):
+@checks(30)
+@given(n=st.integers(2, 16), extra=st.integers(0, 8), chunk=st.integers(0, 10 ** 8))
+def test_inside_a_machine_the_all_to_all_is_the_pairwise_exchange_on_nvlink(n, extra, chunk):
+    """While the group fits in a machine, the network is never used: the exchange is
+    `all_to_all_time`'s on a switch whose ports run at NVLink's speed (for arrays that cut
+    into n equal chunks; the schedule cuts whole bytes)."""
+    size = n * chunk
     switch = cost.Topology('NVSwitch', n, 160e9, 160e9, None, 5e-6)
-    assert cost.all_to_all_across_time(1e8, n, 8, 160e9, 50e9, 5e-6) == pytest.approx(
-        cost.all_to_all_time(1e8, switch))
+    assert cost.all_to_all_across_time(size, n, n + extra, 160e9, 50e9, 5e-6) == \
+        pytest.approx(cost.all_to_all_time(size, switch))
 
 
 def test_across_machines_the_network_sets_the_pace():
