@@ -11,14 +11,14 @@ from hypothesis import given, strategies as st
 
 import d2lperf as d2l
 from d2lperf.comm import cost
-from d2lperf.model_parallel import predict
+from d2lperf.model_parallel import predict, published
 
 from strategies import checks
 
 pytestmark = pytest.mark.chapter('parallel_layouts')
 
-LLAMA, DEEPSEEK = predict.LLAMA3_405B, predict.DEEPSEEK_V3
-LONG_CONTEXT, DEEPSEEK_LAYOUT = predict.LLAMA3_LONG_CONTEXT, predict.DEEPSEEK_V3_LAYOUT
+LLAMA, DEEPSEEK = published.LLAMA3_405B, published.DEEPSEEK_V3
+LONG_CONTEXT, DEEPSEEK_LAYOUT = published.LLAMA3_LONG_CONTEXT, published.DEEPSEEK_V3_LAYOUT
 GB = 1e9
 
 
@@ -50,7 +50,7 @@ def test_a_gpt_with_experts_is_counted_as_the_model_holds_it(num_experts, top_k,
     total = real_values(net.collect_params().values())
     unused = sum(real_values(expert.collect_params().values())
                  for moe in mixtures for expert in moe.experts[top_k:])
-    assert predict.gpt_with_experts(sizes, num_experts, top_k, moe_every) == (
+    assert published.gpt_with_experts(sizes, num_experts, top_k, moe_every) == (
         total, total - unused)
 
 
@@ -62,7 +62,7 @@ def test_the_count_follows_the_mixture(monkeypatch):
     monkeypatch.setattr(transformer.MLP.__init__, '__defaults__', (8,) + defaults[1:])
     sizes = predict.GPTSizes(vocab=50, layers=2, hidden=16, heads=4, seq=8)
     net, _ = gpt_with_mixtures(sizes, 4, 2, 1)
-    assert predict.gpt_with_experts(sizes, 4, 2, 1)[0] == real_values(
+    assert published.gpt_with_experts(sizes, 4, 2, 1)[0] == real_values(
         net.collect_params().values())
 
 
@@ -74,10 +74,10 @@ def test_a_token_uses_the_dense_part_and_k_experts_a_mixture(count, data, every,
     """Whatever the mixture: the experts a token skips, E - k a mixture layer, are what
     total and active differ by, and a mixture of one expert is a dense model's count."""
     top_k = data.draw(st.integers(1, count))
-    experts = predict.Experts(count, top_k, width=32, every=every, dense_first=dense_first,
-                              shared=shared)
-    sizes = predict.ModelSizes(vocab=100, layers=12, hidden=16, heads=4, seq=8, ffn=64,
-                               experts=experts)
+    experts = published.Experts(count, top_k, width=32, every=every, dense_first=dense_first,
+                                shared=shared)
+    sizes = published.ModelSizes(vocab=100, layers=12, hidden=16, heads=4, seq=8, ffn=64,
+                                 experts=experts)
     moe = (12 - dense_first) // every
     assert sizes.mixture_layers() == moe
     assert sizes.params() - sizes.params(active=True) == moe * (count - top_k) * 3 * 16 * 32
@@ -126,8 +126,8 @@ def test_grouped_query_attention_keeps_smaller_keys_and_values():
     """A token's keys and values kept for backward shrink by the same 1/16: 2 bytes each of
     2·(16,384 - 1,024) features fewer."""
     multi_head = dataclasses.replace(LLAMA, kv_heads=None)
-    saved = predict.token_activations(multi_head, False) - predict.token_activations(LLAMA,
-                                                                                      False)
+    saved = (published.token_activations(multi_head, False)
+             - published.token_activations(LLAMA, False))
     assert saved == 2 * 2 * (16384 - 1024)
 
 
@@ -140,9 +140,9 @@ def test_fsdp_shards_every_state_and_keeps_the_stage_gathered(d):
     forward pass (§3.3.2): 2 + 18/d bytes a parameter, beside ZeRO-1's 6 + 12/d."""
     layout = dataclasses.replace(LONG_CONTEXT, data=d)
     values = LLAMA.params() / (8 * 16)
-    fsdp = predict.stage_states(LLAMA, layout, predict.MEGATRON)
-    zero1 = predict.stage_states(LLAMA, dataclasses.replace(layout, fsdp=False, zero_stage=1),
-                                 predict.MEGATRON)
+    fsdp = published.stage_states(LLAMA, layout, predict.MEGATRON)
+    zero1 = published.stage_states(LLAMA, dataclasses.replace(layout, fsdp=False, zero_stage=1),
+                                   predict.MEGATRON)
     assert fsdp == pytest.approx((2 + 18 / d) * values)
     assert zero1 == pytest.approx((6 + 12 / d) * values)
 
@@ -192,12 +192,12 @@ def test_deepseeks_all_to_alls_cost_what_their_bytes_say():
     50 GB/s, 1/3.2 of NVLink's (§3.2.2), which, with 56 messages for 7, costs 3.26 times as
     much."""
     microbatches, size, alpha = 120, 2 * 8 * 4096 * 7168, 5e-6   # 15,360 sequences / 128
-    seconds = predict.all_to_all_seconds(DEEPSEEK, predict.H800_CLUSTER, DEEPSEEK_LAYOUT,
-                                         microbatches)
+    seconds = published.all_to_all_seconds(DEEPSEEK, published.H800_CLUSTER, DEEPSEEK_LAYOUT,
+                                           microbatches)
     across = 56 * (alpha + size / 64 / 50e9)
     assert seconds == pytest.approx(4 * across * microbatches * 58 / 16)
     inside = dataclasses.replace(DEEPSEEK_LAYOUT, expert=8)
-    within = predict.all_to_all_seconds(DEEPSEEK, predict.H800_CLUSTER, inside, microbatches)
+    within = published.all_to_all_seconds(DEEPSEEK, published.H800_CLUSTER, inside, microbatches)
     assert within == pytest.approx(4 * 7 * (alpha + size / 8 / 160e9) * microbatches * 58 / 16)
     assert seconds / within == pytest.approx(3.26, abs=0.01)
 
@@ -206,18 +206,18 @@ def test_deepseeks_all_to_alls_cost_what_their_bytes_say():
 
 def deepseek_tokens(**change):
     layout = dataclasses.replace(DEEPSEEK_LAYOUT, **change)
-    return predict.tokens_that_fit(DEEPSEEK, layout, states=predict.DEEPSEEK_STATES)
+    return published.tokens_that_fit(DEEPSEEK, layout, states=published.DEEPSEEK_STATES)
 
 
 def test_deepseek_v3_fits_its_layout():
     """The paper gives no micro-batch size. Counted without its recomputation (§3.2.3) or its
     FP8 activations (§3.3.3), which hold less, the states take 25.7 GB and leave room for
     micro-batches of 1,864 tokens at DualPipe's peak; one of 1,024 fits in 55.5 GB."""
-    states = predict.stage_states(DEEPSEEK, DEEPSEEK_LAYOUT, predict.DEEPSEEK_STATES)
+    states = published.stage_states(DEEPSEEK, DEEPSEEK_LAYOUT, published.DEEPSEEK_STATES)
     assert states / GB == pytest.approx(25.74, abs=0.01)
     assert deepseek_tokens() == pytest.approx(1864.8, abs=0.1)
-    held = predict.layout_memory(DEEPSEEK, dataclasses.replace(DEEPSEEK_LAYOUT, tokens=1024),
-                                 states=predict.DEEPSEEK_STATES)
+    held = published.layout_memory(DEEPSEEK, dataclasses.replace(DEEPSEEK_LAYOUT, tokens=1024),
+                                   states=published.DEEPSEEK_STATES)
     assert held['fits'] and held['held'] / GB == pytest.approx(55.54, abs=0.01)
 
 
@@ -226,8 +226,8 @@ def test_deepseek_v3_needs_experts_spread_over_nodes():
     one node's 8 GPUs leave room for 21 tokens (79.4 GB of states), and without expert
     parallelism the states alone are 508 GB a device."""
     assert deepseek_tokens(expert=8) < 32
-    assert predict.stage_states(DEEPSEEK, dataclasses.replace(DEEPSEEK_LAYOUT, expert=1),
-                                predict.DEEPSEEK_STATES) / GB == pytest.approx(508.5, abs=0.1)
+    assert published.stage_states(DEEPSEEK, dataclasses.replace(DEEPSEEK_LAYOUT, expert=1),
+                                  published.DEEPSEEK_STATES) / GB == pytest.approx(508.5, abs=0.1)
 
 
 def test_halving_deepseeks_pipeline_halves_the_micro_batch_that_fits():
@@ -251,7 +251,7 @@ def test_what_memory_does_not_set_in_deepseeks_layout():
 # -- Llama 3 405B at 128K tokens: TP 8, CP 16, PP 16, FSDP --------------------------------------
 
 def llama(**change):
-    return predict.layout_memory(LLAMA, dataclasses.replace(LONG_CONTEXT, **change))
+    return published.layout_memory(LLAMA, dataclasses.replace(LONG_CONTEXT, **change))
 
 
 def test_llama3_405b_fits_its_long_context_layout():
@@ -267,9 +267,9 @@ def test_context_parallelism_brings_each_rank_back_to_8k_tokens():
     """CP 16 gives each rank 131,072 / 16 = 8,192 tokens, the length Llama 3 pre-trained at
     without activation checkpointing (§3.3.2): the same activations as that run (Table 4's
     TP 8, CP 1, PP 16 at 8K). With CP 8 a rank keeps twice as many and nothing fits."""
-    assert predict.device_tokens(LLAMA, LONG_CONTEXT) * 8 == 8192
-    short = predict.layout_memory(dataclasses.replace(LLAMA, seq=8192),
-                                  dataclasses.replace(LONG_CONTEXT, context=1, data=128))
+    assert published.device_tokens(LLAMA, LONG_CONTEXT) * 8 == 8192
+    short = published.layout_memory(dataclasses.replace(LLAMA, seq=8192),
+                                    dataclasses.replace(LONG_CONTEXT, context=1, data=128))
     assert short['activations'] == pytest.approx(llama()['activations'])
     assert not llama(context=8, data=16)['fits']
     assert llama(context=8, data=16)['activations'] == pytest.approx(2 * llama()['activations'])
@@ -298,7 +298,7 @@ def test_llamas_all_gather_is_not_memory_driven():
 
 def test_bad_mixtures_and_layouts_are_named():
     with pytest.raises(ValueError, match='top_k=9 must be between 1 and the 8 experts'):
-        predict.Experts(count=8, top_k=9, width=16)
+        published.Experts(count=8, top_k=9, width=16)
     with pytest.raises(ValueError, match='48 expert ranks are carved out of the data'):
         dataclasses.replace(DEEPSEEK_LAYOUT, expert=48)
     with pytest.raises(ValueError, match='fsdp=True shards every state already'):

@@ -17,6 +17,10 @@
     context     context parallelism: a long sequence split over devices, keys and values
                 passed round a ring or all-gathered; the zig-zag layout balances the
                 causal mask's work.
+    predict     the calculator: the bytes a device holds and a step's seconds for a layout,
+                before renting the machines.
+    published   the calculator on the papers' models (experts, grouped-query attention):
+                DeepSeek-V3's and Llama 3 405B's layouts, where their papers ran them.
 
 Taught in "Model Parallelism".
 """
