@@ -86,24 +86,25 @@ def virtual_stage(stage, chunk, stages):
 
 
 def in_order(plan):
-    """Every action of the plan, one at a time, in an order an executor can run them: going
-    round the stages, each runs its next action once what that action needs has run. Each
-    stage keeps its own order; what runs between the stages follows from the dependencies
-    alone, and no timing decides it."""
+    """Every action of the plan, one at a time, in an order an executor can run them: in
+    rounds, each stage running its next action where what that action needs ran in an earlier
+    round. So micro-batches enter as a wavefront: stage 0 starts the second while stage 1
+    takes the first, and the engine's queue for each device fills in the order the devices can
+    work through it. Each stage keeps its own order; what runs between the stages follows from
+    the dependencies alone, and no timing decides it."""
     last = max(a.stage for actions in plan for a in actions)
     done, position = set(), [0] * len(plan)
     while any(k < len(actions) for k, actions in zip(position, plan)):
-        progressed = False
-        for s, actions in enumerate(plan):
-            if position[s] < len(actions) and all(
-                    need in done for need in needs(actions[position[s]], last)):
-                action = actions[position[s]]
-                yield action
-                done.add((action.kind, action.microbatch, action.stage))
-                position[s], progressed = position[s] + 1, True
-        if not progressed:
+        ready = [s for s, actions in enumerate(plan) if position[s] < len(actions)
+                 and all(need in done for need in needs(actions[position[s]], last))]
+        if not ready:
             raise ValueError('this schedule deadlocks: an action waits for one that comes '
                              'after it on its own stage')
+        for s in ready:
+            action = plan[s][position[s]]
+            yield action
+            done.add((action.kind, action.microbatch, action.stage))
+            position[s] += 1
 
 
 def simulate(plan, forward=1.0, backward=2.0):
