@@ -201,3 +201,63 @@ def test_the_router_gradient_matches_finite_differences(top_k):
 def test_bad_settings_are_refused_at_construction(kwargs, message):
     with pytest.raises(ValueError, match=message):
         MoE(HIDDEN, **kwargs)
+
+
+# -- the GPT with mixtures (nn.GPT(..., num_experts, top_k, moe_every)) ---------------------------
+
+def test_the_gpt_makes_every_moe_every_th_layer_a_mixture():
+    net = d2l.nn.GPT(50, 5, 16, 2, 8, num_experts=4, top_k=2, moe_every=2)
+    kinds = [type(layer.mlp).__name__ for layer in net.children()[1:-1]]
+    assert kinds == ['MLP', 'MoE', 'MLP', 'MoE', 'MLP']
+    assert [(m.num_experts, m.top_k) for m in net.mixtures()] == [(4, 2), (4, 2)]
+    again = d2l.nn.GPT(*net.config)                  # config makes the same model
+    assert [type(layer.mlp).__name__ for layer in again.children()[1:-1]] == kinds
+    assert d2l.nn.GPT(50, 3, 16, 2, 8).mixtures() == []
+    every = d2l.nn.GPT(50, 3, 16, 2, 8, num_experts=2, moe_every=1)
+    assert len(every.mixtures()) == 3
+
+
+def test_the_gpt_with_mixtures_learns_and_its_routers_learn_from_the_aux_loss():
+    """Cross-entropy plus α times the mixtures' load-balancing losses: every router and every
+    expert that took a token gets a gradient, and a few Adam steps lower the loss."""
+    numpy.random.seed(0)
+    net = d2l.nn.GPT(20, 2, 16, 2, 8, num_experts=4, top_k=2, moe_every=1)
+    net.initialize()
+    rng = numpy.random.default_rng(0)
+    tokens, labels = (np.array(rng.integers(0, 20, (4, 8))) for _ in range(2))
+    trainer = d2l.Trainer(net.collect_params(), 'adam', {'learning_rate': 1e-2})
+    loss_fn, losses = d2l.nn.SoftmaxCrossEntropyLoss(), []
+    for _ in range(8):
+        with autograd.record():
+            loss = loss_fn(net(tokens), labels).mean()
+            total = loss + 0.01 * sum(m.aux_loss for m in net.mixtures())
+        total.backward()
+        if not losses:
+            for moe in net.mixtures():
+                assert numpy.abs(moe.router.weight.grad().asnumpy()).max() > 0
+                used = [e for e, expert in enumerate(moe.experts)
+                        if numpy.abs(expert.hidden.weight.grad().asnumpy()).max() > 0]
+                assert used, 'no expert took a token'
+        trainer.step(1)
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.1, losses
+
+
+@pytest.mark.parametrize('kwargs, message', [
+    (dict(num_experts=-1), 'num_experts'), (dict(num_experts=2.5), 'num_experts'),
+    (dict(num_experts=2, moe_every=0), 'moe_every'), (dict(num_experts=2, top_k=3), 'top_k')])
+def test_a_gpt_with_bad_expert_settings_is_refused_at_construction(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        d2l.nn.GPT(50, 2, 16, 2, 8, **kwargs)
+
+
+def test_a_gpt_with_mixtures_refuses_to_be_traced_naming_the_routers_read_back():
+    net = d2l.nn.GPT(20, 2, 16, 2, 8, num_experts=4)
+    net.initialize()
+    tokens = np.array(numpy.zeros((2, 8), 'int64'))
+    expected = net(tokens).asnumpy()
+    net.hybridize()
+    with pytest.raises(d2l.hybrid.TraceError, match='asnumpy'):
+        net(tokens)
+    net.hybridize(False)
+    assert numpy.array_equal(net(tokens).asnumpy(), expected)

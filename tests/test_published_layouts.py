@@ -27,15 +27,12 @@ def real_values(params):
 
 
 def gpt_with_mixtures(sizes, num_experts, top_k, moe_every):
-    """The package's GPT with every `moe_every`-th layer's MLP swapped for an `nn.MoE` (what
-    `nn.GPT(..., num_experts=...)` is to build), initialized, so that its values are real."""
-    net = d2l.nn.GPT(*dataclasses.astuple(sizes))
-    layers = list(net.children())[1:-1]
-    mixtures = [layer for i, layer in enumerate(layers, 1) if i % moe_every == 0]
-    for layer in mixtures:
-        layer.mlp = d2l.nn.MoE(sizes.hidden, num_experts, top_k)
+    """The package's GPT with every `moe_every`-th layer's MLP a mixture, initialized, so that
+    its values are real; and its mixtures."""
+    net = d2l.nn.GPT(*dataclasses.astuple(sizes), num_experts=num_experts, top_k=top_k,
+                     moe_every=moe_every)
     net.initialize()
-    return net, [layer.mlp for layer in mixtures]
+    return net, net.mixtures()
 
 
 # -- parameters, total and active ---------------------------------------------------------------
@@ -303,3 +300,11 @@ def test_bad_mixtures_and_layouts_are_named():
         dataclasses.replace(DEEPSEEK_LAYOUT, expert=48)
     with pytest.raises(ValueError, match='fsdp=True shards every state already'):
         dataclasses.replace(LONG_CONTEXT, zero_stage=1)
+
+
+def test_the_dense_calculator_refuses_a_gpt_with_experts():
+    """GPTSizes counts a dense GPT: given one with mixtures, it names the count that fits."""
+    net = d2l.nn.GPT(50, 2, 16, 4, 8, num_experts=2)
+    assert predict.GPTSizes.of(d2l.nn.GPT(50, 2, 16, 4, 8)).params() > 0
+    with pytest.raises(ValueError, match='gpt_with_experts'):
+        predict.GPTSizes.of(net)

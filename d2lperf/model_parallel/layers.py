@@ -20,7 +20,7 @@ a time (`run`): a device runs until its collective, hands on to the next, and th
 runs the collective for all (`meet`). The engine sees the operations pushed in the order one
 thread pushing for each device in turn would push them. Backward needs no threads: the
 devices' walks already go side by side (`autograd.backward_together`). `DeviceSpec` is what
-a GPT's blocks are made of on one device of the group (`nn.transformer.LayerSpec`).
+a GPT's blocks are made of on one device of the group (`nn.layer_spec.LayerSpec`).
 Taught in "Tensor and Sequence Parallelism".
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ from .. import autograd, comm
 from ..nn.block import Dense
 from ..np.multiarray import alias
 from ..nn.init import Normal
-from ..nn.transformer import INIT_SIGMA, LayerSpec
+from ..nn.layer_spec import INIT_SIGMA, LayerSpec
 
 
 class TensorGroup:
@@ -258,7 +258,7 @@ class ReplicatedDense(ParallelDense):
 
 
 class DeviceSpec(LayerSpec):
-    """The layers of device `rank` of `group` (nn.transformer.LayerSpec): column- and
+    """The layers of device `rank` of `group` (nn.layer_spec.LayerSpec): column- and
     row-parallel shares; the head's layer whole, gathering the tokens where the residual
     stream is split by them; and of the embeddings' output, this device's tokens."""
 

@@ -41,7 +41,11 @@ class GPTSizes:
 
     @classmethod
     def of(cls, net):
-        return cls(*net.config)
+        """The sizes of `net`, a dense GPT (one with experts is counted by `published.py`)."""
+        if net.config[5]:
+            raise ValueError('GPTSizes counts a dense GPT; for one with experts, count it '
+                             'with model_parallel.published.gpt_with_experts')
+        return cls(*net.config[:5])
 
     def params(self):
         """Every parameter of the whole model, unsplit."""

@@ -28,7 +28,7 @@ import numpy
 from .. import np
 from ..np import extension as npx
 from .block import Block
-from .transformer import MLP, projection
+from .layer_spec import MLP, projection
 
 Routing = collections.namedtuple('Routing', 'probs choices slot_token token_slot dropped '
                                             'first_share capacity')

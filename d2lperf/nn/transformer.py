@@ -15,49 +15,11 @@ import math
 import numbers
 
 from ..np import extension as npx
-from .block import Dense, HybridBlock, HybridSequential
+from .block import HybridBlock, HybridSequential
 from .init import Constant, Normal, Zero
+from .layer_spec import INIT_SIGMA, MLP, WHOLE
+from .moe import MoE
 from .parameter import Parameter
-
-INIT_SIGMA = 0.02                # GPT-2's weights: N(0, 0.02²)
-
-
-def projection(units, in_units):
-    """A Dense layer that maps the last axis only (inputs are (batch, seq, features))."""
-    dense = Dense(units, in_units=in_units, flatten=False)
-    dense.weight.init = Normal(INIT_SIGMA)
-    return dense
-
-
-class LayerSpec:
-    """Which Dense layers the GPT's blocks are made of, and how many devices share each block
-    (`parts`). This spec makes them whole, on one device; a tensor-parallel spec makes one
-    device's share of each, with the collectives that join the devices inside the layers.
-
-    * `column(units, in_units)`: a layer that may be split by its output features (the
-      attention's query, key and value, by heads; the MLP's first): it reads the whole input;
-    * `row(units, in_units)`: one that may be split by its input features (the attention's
-      and the MLP's output projections): the block's output leaves it whole;
-    * `replicated(units, in_units)`: one whole on every device (the head's);
-    * `local_tokens(x)`: of the embeddings' output, the tokens this device holds."""
-
-    parts = 1
-
-    def column(self, units, in_units):
-        return projection(units, in_units)
-
-    def row(self, units, in_units):
-        return projection(units, in_units)
-
-    def replicated(self, units, in_units):
-        return projection(units, in_units)
-
-    def local_tokens(self, x):
-        return x
-
-
-WHOLE = LayerSpec()
-
 
 class Embedding(HybridBlock):
     """A table of `input_dim` learnt vectors of `output_dim` values, looked up by id."""
@@ -137,28 +99,18 @@ class CausalSelfAttention(HybridBlock):
         return self.output(heads.transpose(0, 2, 1, 3).reshape(batch, seq, count * size))
 
 
-class MLP(HybridBlock):
-    """Widen each position's features four times, GELU, and project back (a tensor-parallel
-    spec gives each device some of the wide features)."""
-
-    def __init__(self, num_hiddens, expansion=4, spec=WHOLE):
-        super().__init__()
-        self.hidden = spec.column(expansion * num_hiddens, num_hiddens)
-        self.output = spec.row(num_hiddens, expansion * num_hiddens)
-
-    def forward(self, x):
-        return self.output(npx.gelu(self.hidden(x)))
-
-
 class TransformerLayer(HybridBlock):
-    """Pre-norm residual layer (GPT-2's): x + attention(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm residual layer (GPT-2's): x + attention(norm(x)), then x + mlp(norm(x)). With
+    `num_experts` > 0 the MLP is a mixture of that many (`MoE`, each token to `top_k`), whole
+    on each device that holds the layer."""
 
-    def __init__(self, num_hiddens, num_heads, spec=WHOLE):
+    def __init__(self, num_hiddens, num_heads, spec=WHOLE, num_experts=0, top_k=1):
         super().__init__()
         self.attention_norm = LayerNorm(num_hiddens)
         self.attention = CausalSelfAttention(num_hiddens, num_heads, spec)
         self.mlp_norm = LayerNorm(num_hiddens)
-        self.mlp = MLP(num_hiddens, spec=spec)
+        self.mlp = (MoE(num_hiddens, num_experts, top_k) if num_experts
+                    else MLP(num_hiddens, spec=spec))
 
     def forward(self, x):
         x = x + self.attention(self.attention_norm(x))
@@ -183,20 +135,47 @@ class GPT(HybridSequential):
     Its children, in order: a GPTEmbedding, `num_layers` TransformerLayers, a
     LanguageModelHead (`net[0]`, `net[1:-1]`, `net[-1]`). The head has its own weights (GPT-2
     ties them to the token table; tying would make two units share a parameter, which
-    sharding by units cannot express). `config` is its sizes, the arguments it was made with
-    but `spec`: `GPT(*net.config, spec=...)` makes the same model, split as `spec` says.
+    sharding by units cannot express). With `num_experts` > 0, every `moe_every`-th layer's
+    MLP is a mixture of experts (layers moe_every, 2·moe_every, ..., counted from 1, as
+    Switch and GShard alternate dense and mixture layers); `mixtures()` gives them, and the
+    sum of their `aux_loss` is the load-balancing loss to add, times α. Such a GPT runs
+    imperatively: the router reads its choices back to the host, which a traced forward
+    cannot (hybridize's trace stops there, naming it). `config` is its sizes,
+    the arguments it was made with but `spec`: `GPT(*net.config, spec=...)` makes the same
+    model, split as `spec` says.
 
     >>> net = GPT(vocab_size=50, num_layers=2, num_hiddens=32, num_heads=2, max_len=16)
     >>> [type(unit).__name__ for unit in net.children()]
     ['GPTEmbedding', 'TransformerLayer', 'TransformerLayer', 'LanguageModelHead']
+    >>> moe = GPT(50, 4, 32, 2, 16, num_experts=4, top_k=2, moe_every=2)
+    >>> [type(layer.mlp).__name__ for layer in moe.children()[1:-1]]
+    ['MLP', 'MoE', 'MLP', 'MoE']
     """
 
-    def __init__(self, vocab_size, num_layers, num_hiddens, num_heads, max_len, spec=WHOLE):
+    def __init__(self, vocab_size, num_layers, num_hiddens, num_heads, max_len, num_experts=0,
+                 top_k=1, moe_every=2, spec=WHOLE):
         super().__init__()
         if not isinstance(num_layers, numbers.Integral) or num_layers < 0:
             raise ValueError(f'num_layers={num_layers!r}: a GPT has a whole number of layers, '
                              '0 or more (with 0 it is a bigram model: embedding, then head)')
-        self.config = (vocab_size, num_layers, num_hiddens, num_heads, max_len)
+        check_experts(num_experts, moe_every)
+        self.config = (vocab_size, num_layers, num_hiddens, num_heads, max_len, num_experts,
+                       top_k, moe_every)
         self.add(GPTEmbedding(vocab_size, num_hiddens, max_len, spec))
-        self.add(*(TransformerLayer(num_hiddens, num_heads, spec) for _ in range(num_layers)))
+        self.add(*(TransformerLayer(num_hiddens, num_heads, spec,
+                                    num_experts if layer % moe_every == 0 else 0, top_k)
+                   for layer in range(1, num_layers + 1)))
         self.add(LanguageModelHead(num_hiddens, vocab_size, spec))
+
+    def mixtures(self):
+        """The layers' mixtures of experts (`MoE`), in order: none without experts."""
+        return [layer.mlp for layer in self.children()[1:-1] if isinstance(layer.mlp, MoE)]
+
+
+def check_experts(num_experts, moe_every):
+    if not isinstance(num_experts, numbers.Integral) or num_experts < 0:
+        raise ValueError(f'num_experts={num_experts!r}: 0 for dense MLPs, or the number of '
+                         'experts in each mixture layer')
+    if not isinstance(moe_every, numbers.Integral) or moe_every < 1:
+        raise ValueError(f'moe_every={moe_every!r}: every how many layers one is a mixture, '
+                         '1 or more (1: every layer, 2: every second, as Switch)')
