@@ -168,6 +168,31 @@ def test_the_gradients_are_the_micro_batches_summed_in_order_bit_for_bit(name, d
     assert all(p.grad_req == 'write' for p in params)      # the step's 'add' is undone
 
 
+def test_a_replica_adds_into_its_own_copies_of_the_same_parameters():
+    """`Pipeline.replica`: the same parts on other devices, each parameter given a copy there
+    (one Parameter, a copy a replica). Each replica's step writes its own copies' gradients
+    and leaves the other's alone: they are one device's gradients of its half of the data."""
+    net = mlp(4)
+    first = Pipeline(net, [d2l.cpu(1), d2l.cpu(2)], '1f1b')
+    second = first.replica([d2l.cpu(3), d2l.cpu(4)])
+    assert second.params() == first.params() == list(net.collect_params().values())
+    for name, param in first.collect_params().items():
+        stage = int(name.split('.')[0].removeprefix('stage'))
+        assert param.list_device() == [d2l.cpu(1 + stage), d2l.cpu(3 + stage)]
+    halves = [([np.array(a) for a in numpy.array_split(X[part], 2)],
+               [np.array(a) for a in numpy.array_split(Y[part], 2)])
+              for part in (slice(0, BATCH // 2), slice(BATCH // 2, None))]
+    first.forward_backward(*halves[0], LOSS)
+    second.forward_backward(*halves[1], LOSS)
+    for replica, (inputs, labels) in enumerate(halves):
+        alone = mlp(4)
+        Pipeline(alone, [d2l.cpu(1), d2l.cpu(2)], '1f1b').forward_backward(inputs, labels,
+                                                                             LOSS)
+        for param, own in zip(net.collect_params().values(), alone.collect_params().values()):
+            numpy.testing.assert_array_equal(param.list_grad()[replica].asnumpy(),
+                                             own.grad().asnumpy())
+
+
 def test_a_net_set_to_add_accumulates_over_pipeline_steps():
     """Parameters the user set to grad_req 'add' keep adding over steps, until zero_grad()."""
     inputs, labels = micro_batches(2)
