@@ -196,6 +196,9 @@ class Part(Stage):
 
     def replica(self, devices):
         """The same layers on `devices[0]` too: each parameter given a copy there."""
+        if len(devices) != 1:
+            raise ValueError(f'a replica of a part on one device needs one device, not '
+                             f'{devices}')
         device, = devices
         copy_onto(self.params(), device)
         twin = copy.copy(self)
