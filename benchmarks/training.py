@@ -657,7 +657,7 @@ def parallel_gpt_rows():
 
         def step():
             split.forward_backward(x, y, loss, microbatches)
-            trainer.step(1)
+            trainer.update(1)           # forward_backward summed over the replicas
             npx.waitall()
         return step
     ways = {'one device': gpt_step_fn(False, devices[0]),

@@ -23,7 +23,8 @@ Every chapter
                   modes.
     nn/           Gluon-style blocks, layers, losses, initializers and parameters, compiled by
                   hybrid, and the networks the training chapters build (LeNet, ResNet-18).
-    data          Fashion-MNIST, downloaded, checked and cached, with an offline fallback.
+    data          Fashion-MNIST, downloaded, checked and cached, with an offline fallback; a
+                  net's test accuracy on it, on one device or split among several.
 Compilers and Interpreters
     hybrid/       the tracing compiler: trace, graph IR, passes, memory plan, generated code
                   (NumPy, or CuPy kernels on a GPU), export and import.
@@ -41,15 +42,15 @@ Hardware
     hardware/     microbenchmarks of the reader's machine: what is in the box, memory,
                   arithmetic, storage and network, the GPU; imported on demand.
 Training on Multiple GPUs, Concise Implementation for Multiple GPUs
-    comm/         a minibatch split among devices; allreduce across them by six algorithms
+    comm/         a minibatch split among devices, and the parameters copied to each (by
+                  hand); allreduce across them by six algorithms
                   (schedules run as engine operations), its two halves (reduce-scatter,
                   all-gather), gradients summed through flat buffers made once, the
                   all-to-all and a point-to-point send, and what each costs on a topology.
-    data_parallel/  every way the book sums gradients: by hand (from_scratch), the Trainer
-                  through a key-value store of any type, overlap with backward, test accuracy
-                  on one device or split among several (evaluation), and, "Data Parallelism
-                  at Scale", buckets, ZeRO's stages 1-3 and the calculator that predicts what
-                  a step holds and moves.
+    data_parallel/  every way the book sums gradients after the first, by hand (comm's): the
+                  Trainer through a key-value store of any type, overlap with backward, and,
+                  "Data Parallelism at Scale", buckets, ZeRO's stages 1-3 and the calculator
+                  that predicts what a step holds and moves.
     model_parallel/  the model itself split over devices: pipeline schedules as data (GPipe,
                   1F1B, interleaved), their bubble and the activations a stage holds;
                   Megatron-LM's tensor and sequence parallelism; the three parallelisms at
@@ -82,19 +83,19 @@ from .device import Device, cpu, gpu, num_gpus, try_all_gpus, try_devices, try_g
 from . import np, autograd, nn
 from .np import extension as npx
 from .nn import L2Loss, SoftmaxCrossEntropyLoss
-from .data_parallel import Trainer, get_params
+from .data_parallel import Trainer
 from .optimizer.by_hand import sgd
 from .utils import (Accumulator, Animator, Benchmark, Timer, median_seconds, process_memory,
                     quick_mode, workload)
 from . import comm, data, data_parallel, hybrid, kvstore, model_parallel, optimizer
 from .optimizer import amp
 from .engine import profiler
-from .comm import split_and_load, split_batch
+from .comm import get_params, split_and_load, split_batch
 # d2l.allreduce is the from-scratch chapter's "everything to the first device" (the name the
 # MXNet edition gives it); d2l.comm.allreduce runs the six algorithms of "Parameter Servers".
 from .comm import allreduce_on_first as allreduce
-from .data_parallel import accuracy, evaluate_accuracy_gpu, evaluate_accuracy_gpus
-from .data import load_data_fashion_mnist
+from .data import (accuracy, evaluate_accuracy_gpu, evaluate_accuracy_gpus,
+                   load_data_fashion_mnist)
 from .nn import Residual, lenet, resnet18
 
 __all__ = ['engine', 'Device', 'cpu', 'gpu', 'num_gpus', 'try_all_gpus', 'try_devices',

@@ -18,7 +18,7 @@ from .np import extension as npx
 from .device import cpu, gpu, slow_down
 from .nn import lenet
 from .data_parallel import Trainer
-from .data_parallel.evaluation import evaluate_accuracy_gpus
+from .data import evaluate_accuracy_gpus
 from .utils import Timer
 
 

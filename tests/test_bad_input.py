@@ -8,17 +8,12 @@ import d2lperf as d2l
 from d2lperf import engine, nn, np, npx
 from d2lperf.model_parallel import Pipeline, parallel_gpt, tensor_parallel
 from conftest import drain_engine
+from model_parallel_helpers import HEADS, HIDDEN, SEQ, VOCAB, gpt
 
 pytestmark = pytest.mark.usefixtures('fresh_engine')
 
-VOCAB, HIDDEN, HEADS, SEQ = 20, 16, 4, 8
 TABLE = np.array(numpy.arange(VOCAB * 3, dtype=numpy.float32).reshape(VOCAB, 3))
 SCORES = np.array(numpy.zeros((2, VOCAB), numpy.float32))
-
-
-def gpt(layers=2):
-    np.random.seed(0)
-    return nn.GPT(VOCAB, layers, HIDDEN, HEADS, SEQ).initialize()
 
 
 # -- ids: out of range, or not integers ------------------------------------------------------
@@ -71,7 +66,7 @@ def test_a_gpt_refuses_a_token_out_of_its_vocabulary():
     tokens = numpy.zeros((2, 4), numpy.int64)
     tokens[1, 2] = VOCAB
     with pytest.raises(engine.OperationError, match=f'{VOCAB} is out of range'):
-        gpt()(np.array(tokens)).asnumpy()
+        gpt(2)(np.array(tokens)).asnumpy()
 
 
 # -- settings with nothing to run, or that would run wrong -------------------------------------
@@ -80,22 +75,28 @@ CPUS = [d2l.cpu(i) for i in range(1, 9)]
 
 
 @pytest.mark.parametrize('build, words', [
-    (lambda: Pipeline(gpt(), [CPUS[:2], CPUS[2:3]]),
+    (lambda: Pipeline(gpt(2), [CPUS[:2], CPUS[2:3]]),
      r'tensor-parallel groups of one size: stage 1 has 1 device, stage 0 has 2'),
-    (lambda: Pipeline(gpt(), []), 'at least one stage'),
-    (lambda: Pipeline(gpt(), [[], []]), 'at least one device'),
-    (lambda: Pipeline(gpt(), CPUS[:2], chunks=0), 'chunks .* at least 1, not 0'),
-    (lambda: Pipeline(gpt(), CPUS[:2], 'zigzag'), "unknown schedule 'zigzag'"),
-    (lambda: tensor_parallel(gpt(), []), 'at least one device'),
-    (lambda: tensor_parallel(gpt(), CPUS[:2], algorithm='bogus'), "'bogus'.*'ring'"),
-    (lambda: tensor_parallel(gpt(), CPUS[:2], algorithm='tree', sequence=True),
+    (lambda: Pipeline(gpt(2), []), 'at least one stage'),
+    (lambda: Pipeline(gpt(2), [[], []]), 'at least one device'),
+    (lambda: Pipeline(gpt(2), CPUS[:2], chunks=0), 'chunks .* at least 1, not 0'),
+    (lambda: Pipeline(gpt(2), CPUS[:2], 'zigzag'), "unknown schedule 'zigzag'"),
+    (lambda: tensor_parallel(gpt(2), []), 'at least one device'),
+    (lambda: tensor_parallel(gpt(2), CPUS[:2], algorithm='bogus'), "'bogus'.*'ring'"),
+    (lambda: tensor_parallel(gpt(2), CPUS[:2], algorithm='tree', sequence=True),
      r"sequence=True .* \['ring', 'split'\], not 'tree'"),
-    (lambda: parallel_gpt(gpt(), [], data=0), 'data=0: each size .* at least 1'),
-    (lambda: parallel_gpt(gpt(), [], tensor=0), 'tensor=0: each size'),
-    (lambda: parallel_gpt(gpt(), [], pipeline=0), 'pipeline=0: each size'),
-    (lambda: parallel_gpt(gpt(), CPUS[:4], tensor=2, pipeline=2, algorithm='tree',
+    (lambda: parallel_gpt(gpt(2), [], data=0), 'data=0: each size .* at least 1'),
+    (lambda: parallel_gpt(gpt(2), [], tensor=0), 'tensor=0: each size'),
+    (lambda: parallel_gpt(gpt(2), [], pipeline=0), 'pipeline=0: each size'),
+    (lambda: parallel_gpt(gpt(2), CPUS[:4], tensor=2, pipeline=2, algorithm='tree',
                           sequence=True), "sequence=True .* not 'tree'"),
     (lambda: nn.GPT(VOCAB, -1, HIDDEN, HEADS, SEQ), 'num_layers=-1'),
+    (lambda: Pipeline(gpt(2), [CPUS[:2]]).replica([CPUS[2:5]]),
+     'a replica of a group of 2 devices needs as many, not 3'),
+    (lambda: Pipeline(gpt(2), CPUS[:2]).replica(CPUS[2:3]),
+     'a replica of a pipeline of 2 stages needs as many, not 1'),
+    (lambda: Pipeline(gpt(2), CPUS[:2]).replica([CPUS[2:4], CPUS[4:6]]),
+     'a replica of a part on one device needs one device'),
 ])
 def test_a_setting_with_nothing_or_something_wrong_to_run_is_refused_when_built(build, words):
     with pytest.raises(ValueError, match=words):
@@ -105,15 +106,15 @@ def test_a_setting_with_nothing_or_something_wrong_to_run_is_refused_when_built(
 def test_no_micro_batches_are_refused():
     tokens = np.array(numpy.zeros((4, SEQ), numpy.int64))
     with pytest.raises(ValueError, match='microbatches=0: .* at least 1'):
-        parallel_gpt(gpt(), CPUS[:2], pipeline=2).forward_backward(
+        parallel_gpt(gpt(2), CPUS[:2], pipeline=2).forward_backward(
             tokens, tokens, d2l.SoftmaxCrossEntropyLoss(), 0)
     with pytest.raises(ValueError, match='no micro-batches'):
-        Pipeline(gpt(), CPUS[:2]).forward_backward([], [], d2l.SoftmaxCrossEntropyLoss())
+        Pipeline(gpt(2), CPUS[:2]).forward_backward([], [], d2l.SoftmaxCrossEntropyLoss())
 
 
 def test_ranks_that_drift_apart_raise_instead_of_dropping_a_gradient():
     """A part's backward takes one head a device: fewer would leave a device's walk out."""
-    tp = tensor_parallel(gpt(), CPUS[:2])
+    tp = tensor_parallel(gpt(2), CPUS[:2])
     with d2l.autograd.record():
         logits = tp(np.array(numpy.zeros((2, SEQ), numpy.int64)))
         losses = [out.sum() for out in logits]

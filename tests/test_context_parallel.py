@@ -15,6 +15,7 @@ from d2lperf.model_parallel import context, predict
 from strategies import checks
 from strategies.comm import context_parallel_problems
 from test_attention import output_and_gradients, relative_error
+from model_parallel_helpers import devices as devices_from
 
 pytestmark = pytest.mark.chapter('model_parallelism')
 
@@ -22,7 +23,7 @@ LAYOUTS, ALGORITHMS = ['zigzag', 'contiguous'], ['ring', 'all_gather']
 
 
 def devices(c):
-    return [d2l.cpu(i) for i in range(c)]
+    return devices_from(c, first=0)
 
 
 
@@ -114,6 +115,7 @@ def test_contiguous_shards_give_the_last_device_2_minus_1_over_c_of_the_mean(c, 
     assert max(work) == work[-1]
 
 
+@checks(100)                    # no deadline: a busy machine's timing fails nothing here
 @given(c=st.integers(1, 64))
 def test_for_any_c_contiguous_is_2_minus_1_over_c_and_the_zigzag_even(c):
     assert context.imbalance(context.counted_work(c, 'contiguous')) == 2 - Fraction(1, c)

@@ -14,8 +14,9 @@ from d2lperf.data_parallel import Zero
 from d2lperf.engine import tracking
 from d2lperf.model_parallel import parallel_gpt
 from conftest import run_in_subprocess
+from model_parallel_helpers import SEQ, VOCAB, gpt
 
-VOCAB, LAYERS, HIDDEN, HEADS, SEQ, BATCH, MICRO = 20, 2, 16, 4, 8, 8, 4
+LAYERS, BATCH, MICRO = 2, 8, 4
 rng = numpy.random.default_rng(0)
 TOKENS = rng.integers(0, VOCAB, (BATCH, SEQ))
 LABELS = rng.integers(0, VOCAB, (BATCH, SEQ))
@@ -26,10 +27,7 @@ LOSS = d2l.SoftmaxCrossEntropyLoss()
 
 def split_gpt():
     """A GPT over two pipeline stages (1F1B), with Adam."""
-    np.random.seed(0)
-    net = nn.GPT(VOCAB, LAYERS, HIDDEN, HEADS, SEQ)
-    net.initialize(device=d2l.cpu(0))
-    split = parallel_gpt(net, [d2l.cpu(1), d2l.cpu(2)], 1, 1, 2, '1f1b')
+    split = parallel_gpt(gpt(LAYERS), [d2l.cpu(1), d2l.cpu(2)], 1, 1, 2, '1f1b')
     return split, d2l.Trainer(split.collect_params(), 'adam', {'learning_rate': 0.01},
                               kvstore=None)
 

@@ -10,14 +10,11 @@ from d2lperf import autograd, comm, np, npx, profiler
 from d2lperf.model_parallel import expert_parallel
 from d2lperf.nn.moe import MoE, capacity
 from strategies import checks
+from model_parallel_helpers import devices
 
 pytestmark = pytest.mark.usefixtures('fresh_engine')
 
 HIDDEN, HOME = 8, d2l.cpu(0)
-
-
-def devices(n):
-    return [d2l.cpu(i + 1) for i in range(n)]
 
 
 def made(experts, top_k, factor, seed=0):

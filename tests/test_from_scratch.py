@@ -1,5 +1,5 @@
-"""Tests of data parallelism by hand (data_parallel/from_scratch.py, optimizer/by_hand.py) and
-of data_parallel/evaluation.py: two devices, each with half of every batch, must train to the
+"""Tests of data parallelism by hand (comm's get_params, optimizer/by_hand.py) and of the test
+accuracy (data.py's evaluate_accuracy_gpu(s)): two devices, each with half of every batch, must train to the
 same parameters as one device with the whole batch."""
 import numpy
 import pytest

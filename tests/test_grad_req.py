@@ -162,11 +162,11 @@ def test_a_hybridized_net_accumulates_too():
 
 
 def test_a_pipeline_step_cut_short_by_ctrl_c_leaves_no_parameter_adding(monkeypatch):
-    """A Ctrl-C while a pipeline step readies its sums (here: at its third zero_grad) must
-    leave no parameter adding into the next steps: each later step's gradients are that
-    step's alone."""
+    """A Ctrl-C while a pipeline step readies its sums (here: at the third gradient it
+    zeroes) must leave no parameter adding into the next steps: each later step's gradients
+    are that step's alone."""
     from d2lperf.model_parallel import parallel_gpt
-    from d2lperf.nn.parameter import Parameter
+    from d2lperf.np.multiarray import NDArray
     rng = numpy.random.default_rng(0)
     tokens, labels = (np.array(rng.integers(0, 20, (4, 8))) for _ in range(2))
     loss = d2l.SoftmaxCrossEntropyLoss()
@@ -177,14 +177,14 @@ def test_a_pipeline_step_cut_short_by_ctrl_c_leaves_no_parameter_adding(monkeypa
         net.initialize(device=d2l.cpu(0))
         return parallel_gpt(net, [d2l.cpu(1), d2l.cpu(2)], 1, 1, 2, '1f1b')
     cut, clean = split(), split()
-    calls, zero_grad = [], Parameter.zero_grad
+    calls, attach_grad = [], NDArray.attach_grad
 
-    def interrupted(param):
-        calls.append(param)
+    def interrupted(array):
+        calls.append(array)
         if len(calls) == 3:
             raise KeyboardInterrupt
-        zero_grad(param)
-    monkeypatch.setattr(Parameter, 'zero_grad', interrupted)
+        return attach_grad(array)
+    monkeypatch.setattr(NDArray, 'attach_grad', interrupted)
     with pytest.raises(KeyboardInterrupt):
         cut.forward_backward(tokens, labels, loss, 2)
     monkeypatch.undo()

@@ -60,7 +60,7 @@ def test_every_layout_trains_as_one_device(d, t, p, name, v, m, sequence):
     losses = []
     for _ in range(steps):
         parts = split.forward_backward(np.array(TOKENS), np.array(LABELS), LOSS, m)
-        trainer.step(BATCH)
+        trainer.update(BATCH)                   # forward_backward summed over the replicas
         assert len(parts) == d * m
         losses.append(sum(part.item() for part in parts))
     one = one_device_losses(steps)
@@ -107,7 +107,7 @@ def measured(split, d, t, p, m):
 def assert_planned(d, t, p, name, v, m, sequence, layers=LAYERS):
     split, trainer = layout(d, t, p, name, v, sequence, layers)
     split.forward_backward(np.array(TOKENS), np.array(LABELS), LOSS, m)     # allocate
-    trainer.step(BATCH)
+    trainer.update(BATCH)
     sizes = predict.GPTSizes.of(gpt(layers))
     for (s, r, i), seen in measured(split, d, t, p, m).items():
         plan = predict.device_plan(sizes, d, t, p, s, i, name, m, BATCH, v,
@@ -240,6 +240,30 @@ def test_bad_layouts_are_named():
         split.forward_backward(np.array(TOKENS), np.array(LABELS), LOSS, 3)
     with pytest.raises(ValueError, match='not a mix'):
         Pipeline(gpt(), [d2l.cpu(1), [d2l.cpu(2)]])
+
+
+def test_a_replicated_parameter_is_one_parameter_with_a_copy_a_replica():
+    """As a data-parallel net's: each weight of a stage's rank is one Parameter with a copy on
+    that rank's device in each replica, named as the GPT names it after its place
+    (`stage1.rank0.3.mlp.dense1.weight`); after a step every copy holds the sum."""
+    d, t, p = 2, 2, 2
+    split, _ = layout(d, t, p, '1f1b', 1)
+    params = split.collect_params()
+    whole = list(gpt().collect_params())
+    for s, i in numpy.ndindex(p, t):
+        place = f'stage{s}.rank{i}.'
+        mine = {name.removeprefix(place): param for name, param in params.items()
+                if name.startswith(place)}
+        assert list(mine) == [name for name in whole if int(name.split('.')[0]) in
+                              ((0, 1, 2) if s == 0 else (3, 4, 5))]
+        for param in mine.values():
+            assert param.list_device() == [split.grid[s][r][i] for r in range(d)]
+    assert all(replica.params() == list(params.values()) for replica in split.replicas)
+    split.forward_backward(np.array(TOKENS), np.array(LABELS), LOSS, 2)
+    for name, param in params.items():
+        if param.grad_req == 'write':
+            first, second = (grad.asnumpy() for grad in param.list_grad())
+            numpy.testing.assert_array_equal(first, second, err_msg=name)
 
 
 def test_the_replicas_sum_through_the_same_buffers_every_step():

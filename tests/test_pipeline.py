@@ -168,6 +168,31 @@ def test_the_gradients_are_the_micro_batches_summed_in_order_bit_for_bit(name, d
     assert all(p.grad_req == 'write' for p in params)      # the step's 'add' is undone
 
 
+def test_a_replica_adds_into_its_own_copies_of_the_same_parameters():
+    """`Pipeline.replica`: the same parts on other devices, each parameter given a copy there
+    (one Parameter, a copy a replica). Each replica's step writes its own copies' gradients
+    and leaves the other's alone: they are one device's gradients of its half of the data."""
+    net = mlp(4)
+    first = Pipeline(net, [d2l.cpu(1), d2l.cpu(2)], '1f1b')
+    second = first.replica([d2l.cpu(3), d2l.cpu(4)])
+    assert second.params() == first.params() == list(net.collect_params().values())
+    for name, param in first.collect_params().items():
+        stage = int(name.split('.')[0].removeprefix('stage'))
+        assert param.list_device() == [d2l.cpu(1 + stage), d2l.cpu(3 + stage)]
+    halves = [([np.array(a) for a in numpy.array_split(X[part], 2)],
+               [np.array(a) for a in numpy.array_split(Y[part], 2)])
+              for part in (slice(0, BATCH // 2), slice(BATCH // 2, None))]
+    first.forward_backward(*halves[0], LOSS)
+    second.forward_backward(*halves[1], LOSS)
+    for replica, (inputs, labels) in enumerate(halves):
+        alone = mlp(4)
+        Pipeline(alone, [d2l.cpu(1), d2l.cpu(2)], '1f1b').forward_backward(inputs, labels,
+                                                                             LOSS)
+        for param, own in zip(net.collect_params().values(), alone.collect_params().values()):
+            numpy.testing.assert_array_equal(param.list_grad()[replica].asnumpy(),
+                                             own.grad().asnumpy())
+
+
 def test_a_net_set_to_add_accumulates_over_pipeline_steps():
     """Parameters the user set to grad_req 'add' keep adding over steps, until zero_grad()."""
     inputs, labels = micro_batches(2)
@@ -203,12 +228,46 @@ def test_every_part_is_a_declared_stage_built_once_from_the_devices():
         def forward(self, xs, shape):
             return xs
 
-        def params(self):
-            return []
+        def collect_params(self):
+            return {}
+
+        def replica(self, devices):
+            return self
     with pytest.raises(TypeError, match='backward'):
         NoBackward()
     with pytest.raises(TypeError, match="'name'"):
         Pipeline(mlp(), [d2l.cpu(1), d2l.cpu(2)], name='gpipe')
+
+
+@pytest.mark.parametrize('chunks', [1, 2])
+def test_a_part_names_its_parameters_as_the_whole_net_after_its_place(chunks):
+    """One scheme for every model-like thing that is not a Block: the whole net's
+    `collect_params()` name after the place that holds it (the stage, the tensor-parallel
+    rank). A Part holds the net's own parameters; a tensor-parallel rank's share of a GPT is
+    named as the GPT's unit it shares."""
+    net = mlp(4)
+    whole = dict(net.collect_params())
+    one = Pipeline(net, [d2l.cpu(1), d2l.cpu(2)], 'interleaved' if chunks > 1 else 'gpipe',
+                   chunks)
+    named = one.collect_params()
+    assert {name.split('.', 1)[1]: param for name, param in named.items()} == whole
+    for name, param in named.items():
+        stage = int(name.split('.')[0].removeprefix('stage'))
+        assert param.list_device() == [d2l.cpu(1 + stage)]
+    assert one.params() == list(named.values())
+    net = gpt(2)
+    gpt_names = list(net.collect_params())
+    grouped = Pipeline(net, [devices(2, 1), devices(2, 3)], schedule='1f1b')
+    names = list(grouped.collect_params())
+    for s, r in [(0, 0), (0, 1), (1, 0), (1, 1)]:
+        place = f'stage{s}.rank{r}.'
+        mine = [name.removeprefix(place) for name in names if name.startswith(place)]
+        assert mine == [name for name in gpt_names if int(name.split('.')[0]) in
+                        ((0, 1) if s == 0 else (2, 3))]
+        stage = grouped.stages[s]
+        assert list(stage.ranks[r].collect_params()) == mine
+        assert [name for name in stage.collect_params() if name.startswith(f'rank{r}.')] == \
+            [f'rank{r}.{name}' for name in mine]
 
 
 def test_a_step_runs_without_the_schedules_timing(monkeypatch):

@@ -1,6 +1,7 @@
 """Communication between devices: splitting a minibatch among them, and allreduce across them.
 
-    split       `split_and_load` and `split_batch`: one slice of a minibatch a device.
+    split       `split_and_load` and `split_batch`: one slice of a minibatch a device; and
+                `get_params`: a copy of the parameters a device, for training by hand.
     schedules   the allreduce algorithms as data: which chunk goes where, step by step, and
                 their two halves apart (reduce-scatter, all-gather).
     allreduce   a schedule run as engine operations, in place, with any of four reductions;
@@ -22,7 +23,7 @@
 Data parallelism ("Training on Multiple GPUs") needs the first and the third; "Parameter
 Servers" compares the algorithms, measured and modelled.
 """
-from .split import slice_sizes, split_and_load, split_batch
+from .split import get_params, slice_sizes, split_and_load, split_batch
 from .schedules import chunk_bounds, half, schedule
 from .allreduce import (REDUCTIONS, TransferName, all_gather, all_gather_into, allreduce,
                         allreduce_on_first, bytes_sent, fill, reduce_scatter, transfers_in)
@@ -33,7 +34,7 @@ from .device_halves import receive_from_owners, send_to_owners
 from .replay import chunk_states, draw_chunk_states, draw_transfers
 from . import cost
 
-__all__ = ['slice_sizes', 'split_and_load', 'split_batch', 'chunk_bounds', 'half', 'schedule',
+__all__ = ['get_params', 'slice_sizes', 'split_and_load', 'split_batch', 'chunk_bounds', 'half', 'schedule',
            'REDUCTIONS', 'allreduce', 'allreduce_on_first', 'reduce_scatter', 'all_gather',
            'all_gather_into', 'fill', 'TransferName', 'transfers_in', 'bytes_sent',
            'FlatBufferSum', 'send_to_owners', 'receive_from_owners', 'chunk_states',

@@ -1,8 +1,11 @@
-"""Dividing a minibatch among devices: one slice of the batch (and of its labels) a device.
+"""Dividing a minibatch among devices: one slice of the batch (and of its labels) a device;
+and, for data parallelism by hand, a copy of the parameters a device (`get_params`).
 
 `split_and_load` is the first collective step of data parallelism ("Training on Multiple
 GPUs"); its copies are ordinary engine operations, so they run asynchronously and in
-dependency order with the forward and backward passes that follow.
+dependency order with the forward and backward passes that follow. That chapter writes the
+rest by hand too: `get_params` puts the parameters on each device, `allreduce_on_first`
+sums their gradients, and `optimizer.by_hand.sgd` updates each copy where it lives.
 """
 from __future__ import annotations
 
@@ -109,3 +112,11 @@ def _check_devices(devices):
         raise ValueError(f'devices must be a non-empty list of Devices such as '
                          f'[d2l.cpu(0), d2l.cpu(1)], not {devices!r}')
     return devices
+
+
+def get_params(params: Sequence[NDArray], device: Device) -> list[NDArray]:
+    """Copies of `params` on `device`, each with a gradient buffer."""
+    copies = [p.copyto(device) for p in params]
+    for copy in copies:
+        copy.attach_grad()
+    return copies

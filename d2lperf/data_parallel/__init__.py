@@ -1,15 +1,12 @@
-"""Every way the book sums gradients over devices, in the order the chapters teach them.
+"""Every way the book sums gradients over devices, in the order the chapters teach them, after
+the first, by hand ("Training on Multiple GPUs": comm's `get_params` and `allreduce_on_first`,
+`optimizer.by_hand.sgd`).
 
-    from_scratch  by hand ("Training on Multiple GPUs"): a copy of the parameters for each
-              device (comm's `allreduce_on_first` sums between, and `optimizer.by_hand.sgd`
-              updates each where it lives).
     updates   what every way below shares: which parameters train, their devices, and the
               one update path (the user's rescale_grad times 1/batch_size, every copy alike).
     trainer   the Trainer ("Concise Implementation for Multiple GPUs", "Parameter Servers",
               "Distributed Training"): gradients summed through a key-value store of any type,
               and the update on the devices or in the store.
-    evaluation  test accuracy on one device, or split among every device of a net (the
-              chapters' `evaluate_accuracy_gpu(s)`).
     overlap   each parameter's sum pushed as soon as backward has pushed its last gradient
               (Horovod's overlap), the one loop the Trainer, buckets and zero start from.
     buckets   gradients summed in buckets of a chosen size while backward runs, in the order
@@ -27,12 +24,9 @@
 Buckets and Zero take `step(forward, batch_size)`, where `forward()` computes every device's
 loss on its part of the batch, so that the chapter and the benchmarks time them alike.
 """
-from .from_scratch import get_params
 from .trainer import Trainer
-from .evaluation import accuracy, evaluate_accuracy_gpu, evaluate_accuracy_gpus
 from .buckets import Buckets, plan_buckets
 from .zero import Zero
 from . import predict
 
-__all__ = ['get_params', 'Trainer', 'accuracy', 'evaluate_accuracy_gpu',
-           'evaluate_accuracy_gpus', 'Buckets', 'plan_buckets', 'Zero', 'predict']
+__all__ = ['Trainer', 'Buckets', 'plan_buckets', 'Zero', 'predict']

@@ -165,7 +165,9 @@ class Trainer:
         if self.store is None and devices > 1:
             raise ValueError(f'kvstore=None sums nothing, and the parameters live on {devices} '
                              "devices, whose copies would drift apart: use kvstore='device' "
-                             "(the default) or 'local'")
+                             "(the default) or 'local'; or, where the gradients are summed "
+                             'already (a ParallelGPT step sums its replicas\'), call update(), '
+                             'not step()')
         if self.store is not None and not self.distributed and not self.update_on_kvstore \
                 and devices == 1:
             self.store = None           # one device, one process: nothing to sum

@@ -35,18 +35,20 @@ from ..nn.layer_spec import INIT_SIGMA, LayerSpec
 
 
 class TensorGroup:
-    """The t devices that split each layer, the collectives that join them (`algorithm`), and
-    whether the residual stream is split by tokens (`sequence`)."""
+    """The `size` ranks that split each layer (t, a device each), the collectives that join
+    them (`algorithm`), and whether the residual stream is split by tokens (`sequence`). A
+    collective joins the arrays the ranks bring, on whatever devices they are: data
+    parallelism's replicas of a group run through the same one."""
 
-    def __init__(self, devices, algorithm='ring', sequence=False):
-        self.devices, self.algorithm, self.sequence = list(devices), algorithm, sequence
+    def __init__(self, size, algorithm='ring', sequence=False):
+        self.size, self.algorithm, self.sequence = size, algorithm, sequence
 
     def run(self, program, inputs, tokens_shape):
         """[program(rank, inputs[rank]) for each rank], each on a thread of its own (rank
         0's the caller's), one at a time: rank 0 first, each until it meets the others
         (`meet`) or ends, then the next in the cycle. `tokens_shape` is the (batch, sequence)
         of the tokens the inputs come from."""
-        t = len(self.devices)
+        t = self.size
         self.tokens_shape, self.failure = tuple(tokens_shape), None
         self.turns = [threading.Semaphore(0) for _ in range(t)]
         self.arrived, self.joined, self.entered = [None] * t, [None] * t, [None] * t
@@ -83,7 +85,7 @@ class TensorGroup:
         """`collective` over every device's `array`, run by the last device to come, which
         goes on at once (one hand-off fewer); each gets its own result back."""
         self.arrived[rank], self.meeting = array, self.meeting + 1
-        if self.meeting < len(self.devices):
+        if self.meeting < self.size:
             self.hand_on(rank)
             self.wait_turn(rank)
         else:
@@ -93,7 +95,7 @@ class TensorGroup:
     def hand_on(self, rank):
         """The turn to the next device in the cycle (the order of the devices only changes
         which runs first: each device's operations keep their own order)."""
-        self.turns[(rank + 1) % len(self.devices)].release()
+        self.turns[(rank + 1) % self.size].release()
 
     def wait_turn(self, rank):
         self.turns[rank].acquire()
@@ -133,7 +135,7 @@ class TensorGroup:
             return x
         self.joined[rank] = x, alias(x, x.shape, x.dtype, lambda data: data, 'collective')
         self.joining += 1
-        if self.joining == len(self.devices):
+        if self.joining == self.size:
             self.joining = 0
             xs, outs = zip(*self.joined)
             autograd.collective(list(outs), list(xs), self.allreduce)
@@ -205,7 +207,7 @@ class ColumnParallelDense(ParallelDense):
     """Device `rank`'s 1/t of the output features: f, then its rows of the product."""
 
     def __init__(self, units, in_units, group, rank):
-        super().__init__(units // len(group.devices), in_units, group, rank)
+        super().__init__(units // group.size, in_units, group, rank)
 
     def forward(self, x):
         return super().forward(self.group.enter(self.rank, x))
@@ -223,7 +225,7 @@ class RowParallelDense(ParallelDense):
     is the first device's alone (the others' stay zero, untrained): g adds it once."""
 
     def __init__(self, units, in_units, group, rank):
-        super().__init__(units, in_units // len(group.devices), group, rank)
+        super().__init__(units, in_units // group.size, group, rank)
         if rank > 0:
             self.bias.grad_req = 'null'
 
@@ -263,7 +265,7 @@ class DeviceSpec(LayerSpec):
     stream is split by them; and of the embeddings' output, this device's tokens."""
 
     def __init__(self, group, rank):
-        self.group, self.rank, self.parts = group, rank, len(group.devices)
+        self.group, self.rank, self.parts = group, rank, group.size
 
     def column(self, units, in_units):
         return ColumnParallelDense(units, in_units, self.group, self.rank)

@@ -5,10 +5,13 @@ split its layers by tensor parallelism.
 Megatron-LM orders the grid with t fastest, then d, then p: the t devices of a stage are
 neighbours (one machine's NVLink carries tensor parallelism's four allreduces a layer), a
 stage's d replicas come next (data parallelism sums gradients once a step), and the stages
-are farthest apart (a pipeline sends one micro-batch's activations a boundary). Each replica
-trains on 1/d of the batch; after every replica's pipeline has run its micro-batches, each
-parameter's gradient is summed over the d copies of it, a device's gradients packed into one
-flat buffer (`comm.FlatBufferSum`), as the data-parallel chapters' buckets are.
+are farthest apart (a pipeline sends one micro-batch's activations a boundary). The d
+replicas are one model: each parameter of a stage's rank is one Parameter with a copy on that
+rank's device in each replica, as a data-parallel net's parameters are. Each replica trains
+on 1/d of the batch, adding into its copies' gradients; after every replica's pipeline has
+run its micro-batches, each parameter's gradient is summed over its d copies, a device's
+gradients packed into one flat buffer (`comm.FlatBufferSum`), as the data-parallel
+chapters' buckets are. A Trainer then only updates (`update`: the gradients are summed).
 Taught in "Parallelism in Three Dimensions".
 """
 from __future__ import annotations
@@ -50,17 +53,18 @@ class ParallelGPT:
         self.data, self.tensor, self.pipeline, self.algorithm = data, tensor, pipeline, algorithm
         self.grid = [[devices[(s * data + r) * tensor:(s * data + r + 1) * tensor]
                       for r in range(data)] for s in range(pipeline)]
-        self.replicas = [Pipeline(net, [self.grid[s][r] for s in range(pipeline)],
-                                  schedule=schedule, chunks=chunks, algorithm=algorithm,
-                                  sequence=sequence)
-                         for r in range(data)]
-        self.groups, self.summed = sum_over_replicas(self.replicas, algorithm)
+        first = Pipeline(net, [self.grid[s][0] for s in range(pipeline)], schedule=schedule,
+                         chunks=chunks, algorithm=algorithm, sequence=sequence)
+        self.replicas = [first] + [first.replica([self.grid[s][r] for s in range(pipeline)])
+                                   for r in range(1, data)]
+        self.groups, self.summed = sum_over_replicas(first.params(), data, algorithm)
 
     def forward_backward(self, tokens: NDArray, labels: NDArray, loss,
                          microbatches: int) -> list[NDArray]:
         """One step's forward and backward of the batch (`tokens`, `labels`): 1/d of it a
         replica, in `microbatches` micro-batches; then every gradient summed over the replicas.
-        Returns the losses, each summed over its micro-batch, replica by replica."""
+        Returns the losses, each summed over its micro-batch, replica by replica. Then a
+        Trainer's `update` (not `step`, which would sum them again) applies them."""
         at_least_one('microbatches', microbatches)
         batch = tokens.shape[0]
         if batch % (self.data * microbatches):
@@ -77,34 +81,39 @@ class ParallelGPT:
         return losses
 
     def sum_gradients(self):
-        """Each gradient summed over its d copies, a group at a time: the gradients that one
-        device of replica 0 holds, and their copies in the other replicas, packed into one
+        """Each gradient summed over its d copies, a group at a time: the parameters of one
+        device of replica 0, their gradients there and in the other replicas packed into one
         flat buffer a device and allreduced (`comm.FlatBufferSum`, as DDP's buckets)."""
-        for index, copies in enumerate(self.groups):
-            self.summed.sum(index, [[param.grad() for param in params] for params in copies])
+        for index, params in enumerate(self.groups):
+            self.summed.sum(index, by_replica(params, lambda copy: copy.grad))
 
     def collect_params(self):
-        """Every device's parameters, each where it lives (a Trainer updates each there)."""
-        return {f'replica{r}.{k}': param for r, replica in enumerate(self.replicas)
-                for k, param in enumerate(replica.params())}
+        """Every parameter once, by the net's name after its place in a replica's pipeline
+        (`stage1.rank0.3.mlp.dense1.weight`), with a copy a replica: a Trainer updates each
+        copy where it lives."""
+        return self.replicas[0].collect_params()
 
 
-def sum_over_replicas(replicas, algorithm):
-    """The trained parameters grouped by the device that holds them in replica 0 (`group[r]`:
-    replica r's copies of the group, in one order), and the flat-buffer sum of each group over
-    the replicas, its buffers made once. None where there is one replica: nothing to sum."""
-    if len(replicas) == 1:
+def sum_over_replicas(params, data, algorithm):
+    """The trained parameters grouped by the device of their first copy (replica 0's), and
+    the flat-buffer sum of each group over the `data` replicas, its buffers made once. None
+    where there is one replica: nothing to sum."""
+    if data == 1:
         return [], None
-    per_replica = [[p for p in replica.params() if p.grad_req == 'write']
-                   for replica in replicas]
-    on_device = collections.defaultdict(list)    # a device of replica 0 -> its params' k
-    for k, param in enumerate(per_replica[0]):
-        on_device[param.data().device].append(k)
-    groups = [[[params[k] for k in ks] for params in per_replica] for ks in on_device.values()]
+    on_device = collections.defaultdict(list)    # a device of replica 0 -> its parameters
+    for param in params:
+        if param.grad_req == 'write':
+            on_device[param.list_device()[0]].append(param)
+    groups = list(on_device.values())
     # counted as temporaries, as when each step made its own buffers: the calculator
     # (`predict.device_plan`) counts a device's gradients, not the buffers that sum them
-    return groups, comm.FlatBufferSum([[[p.data() for p in params] for params in copies]
-                                       for copies in groups], algorithm, kind='temporaries')
+    return groups, comm.FlatBufferSum([by_replica(params, lambda copy: copy)
+                                       for params in groups], algorithm, kind='temporaries')
+
+
+def by_replica(params, of):
+    """`of(copy)` for each of `params`' copies, replica by replica: [replica][parameter]."""
+    return [[of(copy) for copy in copies] for copies in zip(*(p.list_data() for p in params))]
 
 
 def at_least_one(name, size):

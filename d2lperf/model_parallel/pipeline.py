@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
 from typing import Sequence
 
 import numpy
@@ -27,10 +28,11 @@ import numpy
 from .. import autograd
 from ..device import Device
 from ..nn.block import Block
+from ..nn.parameter import ParameterDict
 from ..ops import differentiable
 from ..np.multiarray import NDArray
 from .schedules import check, in_order, schedule
-from .stage import Stage
+from .stage import Stage, copy_onto, named
 from .tensor import TensorParallelGPT
 
 
@@ -69,7 +71,7 @@ class Pipeline:
                              'no step)')
         plan = schedule(self.schedule, len(self.devices), m, self.chunks)
         outputs, borders, grads_in, losses = {}, {}, {}, [None] * m
-        with accumulating(self.params()):
+        with accumulating(self.params(), self.own_devices()):
             for action in in_order(plan):
                 k, mb, stage = action.stage, action.microbatch, self.stages[action.stage]
                 if action.kind == 'F':
@@ -113,8 +115,39 @@ class Pipeline:
         return here
 
     def params(self):
-        """Every part's parameters, in order, each where it lives."""
-        return [param for stage in self.stages for param in stage.params()]
+        """Every part's parameters, in order."""
+        return list(self.collect_params().values())
+
+    def collect_params(self):
+        """Every part's parameters by the net's names after their stage's
+        (`stage1.rank0.3.mlp.dense1.weight`: stage 1, tensor rank 0, the net's unit 3)."""
+        p = len(self.devices)
+        return ParameterDict((f'stage{k % p}.{name}', param)
+                             for k, stage in enumerate(self.stages)
+                             for name, param in stage.collect_params().items())
+
+    def own_devices(self):
+        """The devices this pipeline's stages run on."""
+        return {device for stage in self.stages for device in stage.devices}
+
+    def replica(self, devices):
+        """This pipeline again on `devices` (one entry a stage, as the constructor takes
+        them): data parallelism's replica, whose parts are this one's, each parameter given a
+        copy on the replica's device (one Parameter, a copy a replica, as a data-parallel
+        net's). Each replica's step adds into its own copies' gradients."""
+        if len(devices) != len(self.devices):
+            raise ValueError(f'a replica of a pipeline of {len(self.devices)} stages needs as '
+                             f'many, not {len(devices)}')
+        twin = copy.copy(self)
+        twin.devices, twin.sent = list(devices), collections.Counter()
+        twin.stages = [stage.replica(as_group(devices[k % len(devices)]))
+                       for k, stage in enumerate(self.stages)]
+        return twin
+
+
+def as_group(stage):
+    """A stage's devices as a list: a Device alone, or its group."""
+    return [stage] if isinstance(stage, Device) else list(stage)
 
 
 def build_stages(net, devices, spans, algorithm, sequence):
@@ -122,7 +155,7 @@ def build_stages(net, devices, spans, algorithm, sequence):
     `Part` on one Device, or a `TensorParallelGPT` on a group of Devices."""
     p = len(devices)
     if all(isinstance(stage, Device) for stage in devices):
-        return [Part(net.children()[span], devices[k % p]) for k, span in enumerate(spans)]
+        return [Part(net, devices[k % p], span) for k, span in enumerate(spans)]
     if all(isinstance(stage, (list, tuple)) for stage in devices):
         check_groups(devices)
         return [TensorParallelGPT(net, devices[k % p], algorithm, sequence, span)
@@ -132,11 +165,12 @@ def build_stages(net, devices, spans, algorithm, sequence):
 
 
 class Part(Stage):
-    """Consecutive layers on one device: a pipeline part of any net, moved there in place."""
+    """Consecutive layers of `net` (its children `units`) on one device: a pipeline part of
+    any net, moved there in place."""
 
-    def __init__(self, layers, device):
-        self.layers, self.devices = layers, [device]
-        for layer in layers:
+    def __init__(self, net, device, units=slice(None)):
+        self.net, self.layers, self.devices = net, net.children()[units], [device]
+        for layer in self.layers:
             layer.reset_device(device)
 
     def __len__(self):
@@ -156,8 +190,20 @@ class Part(Stage):
         out, = outs
         out.backward(None if heads is None else heads[0])
 
-    def params(self):
-        return [p for layer in self.layers for p in layer.collect_params().values()]
+    def collect_params(self):
+        """Its parameters by the net's names (`3.mlp.dense1.weight`: the net's unit 3's)."""
+        return named(self.net, self.layers)
+
+    def replica(self, devices):
+        """The same layers on `devices[0]` too: each parameter given a copy there."""
+        if len(devices) != 1:
+            raise ValueError(f'a replica of a part on one device needs one device, not '
+                             f'{devices}')
+        device, = devices
+        copy_onto(self.params(), device)
+        twin = copy.copy(self)
+        twin.devices = [device]
+        return twin
 
 
 def check_groups(stages):
@@ -176,15 +222,17 @@ def check_groups(stages):
 
 
 @contextlib.contextmanager
-def accumulating(params):
-    """The step's parameters zeroed and added into (`autograd.adding`), so that each
-    micro-batch's backward adds its gradient to `.grad`. No parameter changes its grad_req: a
-    Ctrl-C anywhere in the step leaves none adding into the next. (One the user set to 'add'
-    keeps adding over steps, until its zero_grad().)"""
-    writes = [param for param in params if param.grad_req == 'write']
-    for param in writes:
-        param.zero_grad()
-    with autograd.adding([copy for param in writes for copy in param.list_data()]):
+def accumulating(params, devices):
+    """The step's parameters' copies on `devices` (this replica's: the others' gradients are
+    theirs) zeroed and added into (`autograd.adding`), so that each micro-batch's backward
+    adds its gradient to `.grad`. No parameter changes its grad_req: a Ctrl-C anywhere in the
+    step leaves none adding into the next. (One the user set to 'add' keeps adding over
+    steps, until its zero_grad().)"""
+    copies = [array for param in params if param.grad_req == 'write'
+              for array in param.list_data() if array.device in devices]
+    for array in copies:
+        array.attach_grad()
+    with autograd.adding(copies):
         yield
 
 def cut(length, count, sizes=None):

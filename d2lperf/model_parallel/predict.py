@@ -56,7 +56,7 @@ class GPTSizes:
 def device_units(sizes, t, rank):
     """Device `rank`'s share of each unit of the GPT of `sizes` split over t devices, as
     `tensor_parallel` makes it, in shapes alone: a group that never runs, nothing drawn."""
-    group = TensorGroup([None] * t)
+    group = TensorGroup(t)
     return share(dataclasses.astuple(sizes), DeviceSpec(group, rank)).children()
 
 

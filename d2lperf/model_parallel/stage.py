@@ -5,6 +5,10 @@ A stage holds consecutive units of a model on its devices: one device (`pipeline
 a tensor-parallel group of t devices that split each layer (`tensor.TensorParallelGPT`).
 Values cross a stage's border as lists, one array a device of the stage, so that a pipeline
 moves a group's activations device to device without knowing how the group splits them.
+A stage names its parameters as the whole net's `collect_params()` does, after the place
+that holds them (`rank1.3.mlp.dense1.weight`: the tensor-parallel rank, then the net's name),
+and data parallelism's replicas of a stage are the same stage on other devices: one
+Parameter, with a copy a replica (`replica`), as a data-parallel net's parameters are.
 Taught in "Model Parallelism".
 """
 from __future__ import annotations
@@ -13,7 +17,8 @@ import abc
 from typing import Sequence
 
 from ..device import Device
-from ..nn.parameter import Parameter
+from ..nn.block import Block
+from ..nn.parameter import Parameter, ParameterDict
 from ..np.multiarray import NDArray
 
 
@@ -42,5 +47,28 @@ class Stage(abc.ABC):
         a stage's devices each saw a part of the data of a parameter they all hold."""
 
     @abc.abstractmethod
+    def collect_params(self) -> ParameterDict:
+        """Every parameter the part trains, by the net's name after its place on the stage."""
+
     def params(self) -> list[Parameter]:
-        """Every parameter the part trains, each on the device it lives on, in order."""
+        """Every parameter the part trains, in order."""
+        return list(self.collect_params().values())
+
+    @abc.abstractmethod
+    def replica(self, devices: list[Device]) -> Stage:
+        """This part again on `devices` (one a device of the stage), for data parallelism:
+        the same parameters, each given a copy on its device there."""
+
+
+def named(net: Block, units: Sequence[Block], prefix: str = '') -> ParameterDict:
+    """The parameters of `units` (children of `net`) by the names `net.collect_params()` gives
+    them, after `prefix`: a part of a net names a weight as the whole net does."""
+    mine = {id(param) for unit in units for param in unit.collect_params().values()}
+    return ParameterDict((prefix + name, param) for name, param in net.collect_params().items()
+                         if id(param) in mine)
+
+
+def copy_onto(params: Sequence[Parameter], device: Device) -> None:
+    """Each parameter given one more copy, on `device`, of its first: a replica's."""
+    for param in params:
+        param.reset_device(param.list_device() + [device])

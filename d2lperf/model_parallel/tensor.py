@@ -22,15 +22,17 @@ Taught in "Tensor and Sequence Parallelism".
 """
 from __future__ import annotations
 
+import copy
 from typing import Sequence
 
 from .. import autograd, comm
 from ..device import Device
 from ..nn.block import Block
+from ..nn.parameter import ParameterDict
 from ..nn.transformer import GPT
 from ..np.multiarray import NDArray
 from .layers import DeviceSpec, ParallelDense, TensorGroup, copied
-from .stage import Stage
+from .stage import Stage, copy_onto, named
 
 
 def tensor_parallel(net: GPT, devices: Sequence[Device], algorithm: str = 'ring',
@@ -45,13 +47,14 @@ class TensorParallelGPT(Stage):
 
     `net(tokens)` returns the logits on every device (the same values); `backward(losses)`
     runs every device's backward pass at once, and `finish_gradients()` ends the step;
-    `collect_params()` has every device's parameters (each on one device: a Trainer updates
-    each where it lives). As a pipeline's `Stage` it holds the units `units` of the net."""
+    `collect_params()` has every rank's parameters, each with a copy on its rank's device
+    (`rank1.3.mlp.dense1.weight`: rank 1's share of the GPT's), and one a replica's. As a
+    pipeline's `Stage` it holds the units `units` of the net."""
 
     def __init__(self, net, devices, algorithm='ring', sequence=False, units=slice(None)):
         self.devices, self.sequence = list(devices), sequence
         check_collectives(len(self.devices), algorithm, sequence)
-        self.group = TensorGroup(self.devices, algorithm, sequence)
+        self.group = TensorGroup(len(self.devices), algorithm, sequence)
         self.ranks = [Rank(net, DeviceSpec(self.group, rank), device, units)
                       for rank, device in enumerate(self.devices)]
 
@@ -63,7 +66,8 @@ class TensorParallelGPT(Stage):
     def forward(self, xs, tokens_shape):
         """What reaches this part (one array a device: the tokens, or, with sequence
         parallelism, each device's tokens of the micro-batch whose tokens have
-        `tokens_shape`) through the units it holds: each device's program on its own share."""
+        `tokens_shape`) through the units it holds: each device's program on its own share
+        (each layer reads its parameters' copies on the device of what reaches it)."""
         return self.group.run(lambda rank, x: self.ranks[rank](x), xs, tokens_shape)
 
     def backward(self, outs, heads=None):
@@ -83,16 +87,26 @@ class TensorParallelGPT(Stage):
         tokens only, summed over the devices (a pipeline does it once, after the step's last
         micro-batch)."""
         if self.sequence:
-            for copies in zip(*(rank.token_params() for rank in self.ranks)):
-                self.group.allreduce([param.grad() for param in copies])
-
-    def params(self):
-        """Every device's parameters, in order, each where it lives."""
-        return list(self.collect_params().values())
+            for params in zip(*(rank.token_params() for rank in self.ranks)):
+                self.group.allreduce([param.grad(device)
+                                      for param, device in zip(params, self.devices)])
 
     def collect_params(self):
-        return {f'rank{r}.{name}': param for r, rank in enumerate(self.ranks)
-                for name, param in rank.collect_params().items()}
+        return ParameterDict((f'rank{r}.{name}', param) for r, rank in enumerate(self.ranks)
+                             for name, param in rank.collect_params().items())
+
+    def replica(self, devices):
+        """The same ranks on the group `devices` too: each parameter of rank r given a copy
+        on devices[r]. The two share the ranks' layers, which read the copy on the device of
+        what reaches them, and the group, which joins t ranks wherever they are."""
+        if len(devices) != len(self.devices):
+            raise ValueError(f'a replica of a group of {len(self.devices)} devices needs as '
+                             f'many, not {len(devices)}')
+        for rank, device in zip(self.ranks, devices):
+            copy_onto(list(rank.collect_params().values()), device)
+        twin = copy.copy(self)
+        twin.devices = list(devices)
+        return twin
 
 
 def check_collectives(t, algorithm, sequence):
@@ -115,8 +129,8 @@ class Rank:
     weights of `net`, on `device`."""
 
     def __init__(self, net, spec, device, units=slice(None)):
-        self.device = device
-        self.units = share(net.config, spec).children()[units]
+        self.share = share(net.config, spec)
+        self.units = self.share.children()[units]
         for mine, whole in zip(self.units, net.children()[units], strict=True):
             fill(mine, whole)
             mine.reset_device(device)
@@ -133,10 +147,8 @@ class Rank:
         return [param for unit in self.units for param in whole_copies(unit)]
 
     def collect_params(self):
-        params = {}
-        for k, unit in enumerate(self.units):
-            params.update(unit.collect_params(f'{k}.'))
-        return params
+        """Its parameters by the GPT's names (`3.mlp.dense1.weight`: unit 3's)."""
+        return named(self.share, self.units)
 
 
 def share(config, spec):
