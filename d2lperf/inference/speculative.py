@@ -108,6 +108,25 @@ def speculate(target, draft, prompt, max_new_tokens, draft_tokens, rng, rounds=N
     return tokens
 
 
+def acceptance_rate(rounds):
+    """α: the mean of β over every position where the rule was tried."""
+    return float(numpy.mean([beta for r in rounds for beta in r.overlaps]))
+
+
+def expected_tokens(alpha, gamma):
+    """Tokens a target pass yields if every position keeps the draft's token with one chance
+    α, independently (Leviathan et al., section 3): (1 − α^(γ+1)) / (1 − α), summed as
+    1 + α + ... + α^γ, so that α = 1 gives γ + 1."""
+    return sum(alpha ** i for i in range(gamma + 1))
+
+
+def predicted_speedup(alpha, gamma, cost_ratio):
+    """The target alone's time per token over speculation's, where a draft pass costs
+    `cost_ratio` (c) target passes and the target's pass over γ + 1 positions costs one
+    (Leviathan et al., Theorem 3.8): expected_tokens / (γ c + 1)."""
+    return expected_tokens(alpha, gamma) / (gamma * cost_ratio + 1)
+
+
 def recomputed(net, temperature=0.0, top_k=None):
     """A GPT as `Distributions`: a plain forward over the whole sequence at every call, its
     last `count` rows made distributions. Exact, and with nothing to roll back when drafted
