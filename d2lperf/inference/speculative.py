@@ -140,18 +140,21 @@ def recomputed(net, temperature=0.0, top_k=None):
 
 
 def generate(target, draft, prompts, max_new_tokens, draft_tokens=4, temperature=0.0,
-             top_k=None, seed=None, rounds=None):
+             top_k=None, seed=None, rounds=None, distributions=recomputed):
     """Each prompt continued by `max_new_tokens` tokens from GPT `target`, drafted by GPT
     `draft`: the same tokens as the target alone when greedy (temperature 0), and the same
     distribution when sampling (temperature > 0, over the top_k). `prompts`: (batch, len) ids
     -> (batch, len + new) int64 NumPy array, or a list of 1-D prompts -> a list. Each prompt
     runs on its own: rows keep different numbers of drafted tokens, so a batch would fall out
-    of step. `rounds`, a list, collects every round's `Round`."""
+    of step. `rounds`, a list, collects every round's `Round`. `distributions(net,
+    temperature, top_k)` makes each GPT a `Distributions` for one prompt: `recomputed`, or one
+    through a KV cache, which must roll back past the drafted tokens the target rejects."""
     check(target, draft, prompts, max_new_tokens, draft_tokens, temperature, top_k)
     rng = numpy.random.default_rng(seed)
-    p, q = (recomputed(net, temperature, top_k) for net in (target, draft))
-    rows = [speculate(p, q, [int(t) for t in numpy.asarray(prompt)], max_new_tokens,
-                      draft_tokens, rng, rounds) for prompt in as_rows(prompts)]
+    rows = [speculate(distributions(target, temperature, top_k),
+                      distributions(draft, temperature, top_k),
+                      [int(t) for t in numpy.asarray(prompt)], max_new_tokens, draft_tokens,
+                      rng, rounds) for prompt in as_rows(prompts)]
     if isinstance(prompts, (list, tuple)):
         return [numpy.array(row, numpy.int64) for row in rows]
     return numpy.array(rows, numpy.int64)
