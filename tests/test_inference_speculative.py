@@ -181,6 +181,9 @@ def test_temperature_and_top_k_shape_both_distributions():
     three = spec.distribution(logits, temperature=2.0, top_k=3)
     weights = numpy.exp(numpy.array([2.0, 1.0, 0, 2.0, 0]) / 2) * [1, 1, 0, 1, 0]
     numpy.testing.assert_allclose(three, weights / weights.sum(), rtol=1e-14)
+    numpy.testing.assert_array_equal(spec.distribution(logits, 1.0, top_k=1), [1, 0, 0, 0, 0])
+    rows = spec.distribution(numpy.stack([logits, -logits]), 1.0, top_k=2)   # row by row
+    numpy.testing.assert_allclose(rows[1], spec.distribution(-logits, 1.0, top_k=2))
 
 
 def test_sampling_is_reproducible_with_a_seed():

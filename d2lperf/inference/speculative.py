@@ -16,6 +16,7 @@ tables as well as on GPTs. `recomputed` makes one from a GPT by a plain forward 
 whole sequence (exact; no cache to roll back past rejected tokens).
 """
 import dataclasses
+import numbers
 from typing import Callable, List
 
 import numpy
@@ -28,14 +29,16 @@ Distributions = Callable[[List[int], int], numpy.ndarray]
 
 def distribution(logits, temperature=0.0, top_k=None):
     """Next-token probabilities (float64) from (..., vocab) scores: a softmax of
-    scores / temperature over the top_k largest (ties at the k-th kept), or, at temperature 0,
-    one-hot at the argmax, which makes the rejection rule greedy decoding."""
+    scores / temperature over the top_k largest (of equal ones, the first), or, at temperature
+    0, one-hot at the argmax, which makes the rejection rule greedy decoding."""
     logits = numpy.asarray(logits, numpy.float64)
     if temperature == 0:
         return numpy.eye(logits.shape[-1])[logits.argmax(-1)]
     if top_k is not None:
-        kth = numpy.sort(logits, -1)[..., -top_k, None]
-        logits = numpy.where(logits < kth, -numpy.inf, logits)
+        kept = numpy.zeros(logits.shape, bool)
+        order = numpy.argsort(-logits, axis=-1, kind='stable')[..., :top_k]
+        numpy.put_along_axis(kept, order, True, axis=-1)
+        logits = numpy.where(kept, logits, -numpy.inf)
     weights = numpy.exp((logits - logits.max(-1, keepdims=True)) / temperature)
     return weights / weights.sum(-1, keepdims=True)
 
@@ -172,10 +175,10 @@ def as_rows(prompts):
 
 def check(target, draft, prompts, max_new_tokens, draft_tokens, temperature, top_k):
     """Refuse, naming the fix, what would fail later or silently differ from the target."""
-    if not isinstance(draft_tokens, int) or draft_tokens < 1:
+    if not isinstance(draft_tokens, numbers.Integral) or draft_tokens < 1:
         raise ValueError(f'draft_tokens={draft_tokens!r}: the draft proposes 1 or more tokens a '
                          'round (γ; 4 is a common choice)')
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+    if not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 0:
         raise ValueError(f'max_new_tokens={max_new_tokens!r}: a whole number, 0 or more')
     if temperature < 0:
         raise ValueError(f'temperature={temperature}: 0 for greedy decoding, > 0 to sample')
