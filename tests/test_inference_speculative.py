@@ -141,6 +141,7 @@ def test_tokens_a_round_emits_follow_the_formula_where_beta_is_the_same_everywhe
     outcomes = round_outcomes(0, gamma, same_p, same_q)
     mean = sum(len(emitted) * chance for emitted, chance in outcomes.items())
     assert abs(mean - (1 - alpha ** (gamma + 1)) / (1 - alpha)) < 1e-12
+    assert abs(mean - spec.expected_tokens(alpha, gamma)) < 1e-12
 
 
 def test_the_sampler_draws_the_targets_distribution_chi_square():
@@ -180,6 +181,9 @@ def test_temperature_and_top_k_shape_both_distributions():
     three = spec.distribution(logits, temperature=2.0, top_k=3)
     weights = numpy.exp(numpy.array([2.0, 1.0, 0, 2.0, 0]) / 2) * [1, 1, 0, 1, 0]
     numpy.testing.assert_allclose(three, weights / weights.sum(), rtol=1e-14)
+    numpy.testing.assert_array_equal(spec.distribution(logits, 1.0, top_k=1), [1, 0, 0, 0, 0])
+    rows = spec.distribution(numpy.stack([logits, -logits]), 1.0, top_k=2)   # row by row
+    numpy.testing.assert_allclose(rows[1], spec.distribution(-logits, 1.0, top_k=2))
 
 
 def test_sampling_is_reproducible_with_a_seed():
@@ -210,3 +214,17 @@ def test_a_draft_over_another_vocabulary_is_refused():
     other = d2l.nn.GPT(VOCAB + 1, 1, 8, 2, MAX_LEN).initialize()
     with pytest.raises(ValueError, match='one vocabulary'):
         spec.generate(gpt(0), other, numpy.array([[1]]), 2)
+
+
+def test_the_speedup_formula_helps_for_some_gamma_exactly_when_alpha_exceeds_c():
+    """At γ = 1 it is (1 + α) / (1 + c); for α ≤ c every α^i ≤ c, so no γ beats 1."""
+    grid = numpy.linspace(0.02, 0.98, 25)
+    for alpha, cost in itertools.product(grid, grid):
+        best = max(spec.predicted_speedup(alpha, g, cost) for g in range(1, 40))
+        assert (best > 1 + 1e-12) == (alpha > cost), (alpha, cost, best)
+    assert spec.expected_tokens(1.0, 4) == 5 and spec.predicted_speedup(0.5, 0, 0.3) == 1
+
+
+def test_the_acceptance_rate_is_the_mean_overlap_of_the_tried_positions():
+    rounds = [spec.Round(3, 1, [1.0, 0.25]), spec.Round(3, 3, [0.5] * 3), spec.Round(0, 0, [])]
+    assert spec.acceptance_rate(rounds) == (1.0 + 0.25 + 1.5) / 5

@@ -16,6 +16,7 @@ tables as well as on GPTs. `recomputed` makes one from a GPT by a plain forward 
 whole sequence (exact; no cache to roll back past rejected tokens).
 """
 import dataclasses
+import numbers
 from typing import Callable, List
 
 import numpy
@@ -28,14 +29,16 @@ Distributions = Callable[[List[int], int], numpy.ndarray]
 
 def distribution(logits, temperature=0.0, top_k=None):
     """Next-token probabilities (float64) from (..., vocab) scores: a softmax of
-    scores / temperature over the top_k largest (ties at the k-th kept), or, at temperature 0,
-    one-hot at the argmax, which makes the rejection rule greedy decoding."""
+    scores / temperature over the top_k largest (of equal ones, the first), or, at temperature
+    0, one-hot at the argmax, which makes the rejection rule greedy decoding."""
     logits = numpy.asarray(logits, numpy.float64)
     if temperature == 0:
         return numpy.eye(logits.shape[-1])[logits.argmax(-1)]
     if top_k is not None:
-        kth = numpy.sort(logits, -1)[..., -top_k, None]
-        logits = numpy.where(logits < kth, -numpy.inf, logits)
+        kept = numpy.zeros(logits.shape, bool)
+        order = numpy.argsort(-logits, axis=-1, kind='stable')[..., :top_k]
+        numpy.put_along_axis(kept, order, True, axis=-1)
+        logits = numpy.where(kept, logits, -numpy.inf)
     weights = numpy.exp((logits - logits.max(-1, keepdims=True)) / temperature)
     return weights / weights.sum(-1, keepdims=True)
 
@@ -108,6 +111,25 @@ def speculate(target, draft, prompt, max_new_tokens, draft_tokens, rng, rounds=N
     return tokens
 
 
+def acceptance_rate(rounds):
+    """α: the mean of β over every position where the rule was tried."""
+    return float(numpy.mean([beta for r in rounds for beta in r.overlaps]))
+
+
+def expected_tokens(alpha, gamma):
+    """Tokens a target pass yields if every position keeps the draft's token with one chance
+    α, independently (Leviathan et al., section 3): (1 − α^(γ+1)) / (1 − α), summed as
+    1 + α + ... + α^γ, so that α = 1 gives γ + 1."""
+    return sum(alpha ** i for i in range(gamma + 1))
+
+
+def predicted_speedup(alpha, gamma, cost_ratio):
+    """The target alone's time per token over speculation's, where a draft pass costs
+    `cost_ratio` (c) target passes and the target's pass over γ + 1 positions costs one
+    (Leviathan et al., Theorem 3.8): expected_tokens / (γ c + 1)."""
+    return expected_tokens(alpha, gamma) / (gamma * cost_ratio + 1)
+
+
 def recomputed(net, temperature=0.0, top_k=None):
     """A GPT as `Distributions`: a plain forward over the whole sequence at every call, its
     last `count` rows made distributions. Exact, and with nothing to roll back when drafted
@@ -121,18 +143,21 @@ def recomputed(net, temperature=0.0, top_k=None):
 
 
 def generate(target, draft, prompts, max_new_tokens, draft_tokens=4, temperature=0.0,
-             top_k=None, seed=None, rounds=None):
+             top_k=None, seed=None, rounds=None, distributions=recomputed):
     """Each prompt continued by `max_new_tokens` tokens from GPT `target`, drafted by GPT
     `draft`: the same tokens as the target alone when greedy (temperature 0), and the same
     distribution when sampling (temperature > 0, over the top_k). `prompts`: (batch, len) ids
     -> (batch, len + new) int64 NumPy array, or a list of 1-D prompts -> a list. Each prompt
     runs on its own: rows keep different numbers of drafted tokens, so a batch would fall out
-    of step. `rounds`, a list, collects every round's `Round`."""
+    of step. `rounds`, a list, collects every round's `Round`. `distributions(net,
+    temperature, top_k)` makes each GPT a `Distributions` for one prompt: `recomputed`, or one
+    through a KV cache, which must roll back past the drafted tokens the target rejects."""
     check(target, draft, prompts, max_new_tokens, draft_tokens, temperature, top_k)
     rng = numpy.random.default_rng(seed)
-    p, q = (recomputed(net, temperature, top_k) for net in (target, draft))
-    rows = [speculate(p, q, [int(t) for t in numpy.asarray(prompt)], max_new_tokens,
-                      draft_tokens, rng, rounds) for prompt in as_rows(prompts)]
+    rows = [speculate(distributions(target, temperature, top_k),
+                      distributions(draft, temperature, top_k),
+                      [int(t) for t in numpy.asarray(prompt)], max_new_tokens, draft_tokens,
+                      rng, rounds) for prompt in as_rows(prompts)]
     if isinstance(prompts, (list, tuple)):
         return [numpy.array(row, numpy.int64) for row in rows]
     return numpy.array(rows, numpy.int64)
@@ -150,10 +175,10 @@ def as_rows(prompts):
 
 def check(target, draft, prompts, max_new_tokens, draft_tokens, temperature, top_k):
     """Refuse, naming the fix, what would fail later or silently differ from the target."""
-    if not isinstance(draft_tokens, int) or draft_tokens < 1:
+    if not isinstance(draft_tokens, numbers.Integral) or draft_tokens < 1:
         raise ValueError(f'draft_tokens={draft_tokens!r}: the draft proposes 1 or more tokens a '
                          'round (γ; 4 is a common choice)')
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+    if not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 0:
         raise ValueError(f'max_new_tokens={max_new_tokens!r}: a whole number, 0 or more')
     if temperature < 0:
         raise ValueError(f'temperature={temperature}: 0 for greedy decoding, > 0 to sample')
