@@ -168,6 +168,18 @@ def test_with_a_draft_greedy_tokens_are_the_targets_alone_in_float64():
     assert isinstance(out, np.ndarray) and out.shape == (2, 9)
     assert (out.asnumpy() == generate(target, tokens, 5, temperature=1.0, seed=4,
                                       draft=draft).asnumpy()).all()
+
+
+@pytest.mark.parametrize('temperature', [0.0, 1.0])
+def test_with_a_draft_the_cache_rolls_back_to_recomputations_tokens(temperature):
+    """Both GPTs run through a contiguous cache, which a round rolls back past the drafted
+    tokens the target rejects (an untrained draft has many rejected): the same tokens as
+    recomputing both prefixes, greedy and, from one seed, sampled (float64)."""
+    for seed in range(3):
+        target, draft, prompts = gpt(seed), gpt(50 + seed, layers=1), random_prompts(seed, 2, 7)
+        runs = [hosts(generate(target, prompts, 15, temperature, seed=seed, cache=cache,
+                               draft=draft, draft_tokens=3)) for cache in ('contiguous', None)]
+        assert runs[0] == runs[1]
     np.random.seed(0)
     moe = d2l.nn.GPT(VOCAB, 2, HIDDENS, HEADS, MAX_LEN, num_experts=2).initialize()
     with pytest.raises(ValueError, match='mixtures of experts'):

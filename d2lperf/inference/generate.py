@@ -32,14 +32,15 @@ def generate(net, tokens, max_new_tokens, temperature=0.0, top_k=None, seed=None
     a list of 1-D prompts, the result a list. `cache`: 'contiguous', 'paged' (blocks of 16
     tokens) or None (recompute the whole prefix every step). `draft`: a smaller GPT that
     proposes `draft_tokens` tokens a round for `net` to check (speculative decoding,
-    `speculative.py`, which recomputes both GPTs' prefixes whatever `cache` says)."""
+    `speculative.py`; both GPTs through a contiguous cache unless `cache` is None)."""
     prompts, as_list = read_prompts(tokens)
     check(net, prompts, max_new_tokens, cache)
     device = parameter_of(net).device
     if draft is not None:
         check(draft, prompts, max_new_tokens, cache)
         rows = speculative.generate(net, draft, prompts, max_new_tokens, draft_tokens,
-                                    temperature, top_k, seed)
+                                    temperature, top_k, seed, distributions=(
+                                        speculative.recomputed if cache is None else cached))
         return returned(rows, as_list, device)
     choose = sampler(temperature, top_k, seed, vocab_size=net.config[0])
     ids, pads = left_pad(prompts)
@@ -54,6 +55,24 @@ def generate(net, tokens, max_new_tokens, temperature=0.0, top_k=None, seed=None
     return returned([row[pad:] for row, pad in zip(ids, pads)], as_list, device)
 
 
+def cached(net, temperature=0.0, top_k=None):
+    """`net` as speculative decoding's `Distributions` of one sequence, through a contiguous
+    KV cache: a call computes only the columns the cache lacks. Where the sequence leaves
+    what the cache holds (drafted tokens the target rejected), the cache rolls back by
+    starting there: the columns past it are overwritten before they are read again."""
+    pads, held = numpy.zeros(1, numpy.int64), []
+    memory = make_cache('contiguous', net, pads, net.config[4])
+
+    def next_distributions(tokens, count):
+        agreed = next((i for i, (a, b) in enumerate(zip(held, tokens)) if a != b),
+                      min(len(held), len(tokens)))
+        start = min(agreed, len(tokens) - count)
+        logits = column_logits(net, numpy.array([tokens[start:]]), start, pads, memory, count)
+        held[:] = tokens
+        return speculative.distribution(logits[0], temperature, top_k)
+    return next_distributions
+
+
 def returned(rows, as_list, device):
     """Host rows as the caller gave the prompts: a list of 1-D arrays, or one 2-D array."""
     if as_list:
@@ -66,6 +85,12 @@ def forward(net, tokens, start, pads, cache=None):
     columns start .. start + count of a left-padded batch whose row i starts at column
     pads[i]. A cache holds the keys and values of the columns before start; without one,
     start is 0 and `tokens` the whole prefix."""
+    return column_logits(net, tokens, start, pads, cache, 1)[:, 0]
+
+
+def column_logits(net, tokens, start, pads, cache, last):
+    """`forward`'s logits for each of the `last` columns, (batch, last, vocab): speculative
+    decoding's target scores every drafted token in one pass."""
     embedding, *layers, head = net.children()
     weight = parameter_of(net)
     device, dtype = weight.device, weight.dtype
@@ -80,7 +105,7 @@ def forward(net, tokens, start, pads, cache=None):
         cache.begin(start, count)
     for number, layer in enumerate(layers):
         x = transformer_layer(layer, x, bias, cache, number)
-    return head(x[:, -1:]).asnumpy()[:, 0]
+    return head(x[:, -last:]).asnumpy()
 
 
 def transformer_layer(layer, x, bias, cache, number):
