@@ -1,0 +1,252 @@
+"""Serving many requests: static batching against iteration-level scheduling, on a simulated
+clock.
+
+Requests arrive by a seeded Poisson process, each with a prompt and an output length. A
+server runs steps, prefill or decode, and the clock advances by what each step costs in a
+cost model fitted to measured steps of a real GPT, so a run does not depend on how busy the
+machine is while it simulates. Two policies share that clock:
+
+* static batching waits for `batch_size` requests (or `timeout` seconds after the first),
+  prefills them together, and decodes the batch until its longest output is done;
+* iteration-level scheduling (Orca, Yu et al., OSDI 2022) decides at every step: finished
+  sequences leave at once and waiting ones join, admitted first come, first served while the
+  paged KV cache has free blocks (vLLM, Kwon et al., SOSP 2023). As vLLM does, a step that
+  admits anyone is a prefill of the newcomers; a sequence that needs a block when none is
+  free preempts the latest admitted one, which gives its blocks back and is prefilled again
+  (prompt and tokens so far) when memory allows.
+
+Tokens stream: a request's first token comes at the end of its prefill, and it is done at
+its last token, even where static batching keeps its slot until the batch ends. Taught in
+"Inference", section "Batching requests".
+"""
+import collections
+import dataclasses
+import math
+import re
+
+import numpy
+
+from ..utils import median_seconds
+from . import roofline
+
+BLOCK_TOKENS = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    arrival: float          # seconds
+    prompt: int             # tokens
+    output: int             # tokens to generate, the first one by the prefill
+
+
+@dataclasses.dataclass
+class Served:
+    """What happened to one request: when its tokens came, and how many."""
+    request: Request
+    first_token: float = None
+    done: float = None
+    tokens: int = 0
+
+    @property
+    def time_to_first_token(self):
+        return self.first_token - self.request.arrival
+
+    @property
+    def latency(self):
+        return self.done - self.request.arrival
+
+
+# -- the workload --------------------------------------------------------------------------
+
+def paragraph_lengths(text, longest=512):
+    """(prompt, output) lengths in characters, the course GPT's tokens: each paragraph of
+    `text` as a prompt, the next one as its answer, each cut to at most `longest`."""
+    lengths = [min(len(p), longest) for p in re.split(r'\n\s*\n', text) if p.strip()]
+    return numpy.array(list(zip(lengths[:-1], lengths[1:])))
+
+
+def poisson_requests(count, rate, lengths, seed=0):
+    """`count` requests arriving at `rate` a second (exponential gaps), each with a
+    (prompt, output) pair drawn from `lengths`."""
+    if rate <= 0 or count < 1:
+        raise ValueError(f'rate={rate} and count={count}: both must be positive')
+    rng = numpy.random.default_rng(seed)
+    arrivals = numpy.cumsum(rng.exponential(1 / rate, count))
+    pairs = lengths[rng.integers(0, len(lengths), count)]
+    return [Request(float(t), int(p), int(o)) for t, (p, o) in zip(arrivals, pairs)]
+
+
+# -- the cost of a step ----------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class LinearCost:
+    """seconds = fixed + per_sequence · batch + per_token · tokens, one such line for each
+    phase. For a prefill, tokens are the prompts' tokens; for a decode step, the tokens
+    already cached for the batch, which its attention reads."""
+    prefill: tuple          # (fixed, per_sequence, per_token)
+    decode: tuple
+
+    def step_seconds(self, phase, batch, tokens):
+        fixed, per_sequence, per_token = getattr(self, phase)
+        return fixed + per_sequence * batch + per_token * tokens
+
+
+def fit_line(rows):
+    """Least-squares (fixed, per_sequence, per_token) through rows (batch, tokens, seconds),
+    and the largest relative error of the fit on them."""
+    rows = numpy.asarray(rows, dtype=float)
+    design = numpy.column_stack([numpy.ones(len(rows)), rows[:, 0], rows[:, 1]])
+    coefficients = numpy.linalg.lstsq(design, rows[:, 2], rcond=None)[0]
+    error = numpy.abs(design @ coefficients - rows[:, 2]) / rows[:, 2]
+    return tuple(float(c) for c in coefficients), float(error.max())
+
+
+def measure_cost(net, batches, lengths, repeats=3):
+    """A `LinearCost` fitted to prefill and decode steps of `net` timed at every batch size
+    and length, with the fit's largest relative error on them for each phase."""
+    timed = {'prefill': [], 'decode': []}
+    for batch in batches:
+        for length in lengths:
+            timed['prefill'].append((batch, batch * length, median_seconds(
+                roofline.prefill_step(net, batch, length), repeats)))
+            timed['decode'].append((batch, batch * length, median_seconds(
+                roofline.decode_step(net, batch, length), repeats)))
+    fits = {phase: fit_line(rows) for phase, rows in timed.items()}
+    cost = LinearCost(fits['prefill'][0], fits['decode'][0])
+    return cost, {phase: fit[1] for phase, fit in fits.items()}
+
+
+# -- the KV memory ---------------------------------------------------------------------------
+
+def blocks_for(tokens):
+    return math.ceil(tokens / BLOCK_TOKENS)
+
+
+class BlockPool:
+    """A KV cache of `blocks` blocks of 16 tokens, counted: who holds how many, and the most
+    ever held at once. A paged allocator's block tables would sit behind the same calls."""
+
+    def __init__(self, blocks):
+        self.capacity, self.held, self.peak = blocks, {}, 0
+
+    @property
+    def free(self):
+        return self.capacity - sum(self.held.values())
+
+    def hold(self, owner, tokens):
+        """Grow `owner` to the blocks `tokens` tokens need; False, changing nothing, when
+        there are not enough free blocks."""
+        more = blocks_for(tokens) - self.held.get(owner, 0)
+        if more > self.free:
+            return False
+        self.held[owner] = self.held.get(owner, 0) + max(more, 0)
+        self.peak = max(self.peak, self.capacity - self.free)
+        return True
+
+    def release(self, owner):
+        self.held.pop(owner, None)
+
+
+# -- the two policies -------------------------------------------------------------------------
+
+def check_fits(requests, max_tokens):
+    for r in requests:
+        if r.prompt < 1 or r.output < 1:
+            raise ValueError(f'{r}: prompts and outputs need at least one token')
+        if r.prompt + r.output > max_tokens:
+            raise ValueError(f'{r} needs {r.prompt + r.output} tokens of KV cache, more than '
+                             f'the {max_tokens} the server holds: give it more blocks')
+
+
+def static_batching(requests, cost, batch_size, timeout):
+    """Serve `requests` in batches of up to `batch_size`, each run to its longest output.
+
+    A batch starts when the server is free and `batch_size` requests wait, or when the first
+    of them has waited `timeout` seconds. Its prompts are padded to the longest, as one
+    rectangular (batch, length) array must be. Returns one `Served` a request, in order."""
+    if batch_size < 1 or timeout < 0:
+        raise ValueError(f'batch_size={batch_size}, timeout={timeout}: a batch holds at least '
+                         'one request, and the server waits 0 seconds or more')
+    check_fits(requests, math.inf)
+    served = [Served(r) for r in requests]
+    queue = collections.deque(sorted(served, key=lambda s: s.request.arrival))
+    clock = 0.0
+    while queue:
+        full = queue[batch_size - 1].request.arrival if len(queue) >= batch_size else math.inf
+        clock = max(clock, min(queue[0].request.arrival + timeout, full))
+        batch = []
+        while queue and len(batch) < batch_size and queue[0].request.arrival <= clock:
+            batch.append(queue.popleft())
+        prompt = max(s.request.prompt for s in batch)
+        clock += cost.step_seconds('prefill', len(batch), len(batch) * prompt)
+        for s in batch:
+            s.first_token = clock
+        for step in range(max(s.request.output for s in batch)):
+            if step:                # the prefill gave the first token, each decode one more
+                clock += cost.step_seconds('decode', len(batch), len(batch) * (prompt + step))
+            for s in batch:
+                if s.tokens < s.request.output:
+                    s.tokens += 1
+                    s.done = clock
+    return served
+
+
+def iteration_level(requests, cost, blocks):
+    """Serve `requests` step by step within a KV cache of `blocks` 16-token blocks (Orca's
+    scheduling, vLLM's memory). Returns (one `Served` a request, in order; the `BlockPool`,
+    whose peak is the most blocks ever held; the number of preemptions)."""
+    check_fits(requests, blocks * BLOCK_TOKENS)
+    pool, preempted = BlockPool(blocks), 0
+    arrivals = collections.deque(sorted(range(len(requests)), key=lambda i: requests[i].arrival))
+    served = [Served(r) for r in requests]
+    waiting, running, clock = collections.deque(), [], 0.0
+
+    def length(i):                  # the tokens request i holds in the cache
+        return requests[i].prompt + served[i].tokens
+    while arrivals or waiting or running:
+        while arrivals and requests[arrivals[0]].arrival <= clock:
+            waiting.append(arrivals.popleft())
+        if not waiting and not running:
+            clock = requests[arrivals[0]].arrival
+            continue
+        joining = []
+        while waiting and pool.hold(waiting[0], length(waiting[0]) + 1):
+            joining.append(waiting.popleft())
+        if joining:
+            clock += cost.step_seconds('prefill', len(joining), sum(map(length, joining)))
+            stepped = joining
+            running += joining
+        else:
+            for i in list(running):             # each needs room for its next token
+                while i in running and not pool.hold(i, length(i) + 1):
+                    victim = running.pop()      # the latest admitted gives its blocks back
+                    pool.release(victim)
+                    waiting.appendleft(victim)
+                    preempted += 1
+            clock += cost.step_seconds('decode', len(running), sum(map(length, running)))
+            stepped = running
+        for i in list(stepped):
+            served[i].tokens += 1
+            if served[i].first_token is None:
+                served[i].first_token = clock
+            if served[i].tokens == requests[i].output:
+                served[i].done = clock
+                running.remove(i)
+                pool.release(i)
+    return served, pool, preempted
+
+
+# -- what a run gives ----------------------------------------------------------------------------
+
+def summary(served):
+    """Throughput (output tokens a second, from the first arrival to the last token) and
+    time to first token and end-to-end latency, mean, p50 and p99, in seconds."""
+    start = min(s.request.arrival for s in served)
+    end = max(s.done for s in served)
+    ttft = numpy.array([s.time_to_first_token for s in served])
+    latency = numpy.array([s.latency for s in served])
+    row = {'requests': len(served), 'tokens_per_s': sum(s.tokens for s in served) / (end - start)}
+    for name, values in (('ttft', ttft), ('latency', latency)):
+        row[f'{name}_mean'] = float(values.mean())
+        row[f'{name}_p50'], row[f'{name}_p99'] = map(float, numpy.percentile(values, [50, 99]))
+    return row

@@ -1,0 +1,171 @@
+"""Why one token is slow: the roofline of a GPT's prefill and decode steps.
+
+A decode step feeds each of `batch` sequences one token, so every weight matrix is read from
+memory to be used `batch` times: about b/2 FLOP per byte in float32. Below the machine's
+ridge (peak FLOP/s over bandwidth) the step cannot be faster than the bytes it reads,
+weights and KV cache, over the bandwidth the Hardware chapter measures. Prefill feeds the
+whole prompt at once and reuses each weight `batch · prompt` times. Taught in "Inference",
+section "Why one token is slow".
+
+Counts follow the GPT of `nn.transformer` (config: vocab V, layers L, width h): matrix
+products count 2 FLOPs a multiply-add, elementwise work (norms, GELU, softmax) is not counted;
+a layer's Dense weights are 12 h² (query, key, value, output: 4 h²; MLP: 8 h²).
+"""
+import numpy
+
+from .. import np
+from ..hardware import memory_bandwidth, matmul_flops
+from ..np import extension as npx
+from ..utils import median_seconds
+
+
+def sizes(net):
+    """(vocab V, layers L, width h) of a GPT."""
+    vocab, layers, hiddens = net.config[:3]
+    return vocab, layers, hiddens
+
+
+def dtype(net):
+    """The dtype of the GPT's weights (a Parameter's own is None until `cast`)."""
+    return next(iter(net.collect_params().values())).list_data()[0].dtype
+
+
+def itemsize(net):
+    return numpy.dtype(dtype(net)).itemsize
+
+
+def matmul_weights(net):
+    """Weights that multiply every token: L · 12 h² in the layers, h · V in the head."""
+    vocab, layers, h = sizes(net)
+    return layers * 12 * h * h + h * vocab
+
+
+def step_weight_bytes(net, tokens):
+    """Bytes of parameters a step over `tokens` tokens reads: all of them once, except the
+    two embedding tables (token and position), of which it reads one row per token."""
+    vocab, layers, h = sizes(net)
+    per_layer = 12 * h * h + 13 * h                # Dense weights and biases, two norms
+    head = 2 * h + vocab * (h + 1)                 # norm, projection and its bias
+    return itemsize(net) * (layers * per_layer + head + 2 * tokens * h)
+
+
+def kv_cache_bytes(net, batch, context):
+    """Keys and values of `context` tokens of `batch` sequences: 2 · L · b · s · h items."""
+    _, layers, h = sizes(net)
+    return itemsize(net) * 2 * layers * batch * context * h
+
+
+def decode_flops(net, batch, context):
+    """FLOPs of one decode step: each new token through every weight (2 · b · weights), and
+    its query against `context` cached keys and values (4 · L · b · s · h)."""
+    _, layers, h = sizes(net)
+    return 2 * batch * matmul_weights(net) + 4 * layers * batch * context * h
+
+
+def decode_bytes(net, batch, context):
+    """The bytes a decode step must read: weights once, and the whole KV cache."""
+    return step_weight_bytes(net, batch) + kv_cache_bytes(net, batch, context)
+
+
+def prefill_flops(net, batch, prompt):
+    """FLOPs of a prefill: every prompt token through every weight, and the whole (s, s)
+    score matrix, as the GPT's attention computes it (4 · L · b · s² · h)."""
+    _, layers, h = sizes(net)
+    return 2 * batch * prompt * matmul_weights(net) + 4 * layers * batch * prompt ** 2 * h
+
+
+def prefill_bytes(net, batch, prompt):
+    """The bytes a prefill must move: weights once, and the KV cache it writes."""
+    return step_weight_bytes(net, batch * prompt) + kv_cache_bytes(net, batch, prompt)
+
+
+def decode_intensity(net, batch, context):
+    """FLOP a byte of a decode step: about b/2 in float32 at short context."""
+    return decode_flops(net, batch, context) / decode_bytes(net, batch, context)
+
+
+def prefill_intensity(net, batch, prompt):
+    return prefill_flops(net, batch, prompt) / prefill_bytes(net, batch, prompt)
+
+
+def decode_bound_seconds(net, batch, context, bandwidth_gb_per_s, peak_gflop_per_s=None):
+    """The roofline's floor under a decode step: its bytes over the bandwidth, or, when the
+    peak is given and larger, its FLOPs over the peak."""
+    memory = decode_bytes(net, batch, context) / (bandwidth_gb_per_s * 1e9)
+    if peak_gflop_per_s is None:
+        return memory
+    return max(memory, decode_flops(net, batch, context) / (peak_gflop_per_s * 1e9))
+
+
+def machine_roof(working_set_bytes=2 ** 28, matmul_size=1024):
+    """(main-memory GB/s, float32 matrix-product GFLOP/s) of this machine, measured as the
+    Hardware chapter does: triad over a working set far larger than the caches, and a square
+    product."""
+    triad = [r for r in memory_bandwidth([working_set_bytes], repeats=3)
+             if r['kernel'] == 'triad']
+    peak = matmul_flops([matmul_size], dtypes=('float32',))
+    return triad[0]['gb_per_s'], peak[0]['gflop_per_s']
+
+
+def random_tokens(net, shape, seed=0):
+    vocab = sizes(net)[0]
+    return np.array(numpy.random.default_rng(seed).integers(0, vocab, shape))
+
+
+def decode_step(net, batch, context, seed=0):
+    """A function that runs one decode step's work on `net` and waits for it.
+
+    It is the GPT's forward on (batch, 1) tokens, which reads every weight once, and, for each
+    layer, one query per sequence against `context` cached keys and values, which reads the
+    cache. A generator with a KV cache does both (and writes one token's keys and values,
+    not timed here)."""
+    _, layers, h = sizes(net)
+    heads = net[1].attention.num_heads if layers else 1
+    rng = numpy.random.default_rng(seed)
+
+    def cached(*shape):
+        return np.array(rng.standard_normal(shape).astype(dtype(net)))
+    tokens = random_tokens(net, (batch, 1), seed)
+    query = cached(batch, heads, 1, h // heads)
+    keys = [cached(batch, heads, context, h // heads) for _ in range(layers)]
+    values = [cached(batch, heads, context, h // heads) for _ in range(layers)]
+
+    def run():
+        outputs = [net(tokens)]
+        for k, v in zip(keys, values):
+            scores = query @ k.transpose(0, 1, 3, 2) * (1 / numpy.sqrt(h // heads))
+            outputs.append(npx.softmax(scores) @ v)
+        for out in outputs:
+            out.wait_to_read()
+    return run
+
+
+def prefill_step(net, batch, prompt, seed=0):
+    """A function that runs the prefill of `batch` prompts of `prompt` tokens and waits."""
+    tokens = random_tokens(net, (batch, prompt), seed)
+    return lambda: net(tokens).wait_to_read()
+
+
+def decode_rows(net, batches, context, bandwidth_gb_per_s, peak_gflop_per_s, repeats=3):
+    """For each batch size: the measured decode step beside its floors (memory, compute)."""
+    rows = []
+    for batch in batches:
+        seconds = median_seconds(decode_step(net, batch, context), repeats)
+        memory = decode_bound_seconds(net, batch, context, bandwidth_gb_per_s)
+        compute = decode_flops(net, batch, context) / (peak_gflop_per_s * 1e9)
+        rows.append({'batch': batch, 'step_ms': seconds * 1e3, 'memory_floor_ms': memory * 1e3,
+                     'compute_floor_ms': compute * 1e3,
+                     'flop_per_byte': decode_intensity(net, batch, context),
+                     'over_floor': seconds / max(memory, compute)})
+    return rows
+
+
+def verdict(rows, overhead_factor=3.0):
+    """Which limit each measured step is nearest: 'overhead' where the step takes more than
+    `overhead_factor` times its roofline floor (the framework's per-operation cost, not the
+    hardware), else 'bandwidth' or 'compute', whichever floor is higher."""
+    def limit(row):
+        if row['over_floor'] > overhead_factor:
+            return 'overhead'
+        return 'bandwidth' if row['memory_floor_ms'] >= row['compute_floor_ms'] else 'compute'
+    return {row['batch']: limit(row) for row in rows}
