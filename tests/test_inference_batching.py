@@ -15,8 +15,8 @@ from strategies import checks
 
 pytestmark = pytest.mark.chapter('inference')
 
-UNIT = LinearCost(prefill=(1.0, 0.0, 0.0), decode=(1.0, 0.0, 0.0))     # every step: 1 s
-LINE = LinearCost(prefill=(1.0, 0.0, 0.1), decode=(0.5, 0.0, 0.01))
+UNIT = LinearCost(prefill=(1.0, 0.0, 0.0, 0.0), decode=(1.0, 0.0, 0.0))     # every step: 1 s
+LINE = LinearCost(prefill=(1.0, 0.0, 0.1, 0.0), decode=(0.5, 0.0, 0.01))
 
 
 def times(served):
@@ -94,10 +94,16 @@ def test_paragraph_lengths_pair_each_paragraph_with_the_next():
     assert batching.paragraph_lengths(text).tolist() == [[2, 3], [3, 4], [4, 512]]
 
 
-def test_the_fit_recovers_a_line():
+def test_the_fit_recovers_a_line_and_keeps_every_cost_positive():
     rows = [(b, t, 0.002 + 1e-4 * b + 1e-6 * t) for b in (1, 4, 16) for t in (16, 256)]
-    coefficients, error = batching.fit_line(rows)
+    coefficients, error = batching.fit_line('decode', rows)
     assert coefficients == pytest.approx((0.002, 1e-4, 1e-6)) and error < 1e-9
+    # times that fall with the batch: plain least squares would give it a negative cost
+    rows = [(1, 16, 0.010), (8, 16, 0.008), (32, 16, 0.007), (1, 512, 0.012)]
+    coefficients, _ = batching.fit_line('decode', rows)
+    assert min(coefficients) >= 0
+    assert numpy.linalg.lstsq(numpy.array([[1, b, t] for b, t, _ in rows], float),
+                              numpy.array([s for *_, s in rows]), rcond=None)[0].min() < 0
 
 
 @pytest.mark.parametrize('call, message', [

@@ -21,6 +21,7 @@ its last token, even where static batching keeps its slot until the batch ends. 
 """
 import collections
 import dataclasses
+import itertools
 import math
 import re
 
@@ -78,40 +79,57 @@ def poisson_requests(count, rate, lengths, seed=0):
 
 # -- the cost of a step ----------------------------------------------------------------------
 
+def features(phase, batch, tokens):
+    """What a step's time grows with: a fixed cost (launches, the weights read once), each
+    sequence, each token (for a decode step: each cached token its attention reads); and,
+    for a prefill, the score matrices, s² a prompt (tokens² / batch for equal prompts)."""
+    row = [1.0, batch, tokens]
+    return row + [tokens * tokens / batch] if phase == 'prefill' else row
+
+
 @dataclasses.dataclass(frozen=True)
 class LinearCost:
-    """seconds = fixed + per_sequence · batch + per_token · tokens, one such line for each
-    phase. For a prefill, tokens are the prompts' tokens; for a decode step, the tokens
-    already cached for the batch, which its attention reads."""
-    prefill: tuple          # (fixed, per_sequence, per_token)
+    """seconds = coefficients · features(phase, batch, tokens), one line for each phase:
+    `prefill` (4 coefficients) and `decode` (3)."""
+    prefill: tuple
     decode: tuple
 
     def step_seconds(self, phase, batch, tokens):
-        fixed, per_sequence, per_token = getattr(self, phase)
-        return fixed + per_sequence * batch + per_token * tokens
+        return float(numpy.dot(getattr(self, phase), features(phase, batch, tokens)))
 
 
-def fit_line(rows):
-    """Least-squares (fixed, per_sequence, per_token) through rows (batch, tokens, seconds),
-    and the largest relative error of the fit on them."""
+def fit_line(phase, rows):
+    """Coefficients, none negative, through rows (batch, tokens, seconds) that minimize the
+    squared relative error, and the largest relative error on the rows. A negative cost
+    would make a large batch faster than a small one: every subset of the features is
+    fitted, and the best fit without a negative coefficient kept."""
     rows = numpy.asarray(rows, dtype=float)
-    design = numpy.column_stack([numpy.ones(len(rows)), rows[:, 0], rows[:, 1]])
-    coefficients = numpy.linalg.lstsq(design, rows[:, 2], rcond=None)[0]
-    error = numpy.abs(design @ coefficients - rows[:, 2]) / rows[:, 2]
-    return tuple(float(c) for c in coefficients), float(error.max())
+    design = numpy.array([features(phase, b, t) for b, t, _ in rows]) / rows[:, 2:]
+    best = None
+    for used in itertools.product([False, True], repeat=design.shape[1]):
+        columns = numpy.flatnonzero(used)
+        if not len(columns):
+            continue
+        coefficients = numpy.zeros(design.shape[1])
+        coefficients[columns] = numpy.linalg.lstsq(design[:, columns], numpy.ones(len(rows)),
+                                                   rcond=None)[0]
+        error = numpy.abs(design @ coefficients - 1).max()
+        if coefficients.min() >= 0 and (best is None or error < best[1]):
+            best = tuple(float(c) for c in coefficients), float(error)
+    return best
 
 
-def measure_cost(net, batches, lengths, repeats=3):
+def measure_cost(net, batches, lengths, most_tokens=4096, repeats=5):
     """A `LinearCost` fitted to prefill and decode steps of `net` timed at every batch size
-    and length, with the fit's largest relative error on them for each phase."""
-    timed = {'prefill': [], 'decode': []}
-    for batch in batches:
-        for length in lengths:
-            timed['prefill'].append((batch, batch * length, median_seconds(
-                roofline.prefill_step(net, batch, length), repeats)))
-            timed['decode'].append((batch, batch * length, median_seconds(
-                roofline.decode_step(net, batch, length), repeats)))
-    fits = {phase: fit_line(rows) for phase, rows in timed.items()}
+    and length (prefills of at most `most_tokens`), with the fit's largest relative error on
+    them for each phase. All steps are timed round-robin, so that a drift in the machine's
+    load hits them alike."""
+    steps = {('decode', b, s): roofline.decode_step(net, b, s) for b in batches for s in lengths}
+    steps.update({('prefill', b, s): roofline.prefill_step(net, b, s)
+                  for b in batches for s in lengths if b * s <= most_tokens})
+    seconds = median_seconds(steps, repeats)
+    fits = {phase: fit_line(phase, [(b, b * s, t) for (p, b, s), t in seconds.items()
+                                    if p == phase]) for phase in ('prefill', 'decode')}
     cost = LinearCost(fits['prefill'][0], fits['decode'][0])
     return cost, {phase: fit[1] for phase, fit in fits.items()}
 
