@@ -115,3 +115,13 @@ def test_the_fit_recovers_a_line_and_keeps_every_cost_positive():
 def test_bad_input_is_named(call, message):
     with pytest.raises(ValueError, match=message):
         call()
+
+
+def test_loads_are_counted_in_requests_served_one_at_a_time():
+    lengths = numpy.array([[4, 3], [8, 5]])           # mean: a prompt of 6, 4 tokens out
+    assert batching.solo_rate(UNIT, lengths) == 1 / 4       # a prefill and 3 decode steps
+    rows = batching.compare_policies(lengths, UNIT, [0.5, 4], count=30, batch_size=2)
+    assert [(r['policy'], r['load']) for r in rows] == [
+        ('iteration-level', 0.5), ('static', 0.5), ('iteration-level', 4), ('static', 4)]
+    assert all(r['requests'] == 30 and r['peak_blocks'] <= 2 for r in rows)
+    assert rows[0]['rate'] == rows[1]['rate'] == 0.5 / 4

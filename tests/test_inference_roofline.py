@@ -78,7 +78,15 @@ def test_the_timed_steps_run_and_the_verdict_reads_the_floors():
     net = gpt(50, 2, 32, 4)
     roofline.decode_step(net, 3, 5)()
     roofline.prefill_step(net, 2, 6)()
-    rows = [{'batch': 1, 'over_floor': 10.0, 'memory_floor_ms': 1, 'compute_floor_ms': 0.1},
-            {'batch': 8, 'over_floor': 1.5, 'memory_floor_ms': 1, 'compute_floor_ms': 0.8},
-            {'batch': 64, 'over_floor': 1.2, 'memory_floor_ms': 1, 'compute_floor_ms': 6.4}]
+    rows = [{'batch': 1, 'overhead_ms': 3, 'memory_floor_ms': 1, 'compute_floor_ms': 0.1},
+            {'batch': 8, 'overhead_ms': 0.5, 'memory_floor_ms': 1, 'compute_floor_ms': 0.8},
+            {'batch': 64, 'overhead_ms': 3, 'memory_floor_ms': 1, 'compute_floor_ms': 6.4}]
     assert roofline.verdict(rows) == {1: 'overhead', 8: 'bandwidth', 64: 'compute'}
+
+
+def test_the_thin_copy_has_the_same_operations_and_almost_no_bytes():
+    net = gpt(50, 3, 32, 4, dtype='float64')
+    thin = roofline.thin_copy(net)
+    assert thin.config[:2] == net.config[:2] and thin.config[3:] == net.config[3:]
+    assert thin[1].attention.num_heads == 4 and roofline.itemsize(thin) == 8
+    assert roofline.decode_bytes(thin, 1, 16) < roofline.decode_bytes(net, 1, 16) / 20

@@ -268,3 +268,35 @@ def summary(served):
         row[f'{name}_mean'] = float(values.mean())
         row[f'{name}_p50'], row[f'{name}_p99'] = map(float, numpy.percentile(values, [50, 99]))
     return row
+
+
+def solo_rate(cost, lengths):
+    """Requests a second a server can take one at a time, at the mean lengths: the unit in
+    which arrival rates are given, so that a sweep means the same on a fast and a slow
+    machine."""
+    prompt, output = numpy.mean(lengths, axis=0)
+    decode = sum(cost.step_seconds('decode', 1, prompt + step) for step in range(1, round(output)))
+    return 1 / (cost.step_seconds('prefill', 1, prompt) + decode)
+
+
+def compare_policies(lengths, cost, loads, count, batch_size, seed=0):
+    """Both policies on the same requests at each load (arrival rate over `solo_rate`): one
+    `summary` row for each, with its policy and rate.
+
+    The two get the same KV memory: what static batching holds, a slot of the longest
+    request for each of its `batch_size` sequences, is the iteration-level server's block
+    budget. Static batching waits at most one prefill of a full batch for its batch to fill:
+    waiting longer would cost more than the batch saves."""
+    blocks = batch_size * blocks_for(int(lengths.sum(axis=1).max()))
+    timeout = cost.step_seconds('prefill', batch_size, batch_size * lengths[:, 0].mean())
+    rows = []
+    for load in loads:
+        rate = load * solo_rate(cost, lengths)
+        requests = poisson_requests(count, rate, lengths, seed)
+        served, pool, preempted = iteration_level(requests, cost, blocks)
+        rows.append({'policy': 'iteration-level', 'load': load, 'rate': rate,
+                     **summary(served), 'peak_blocks': pool.peak, 'preempted': preempted})
+        rows.append({'policy': 'static', 'load': load, 'rate': rate,
+                     **summary(static_batching(requests, cost, batch_size, timeout)),
+                     'peak_blocks': blocks, 'preempted': 0})
+    return rows

@@ -15,6 +15,7 @@ import numpy
 
 from .. import np
 from ..hardware import memory_bandwidth, matmul_flops
+from ..nn import GPT
 from ..np import extension as npx
 from ..utils import median_seconds
 
@@ -146,26 +147,37 @@ def prefill_step(net, batch, prompt, seed=0):
     return lambda: net(tokens).wait_to_read()
 
 
+def thin_copy(net):
+    """The same GPT, as many layers, heads and operations, one feature a head: its steps
+    move almost no bytes and do almost no FLOPs, so what they take is the framework's cost
+    a step (pushing each operation, Python), the part of a step no hardware bound sees."""
+    vocab, layers, _, heads, max_len = net.config[:5]
+    thin = GPT(vocab, layers, heads, heads, max_len)
+    thin.initialize()
+    thin.cast(dtype(net))
+    return thin
+
+
 def decode_rows(net, batches, context, bandwidth_gb_per_s, peak_gflop_per_s, repeats=3):
-    """For each batch size: the measured decode step beside its floors (memory, compute)."""
-    rows = []
+    """For each batch size: the measured decode step beside its floors (memory, compute) and
+    its overhead (the same step of `thin_copy(net)`, timed round-robin with it)."""
+    thin, rows = thin_copy(net), []
     for batch in batches:
-        seconds = median_seconds(decode_step(net, batch, context), repeats)
+        seconds = median_seconds({'step': decode_step(net, batch, context),
+                                  'overhead': decode_step(thin, batch, context)}, repeats)
         memory = decode_bound_seconds(net, batch, context, bandwidth_gb_per_s)
         compute = decode_flops(net, batch, context) / (peak_gflop_per_s * 1e9)
-        rows.append({'batch': batch, 'step_ms': seconds * 1e3, 'memory_floor_ms': memory * 1e3,
+        rows.append({'batch': batch, 'step_ms': seconds['step'] * 1e3,
+                     'overhead_ms': seconds['overhead'] * 1e3, 'memory_floor_ms': memory * 1e3,
                      'compute_floor_ms': compute * 1e3,
                      'flop_per_byte': decode_intensity(net, batch, context),
-                     'over_floor': seconds / max(memory, compute)})
+                     'over_floor': seconds['step'] / max(memory, compute)})
     return rows
 
 
-def verdict(rows, overhead_factor=3.0):
-    """Which limit each measured step is nearest: 'overhead' where the step takes more than
-    `overhead_factor` times its roofline floor (the framework's per-operation cost, not the
-    hardware), else 'bandwidth' or 'compute', whichever floor is higher."""
-    def limit(row):
-        if row['over_floor'] > overhead_factor:
-            return 'overhead'
-        return 'bandwidth' if row['memory_floor_ms'] >= row['compute_floor_ms'] else 'compute'
-    return {row['batch']: limit(row) for row in rows}
+def verdict(rows):
+    """Which of the three a step spends most on: the framework's overhead, or the floor
+    set by bandwidth or by compute (a step takes about the overhead plus the higher floor)."""
+    names = {'overhead_ms': 'overhead', 'memory_floor_ms': 'bandwidth',
+             'compute_floor_ms': 'compute'}
+    return {row['batch']: names[max(names, key=row.get)] for row in rows}
