@@ -72,10 +72,14 @@ Distributed Training
                   package, so that it runs before d2lperf's dependencies are installed.
     train_mnist   python -m d2lperf.train_mnist: LeNet or an MLP with any store, one line
                   an epoch.
+Inference
+    inference/    generation, prefill then one token a step, with each layer's keys and
+                  values kept in a KV cache, contiguous or in pages of a pool (vLLM's
+                  PagedAttention) with a block table a sequence.
 
 Layers, bottom first:
     utils < device < engine < ops < np < autograd < hybrid < nn < comm < optimizer < kvstore
-    < data_parallel < model_parallel < data < hardware < launch < train_mnist
+    < data_parallel < model_parallel < data < hardware < inference < launch < train_mnist
 """
 from . import engine      # first: it sets OpenBLAS's spin before NumPy loads (engine/blas.py)
 from .device import Device, cpu, gpu, num_gpus, try_all_gpus, try_devices, try_gpu
@@ -86,7 +90,7 @@ from .data_parallel import Trainer, get_params
 from .optimizer.by_hand import sgd
 from .utils import (Accumulator, Animator, Benchmark, Timer, median_seconds, process_memory,
                     quick_mode, workload)
-from . import comm, data, data_parallel, hybrid, kvstore, model_parallel, optimizer
+from . import comm, data, data_parallel, hybrid, inference, kvstore, model_parallel, optimizer
 from .optimizer import amp
 from .engine import profiler
 from .comm import split_and_load, split_batch
@@ -101,6 +105,6 @@ __all__ = ['engine', 'Device', 'cpu', 'gpu', 'num_gpus', 'try_all_gpus', 'try_de
            'try_gpu', 'np', 'npx', 'autograd', 'nn', 'L2Loss', 'SoftmaxCrossEntropyLoss',
            'Trainer', 'get_params', 'sgd', 'Accumulator', 'Animator', 'Benchmark', 'Timer',
            'median_seconds', 'process_memory', 'quick_mode', 'workload', 'comm', 'data',
-           'data_parallel', 'hybrid', 'kvstore', 'model_parallel', 'optimizer', 'amp',
+           'data_parallel', 'hybrid', 'inference', 'kvstore', 'model_parallel', 'optimizer', 'amp',
            'profiler', 'allreduce', 'split_and_load', 'split_batch', 'accuracy', 'evaluate_accuracy_gpu',
            'evaluate_accuracy_gpus', 'load_data_fashion_mnist', 'Residual', 'lenet', 'resnet18']

@@ -252,9 +252,10 @@ def test_no_layer_reaches_a_field_that_only_a_layer_above_declares():
 
 
 def test_the_top_level_stays_short_enough_to_read_as_a_table_of_contents():
-    """At most 18 entries with __init__ (the house's second pass): a new concept goes into the
-    folder of the layer it belongs to, or a folder replaces several modules."""
-    assert len(entries()) + 1 <= 18, sorted(entries())
+    """At most 18 entries besides __init__, the 18 that design.md's layout names (inference/
+    the last to come): a new concept goes into the folder of the layer it belongs to, or a
+    folder replaces several modules."""
+    assert len(entries()) <= 18, sorted(entries())
 
 
 def test_the_tracker_imports_nothing_of_the_policies_that_run_operations():

@@ -1,8 +1,9 @@
 """The memory ledger: how many bytes the arrays on each device hold, by kind, and the peak.
 
 `memory(device)` reads it: the bytes held by kind (`MEMORY_KINDS`: weights, master weights,
-gradients, optimizer state, activations, temporaries), their total and the peak since
-`reset_peak` ("Data Parallelism at Scale", "Memory"). Everything that writes it is here too:
+gradients, optimizer state, activations, temporaries, and the keys and values that generation
+keeps, kv cache), their total and the peak since `reset_peak` ("Data Parallelism at Scale",
+"Memory", "Inference"). Everything that writes it is here too:
 `Held`, the part of an array's engine variable that holds its bytes from creation until the
 last array sharing them is freed, and `label`, `release` and `restore`, which the layers
 above call to say what an array's bytes are for and when they are given back.
@@ -14,7 +15,7 @@ import threading
 from .devices import Device
 
 MEMORY_KINDS = ('weights', 'master weights', 'gradients', 'optimizer state', 'activations',
-                'temporaries')
+                'temporaries', 'kv cache')
 
 # Every change is appended, never added up in place: deque.append is atomic, so an array freed
 # on an engine worker, or by the garbage collector in the middle of another update, never loses

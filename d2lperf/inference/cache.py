@@ -1,0 +1,53 @@
+"""The KV cache: every layer's keys and values of the positions seen so far, so that a decode
+step computes the projections of one new position instead of the whole prefix's. Taught in
+"Inference", "One token at a time".
+
+Generation runs a batch as one left-padded array of columns (`generate.py`); a step brings
+the keys and values (batch, count, h) of columns start .. start + count, and its attention
+needs every column's up to there, (batch, start + count, h). A cache is what turns the one
+into the other. `ContiguousCache` keeps each layer's in two arrays preallocated for the whole
+output, as FasterTransformer and Hugging Face's static cache do: 2·L·s·b·h numbers, which the
+memory ledger counts as 'kv cache'. The paged cache (`paged.py`) keeps them in blocks.
+"""
+from .. import np
+from ..device import label
+
+KIND = 'kv cache'          # the ledger's kind for the bytes of every cache
+
+
+class KVCache:
+    """What generation asks of a cache: room for a step's columns, once a step before the
+    layers (`begin`), then, layer by layer, to store the step's keys and values and hand back
+    every column's (`extend`)."""
+
+    def begin(self, start, count):
+        raise NotImplementedError
+
+    def extend(self, layer, keys, values):
+        raise NotImplementedError
+
+
+class ContiguousCache(KVCache):
+    """Per layer, keys and values (batch, length, width): a column's at its own index."""
+
+    def __init__(self, num_layers, batch, length, width, dtype, device):
+        self.keys, self.values = ([label(np.zeros((batch, length, width), dtype, device), KIND)
+                                   for _ in range(num_layers)] for _ in range(2))
+        self.start = self.stop = 0
+
+    def begin(self, start, count):
+        if start + count > self.keys[0].shape[1]:
+            raise ValueError(f'columns up to {start + count} do not fit a cache made for '
+                             f'{self.keys[0].shape[1]}: make it for the whole output')
+        self.start, self.stop = start, start + count
+
+    def extend(self, layer, keys, values):
+        for held, new in ((self.keys[layer], keys), (self.values[layer], values)):
+            held[:, self.start:self.stop] = new
+        return self.keys[layer][:, :self.stop], self.values[layer][:, :self.stop]
+
+
+def cache_bytes(num_layers, length, batch, width, itemsize):
+    """2·L·s·b·h·bytes: keys and values, for each of L layers, s positions, b sequences and
+    h = heads × head width features."""
+    return 2 * num_layers * length * batch * width * itemsize

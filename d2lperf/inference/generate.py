@@ -1,0 +1,188 @@
+"""Generation: a GPT's prompt in one pass (prefill), then one token a step (decode), each
+step's keys and values kept in a KV cache so that a step computes one position, not the
+whole prefix again. Taught in "Inference", "One token at a time".
+
+Prompts of different lengths run as one batch, left-padded to the longest (the new tokens
+then share one column in every row, as most servers without paged kernels do). The GPT's
+positions are learnt, so each row counts its positions from its own first token, and a bias
+on the attention's scores hides the padding. The steps call the GPT's own blocks (its
+embedding table, norms, projections, attention and MLP: `forward` below), so that a step with
+the cache computes what the GPT computes on the whole prefix (`cache=None`, the reference),
+which the tests check token for token in float64.
+"""
+import numbers
+
+import numpy
+
+from .. import np
+from ..np import extension as npx
+from ..nn import GPT
+from .cache import ContiguousCache
+from .paged import BlockTables, PagedCache, blocks_for
+
+CACHES = ('contiguous', 'paged', None)
+
+
+def generate(net, tokens, max_new_tokens, temperature=0.0, top_k=None, seed=None,
+             cache='contiguous', draft=None, draft_tokens=4):
+    """`max_new_tokens` tokens after each prompt: the most likely at temperature 0 (greedy),
+    else drawn from softmax(logits / temperature) over the `top_k` most likely, with a numpy
+    Generator seeded by `seed`. `tokens`: (batch, len) ids, the result (batch, len + new); or
+    a list of 1-D prompts, the result a list. `cache`: 'contiguous', 'paged' (blocks of 16
+    tokens) or None (recompute the whole prefix every step). `draft`: a smaller GPT that
+    proposes `draft_tokens` tokens a step (speculative decoding)."""
+    prompts, as_list = read_prompts(tokens)
+    check(net, prompts, max_new_tokens, cache)
+    if draft is not None:
+        raise NotImplementedError('speculative decoding (draft=) is not wired in yet')
+    choose = sampler(temperature, top_k, seed, vocab_size=net.config[0])
+    ids, pads = left_pad(prompts)
+    memory = make_cache(cache, net, pads, ids.shape[1] + max_new_tokens)
+    start = 0
+    for _ in range(max_new_tokens):
+        logits = forward(net, ids[:, start:], start, pads, memory)
+        ids = numpy.concatenate([ids, choose(logits)[:, None]], axis=1)
+        start = 0 if memory is None else ids.shape[1] - 1
+    if isinstance(memory, PagedCache):
+        memory.free()
+    device = parameter_of(net).device
+    if as_list:
+        return [np.array(row[pad:], device=device) for row, pad in zip(ids, pads)]
+    return np.array(ids, device=device)
+
+
+def forward(net, tokens, start, pads, cache=None):
+    """Logits (batch, vocab) of the last column, for host ids `tokens` (batch, count) at
+    columns start .. start + count of a left-padded batch whose row i starts at column
+    pads[i]. A cache holds the keys and values of the columns before start; without one,
+    start is 0 and `tokens` the whole prefix."""
+    embedding, *layers, head = net.children()
+    weight = parameter_of(net)
+    device, dtype = weight.device, weight.dtype
+    batch, count = tokens.shape
+    columns = numpy.arange(start + count)
+    positions = numpy.maximum(columns[start:] - pads[:, None], 0)
+    x = (embedding.token(np.array(tokens, device=device))
+         + npx.embedding(np.array(positions, device=device), embedding.position.data(device)))
+    hidden = numpy.where(columns < pads[:, None], numpy.finfo(dtype).min, 0).astype(dtype)
+    bias = np.array(hidden.reshape(batch, 1, 1, -1), device=device)
+    if cache is not None:
+        cache.begin(start, count)
+    for number, layer in enumerate(layers):
+        x = transformer_layer(layer, x, bias, cache, number)
+    return head(x[:, -1:]).asnumpy()[:, 0]
+
+
+def transformer_layer(layer, x, bias, cache, number):
+    """`TransformerLayer.forward`, with keys and values through the cache."""
+    attention, h = layer.attention, layer.attention_norm(x)
+    keys, values = attention.key(h), attention.value(h)
+    if cache is not None:
+        keys, values = cache.extend(number, keys, values)
+    x = x + attention.output(attention.attend(attention.query(h), keys, values, bias))
+    return x + layer.mlp(layer.mlp_norm(x))
+
+
+def sampler(temperature=0.0, top_k=None, seed=None, vocab_size=None):
+    """A function from logits (batch, vocab) on the host to one token a row."""
+    check_sampling(temperature, top_k, vocab_size)
+    generator = numpy.random.default_rng(seed)
+
+    def choose(logits):
+        if temperature == 0:
+            return logits.argmax(axis=1)
+        scaled = logits / temperature
+        if top_k is not None:        # a stable sort: top_k=1 keeps argmax's own choice
+            kept = numpy.zeros(scaled.shape, bool)
+            numpy.put_along_axis(kept, numpy.argsort(-scaled, axis=1, kind='stable')[:, :top_k],
+                                 True, axis=1)
+            scaled = numpy.where(kept, scaled, -numpy.inf)
+        cumulative = numpy.exp(scaled - scaled.max(axis=1, keepdims=True)).cumsum(axis=1)
+        drawn = generator.random((len(logits), 1)) * cumulative[:, -1:]
+        return (cumulative <= drawn).sum(axis=1)         # the first entry past the draw
+    return choose
+
+
+def agreement(net, tokens, max_new_tokens, cache='contiguous'):
+    """The share of greedy tokens that `cache` generates equal, position by position, to
+    recomputation's: 1.0 in float64; in float32 a near-tie may fall the other way, and the
+    rest of that sequence after it too."""
+    got, want = (numpy.array([row[-max_new_tokens:] for row in read_prompts(
+        generate(net, tokens, max_new_tokens, cache=c))[0]]) for c in (cache, None))
+    return float((got == want).mean())
+
+
+def make_cache(kind, net, pads, length):
+    """An empty cache of `kind` for a batch with `pads`, whose rows reach `length` columns."""
+    if kind is None:
+        return None
+    num_layers, width, weight = net.config[1], net.config[2], parameter_of(net)
+    sizes = dict(num_layers=num_layers, width=width, dtype=weight.dtype, device=weight.device)
+    if kind == 'contiguous':
+        return ContiguousCache(batch=len(pads), length=length, **sizes)
+    tables = BlockTables(blocks_for(length - pads))
+    return PagedCache(tables, range(len(pads)), pads, **sizes)
+
+
+def left_pad(prompts):
+    """(ids (batch, longest), pads): each prompt at the end of its row, after pads[i] zeros."""
+    longest = max(map(len, prompts))
+    pads = numpy.array([longest - len(p) for p in prompts])
+    ids = numpy.zeros((len(prompts), longest), numpy.int64)
+    for row, (prompt, pad) in enumerate(zip(prompts, pads)):
+        ids[row, pad:] = prompt
+    return ids, pads
+
+
+def read_prompts(tokens):
+    """([1-D int64 host arrays], whether `tokens` was a list of prompts)."""
+    if isinstance(tokens, (list, tuple)):
+        prompts = [numpy.asarray(host(p)).astype(numpy.int64) for p in tokens]
+        if not prompts or any(p.ndim != 1 or len(p) == 0 for p in prompts):
+            raise ValueError('a list of prompts needs one or more 1-D prompts of one or more '
+                             f'ids each, got shapes {[p.shape for p in prompts]}')
+        return prompts, True
+    ids = numpy.asarray(host(tokens))
+    if ids.ndim != 2 or 0 in ids.shape or not numpy.issubdtype(ids.dtype, numpy.integer):
+        raise ValueError(f'tokens are (batch, len) integer ids, got {ids.dtype} of shape '
+                         f'{ids.shape}; prompts of different lengths go in a list')
+    return list(ids.astype(numpy.int64)), False
+
+
+def host(ids):
+    return ids.asnumpy() if isinstance(ids, np.ndarray) else ids
+
+
+def check(net, prompts, max_new_tokens, cache):
+    if not isinstance(net, GPT):
+        raise TypeError(f'generate runs a d2l.nn.GPT, not {type(net).__name__}')
+    if net.mixtures():
+        raise ValueError('generate does not run a GPT with mixtures of experts: an expert '
+                         "takes a capacity of tokens out of those that pass together, so a "
+                         'step of one token would route differently from the whole prefix')
+    if cache not in CACHES:
+        raise ValueError(f'cache={cache!r}: use one of {CACHES}')
+    if not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 0:
+        raise ValueError(f'max_new_tokens={max_new_tokens!r}: a whole number, 0 or more')
+    vocab_size, max_len = net.config[0], net.config[4]
+    longest = max(map(len, prompts))
+    if longest + max_new_tokens > max_len:
+        raise ValueError(f'a prompt of {longest} tokens and max_new_tokens={max_new_tokens} '
+                         f'make {longest + max_new_tokens} positions, more than the GPT\'s '
+                         f'max_len={max_len} learnt ones: shorten one or the other')
+    if any(p.min() < 0 or p.max() >= vocab_size for p in prompts):
+        raise ValueError(f'prompt ids must lie in 0 .. {vocab_size - 1}, the GPT\'s vocabulary')
+
+
+def check_sampling(temperature, top_k, vocab_size):
+    if not isinstance(temperature, numbers.Real) or temperature < 0:
+        raise ValueError(f'temperature={temperature!r}: 0 for greedy, or a number above 0')
+    if top_k is not None and (not isinstance(top_k, numbers.Integral) or top_k < 1
+                              or (vocab_size is not None and top_k > vocab_size)):
+        raise ValueError(f'top_k={top_k!r}: None (every token) or 1 .. the vocabulary '
+                         f'size {vocab_size}')
+
+
+def parameter_of(net):
+    """A parameter's array, for the device and dtype the GPT computes in."""
+    return net[0].position.list_data()[0]
