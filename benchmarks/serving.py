@@ -1,7 +1,7 @@
 """Serving a GPT: the decode step against its roofline, and two batching policies compared.
 
-The first table times a decode step (`inference.roofline.decode_step`: the GPT's forward on
-one token a sequence, plus attention over a cache of --context tokens) for each batch size,
+The first table times a decode step (`inference.roofline.decode_step`: generation's own step,
+one token a sequence after --context tokens in a contiguous KV cache) for each batch size,
 beside its two floors: bytes (weights + KV cache) over the main-memory bandwidth, and FLOPs
 over the float32 matrix-product peak, both measured in the same run as the Hardware chapter
 measures them; and beside its overhead, the same step of a thin copy of the GPT (same
@@ -10,14 +10,14 @@ the three. It runs on two GPTs: a large one whose weights leave the caches, and 
 
 The second fits a step-cost model to timed prefill and decode steps of the serving GPT,
 prints the fit's largest relative error beside it, and then serves --requests requests (their
-prompt and output lengths: paragraphs of CPython's documentation and the paragraph after
-each) by static batching and by iteration-level scheduling at each load (arrival rate over
+prompt and output lengths: a paragraph of the course's text corpus and the paragraph after
+it, `paged.corpus_requests`, in characters, prompts cut to --max-len / 2) by static batching and by iteration-level scheduling at each load (arrival rate over
 the rate one request at a time can be served), on the simulated clock the fit drives. The
 simulation is exact given the fit; the fit is this machine's, measured under its load.
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python benchmarks/serving.py \
         [--large 8 512 8] [--small 2 128 4] [--serve 4 256 4] [--context 128] [--batches 1 2 4 ... 64]
-        [--requests 400] [--loads 0.5 1 2 4 8 16 32] [--batch-size 4 16] [--repeats 5]
+        [--requests 400] [--max-len 1024] [--loads 0.5 1 2 4 8 16 32] [--batch-size 4 16] [--repeats 5]
 """
 import argparse
 import os
@@ -26,7 +26,7 @@ import platform
 import d2lperf as d2l
 from d2lperf import data
 from d2lperf.hardware import print_table
-from d2lperf.inference import batching, roofline
+from d2lperf.inference import batching, paged, roofline
 
 
 def gpt(layers, width, heads, vocab=96, max_len=1024):
@@ -45,14 +45,15 @@ def roofline_table(net, name, batches, context, bandwidth, peak, repeats):
     print_table(rows)
 
 
-def serving_tables(net, lengths, loads, count, batch_sizes, repeats):
+def serving_tables(net, pairs, loads, batch_sizes, repeats):
     cost, errors = batching.measure_cost(net, [1, 4, 16, 64], [16, 64, 256], repeats=repeats)
     print(f'\nstep cost: {cost}\nlargest relative error of the fit on the timed steps: '
           + ', '.join(f'{phase} {error:.0%}' for phase, error in errors.items()))
-    print(f'one request at a time: {batching.solo_rate(cost, lengths):.2f} requests/s')
+    print(f'one request at a time: {batching.solo_rate(cost, pairs):.2f} requests/s')
     for batch_size in batch_sizes:
-        print(f'\n{count} requests; static batches of {batch_size}, the same KV memory for both')
-        rows = batching.compare_policies(lengths, cost, loads, count, batch_size)
+        print(f'\n{len(pairs)} requests; static batches of {batch_size}, the same KV memory '
+              'for both')
+        rows = batching.compare_policies(pairs, cost, loads, batch_size)
         print_table([{k: v for k, v in row.items() if not k.endswith('_mean')} for row in rows])
         for load in loads:
             pair = {r['policy']: r for r in rows if r['load'] == load}
@@ -73,6 +74,7 @@ def main():
     parser.add_argument('--context', type=int, default=128)
     parser.add_argument('--batches', type=int, nargs='+', default=[1, 2, 4, 8, 16, 32, 64])
     parser.add_argument('--requests', type=int, default=400)
+    parser.add_argument('--max-len', type=int, default=1024)
     parser.add_argument('--loads', type=float, nargs='+', default=[0.5, 1, 2, 4, 8, 16, 32])
     parser.add_argument('--batch-size', type=int, nargs='+', default=[4, 16])
     parser.add_argument('--repeats', type=int, default=5)
@@ -86,9 +88,8 @@ def main():
     for name, sizes in (('large GPT', args.large), ('small GPT', args.small)):
         roofline_table(gpt(*sizes), f'{name} {sizes}', args.batches, args.context, bandwidth,
                        peak, args.repeats)
-    lengths = batching.paragraph_lengths(data.python_docs())
-    serving_tables(gpt(*args.serve), lengths, args.loads,
-                   args.requests, args.batch_size, args.repeats)
+    pairs = paged.corpus_requests(data.python_docs(), args.requests, args.max_len)
+    serving_tables(gpt(*args.serve), pairs, args.loads, args.batch_size, args.repeats)
 
 
 if __name__ == '__main__':

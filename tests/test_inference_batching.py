@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from d2lperf.data import python_docs
-from d2lperf.inference import batching
+from d2lperf.inference import batching, paged
 from d2lperf.inference.batching import LinearCost, Request
 from strategies import checks
 
@@ -71,27 +71,23 @@ requests_lists = st.lists(
 @checks(60)
 @given(requests_lists, st.integers(0, 4), st.integers(1, 4), st.floats(0, 3))
 def test_every_request_gets_its_tokens_after_it_arrives(requests, spare, batch_size, timeout):
-    blocks = batching.blocks_for(max(r.prompt + r.output for r in requests)) + spare
+    blocks = paged.blocks_for([max(r.prompt + r.output for r in requests)]) + spare
     orca, pool, _ = batching.iteration_level(requests, LINE, blocks)
     static = batching.static_batching(requests, LINE, batch_size, timeout)
     for served in (orca, static):
         for s in served:
             assert s.tokens == s.request.output
             assert s.request.arrival < s.first_token <= s.done
-    assert pool.peak <= blocks and not pool.held
+    assert pool.peak <= blocks and not pool.tables.tables and pool.free == blocks
 
 
 def test_seeded_runs_are_the_same_run():
-    lengths = batching.paragraph_lengths(python_docs())
-    runs = [batching.poisson_requests(50, 3.0, lengths, seed=7) for _ in range(2)]
-    assert runs[0] == runs[1] != batching.poisson_requests(50, 3.0, lengths, seed=8)
-    assert times(batching.iteration_level(runs[0], LINE, 200)[0]) == \
-        times(batching.iteration_level(runs[1], LINE, 200)[0])
-
-
-def test_paragraph_lengths_pair_each_paragraph_with_the_next():
-    text = 'ab\n\ncde\n \nfghi\n\n' + 'x' * 600
-    assert batching.paragraph_lengths(text).tolist() == [[2, 3], [3, 4], [4, 512]]
+    pairs = paged.corpus_requests(python_docs(), 50, max_len=512, seed=3)
+    runs = [batching.poisson_requests(3.0, pairs, seed=7) for _ in range(2)]
+    assert runs[0] == runs[1] != batching.poisson_requests(3.0, pairs, seed=8)
+    assert [(r.prompt, r.output) for r in runs[0]] == pairs
+    assert times(batching.iteration_level(runs[0], LINE, 64)[0]) == \
+        times(batching.iteration_level(runs[1], LINE, 64)[0])
 
 
 def test_the_fit_recovers_a_line_and_keeps_every_cost_positive():
@@ -110,7 +106,7 @@ def test_the_fit_recovers_a_line_and_keeps_every_cost_positive():
     (lambda: batching.iteration_level([Request(0, 30, 10)], UNIT, blocks=2), 'more blocks'),
     (lambda: batching.static_batching([Request(0, 3, 0)], UNIT, 2, 0), 'at least one token'),
     (lambda: batching.static_batching([Request(0, 3, 1)], UNIT, 0, 0), 'batch_size=0'),
-    (lambda: batching.poisson_requests(5, 0, numpy.ones((1, 2), int)), 'rate=0'),
+    (lambda: batching.poisson_requests(0, [(1, 2)]), 'rate=0'),
 ])
 def test_bad_input_is_named(call, message):
     with pytest.raises(ValueError, match=message):
@@ -118,9 +114,9 @@ def test_bad_input_is_named(call, message):
 
 
 def test_loads_are_counted_in_requests_served_one_at_a_time():
-    lengths = numpy.array([[4, 3], [8, 5]])           # mean: a prompt of 6, 4 tokens out
-    assert batching.solo_rate(UNIT, lengths) == 1 / 4       # a prefill and 3 decode steps
-    rows = batching.compare_policies(lengths, UNIT, [0.5, 4], count=30, batch_size=2)
+    pairs = [(4, 3), (8, 5)] * 15                   # mean: a prompt of 6, 4 tokens out
+    assert batching.solo_rate(UNIT, pairs) == 1 / 4       # a prefill and 3 decode steps
+    rows = batching.compare_policies(pairs, UNIT, [0.5, 4], batch_size=2)
     assert [(r['policy'], r['load']) for r in rows] == [
         ('iteration-level', 0.5), ('static', 0.5), ('iteration-level', 4), ('static', 4)]
     assert all(r['requests'] == 30 and r['peak_blocks'] <= 2 for r in rows)

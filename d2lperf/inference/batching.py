@@ -23,15 +23,12 @@ import collections
 import dataclasses
 import itertools
 import math
-import re
 
 import numpy
 
 from ..utils import median_seconds
 from . import roofline
-
-BLOCK_TOKENS = 16
-
+from .paged import BLOCK_SIZE, BlockTables, blocks_for
 
 @dataclasses.dataclass(frozen=True)
 class Request:
@@ -59,21 +56,12 @@ class Served:
 
 # -- the workload --------------------------------------------------------------------------
 
-def paragraph_lengths(text, longest=512):
-    """(prompt, output) lengths in characters, the course GPT's tokens: each paragraph of
-    `text` as a prompt, the next one as its answer, each cut to at most `longest`."""
-    lengths = [min(len(p), longest) for p in re.split(r'\n\s*\n', text) if p.strip()]
-    return numpy.array(list(zip(lengths[:-1], lengths[1:])))
-
-
-def poisson_requests(count, rate, lengths, seed=0):
-    """`count` requests arriving at `rate` a second (exponential gaps), each with a
-    (prompt, output) pair drawn from `lengths`."""
-    if rate <= 0 or count < 1:
-        raise ValueError(f'rate={rate} and count={count}: both must be positive')
-    rng = numpy.random.default_rng(seed)
-    arrivals = numpy.cumsum(rng.exponential(1 / rate, count))
-    pairs = lengths[rng.integers(0, len(lengths), count)]
+def poisson_requests(rate, pairs, seed=0):
+    """One request a (prompt, output) pair of `pairs` (`paged.corpus_requests` draws them from
+    the course's text), arriving in that order at `rate` a second: exponential gaps."""
+    if rate <= 0 or not len(pairs):
+        raise ValueError(f'rate={rate} and {len(pairs)} pairs of lengths: both must be positive')
+    arrivals = numpy.cumsum(numpy.random.default_rng(seed).exponential(1 / rate, len(pairs)))
     return [Request(float(t), int(p), int(o)) for t, (p, o) in zip(arrivals, pairs)]
 
 
@@ -136,33 +124,30 @@ def measure_cost(net, batches, lengths, most_tokens=4096, repeats=5):
 
 # -- the KV memory ---------------------------------------------------------------------------
 
-def blocks_for(tokens):
-    return math.ceil(tokens / BLOCK_TOKENS)
-
-
 class BlockPool:
-    """A KV cache of `blocks` blocks of 16 tokens, counted: who holds how many, and the most
-    ever held at once. A paged allocator's block tables would sit behind the same calls."""
+    """The paged cache's block tables (`paged.BlockTables`), asked before each growth whether
+    enough blocks are free, as a scheduler must ask, and the most blocks ever held at once."""
 
     def __init__(self, blocks):
-        self.capacity, self.held, self.peak = blocks, {}, 0
+        self.tables, self.peak = BlockTables(blocks), 0
 
     @property
     def free(self):
-        return self.capacity - sum(self.held.values())
+        return len(self.tables.allocator.free_blocks)
 
     def hold(self, owner, tokens):
-        """Grow `owner` to the blocks `tokens` tokens need; False, changing nothing, when
-        there are not enough free blocks."""
-        more = blocks_for(tokens) - self.held.get(owner, 0)
-        if more > self.free:
+        """Grow `owner` to `tokens` tokens; False, changing nothing, when the blocks they
+        need are not free."""
+        tables = self.tables
+        if blocks_for([tokens]) - len(tables.tables.get(owner, [])) > self.free:
             return False
-        self.held[owner] = self.held.get(owner, 0) + max(more, 0)
-        self.peak = max(self.peak, self.capacity - self.free)
+        tables.grow(owner, max(tokens - tables.lengths.get(owner, 0), 0))
+        self.peak = max(self.peak, tables.allocator.num_blocks - self.free)
         return True
 
     def release(self, owner):
-        self.held.pop(owner, None)
+        if owner in self.tables.tables:
+            self.tables.free(owner)
 
 
 # -- the two policies -------------------------------------------------------------------------
@@ -213,7 +198,7 @@ def iteration_level(requests, cost, blocks):
     """Serve `requests` step by step within a KV cache of `blocks` 16-token blocks (Orca's
     scheduling, vLLM's memory). Returns (one `Served` a request, in order; the `BlockPool`,
     whose peak is the most blocks ever held; the number of preemptions)."""
-    check_fits(requests, blocks * BLOCK_TOKENS)
+    check_fits(requests, blocks * BLOCK_SIZE)
     pool, preempted = BlockPool(blocks), 0
     arrivals = collections.deque(sorted(range(len(requests)), key=lambda i: requests[i].arrival))
     served = [Served(r) for r in requests]
@@ -270,29 +255,30 @@ def summary(served):
     return row
 
 
-def solo_rate(cost, lengths):
-    """Requests a second a server can take one at a time, at the mean lengths: the unit in
-    which arrival rates are given, so that a sweep means the same on a fast and a slow
-    machine."""
-    prompt, output = numpy.mean(lengths, axis=0)
+def solo_rate(cost, pairs):
+    """Requests a second a server can take one at a time, at the mean (prompt, output) of
+    `pairs`: the unit in which arrival rates are given, so that a sweep means the same on a
+    fast and a slow machine."""
+    prompt, output = numpy.mean(pairs, axis=0)
     decode = sum(cost.step_seconds('decode', 1, prompt + step) for step in range(1, round(output)))
     return 1 / (cost.step_seconds('prefill', 1, prompt) + decode)
 
 
-def compare_policies(lengths, cost, loads, count, batch_size, seed=0):
-    """Both policies on the same requests at each load (arrival rate over `solo_rate`): one
+def compare_policies(pairs, cost, loads, batch_size, seed=0):
+    """Both policies on the same requests, one a (prompt, output) pair, at each load (arrival rate over `solo_rate`): one
     `summary` row for each, with its policy and rate.
 
     The two get the same KV memory: what static batching holds, a slot of the longest
     request for each of its `batch_size` sequences, is the iteration-level server's block
     budget. Static batching waits at most one prefill of a full batch for its batch to fill:
     waiting longer would cost more than the batch saves."""
-    blocks = batch_size * blocks_for(int(lengths.sum(axis=1).max()))
-    timeout = cost.step_seconds('prefill', batch_size, batch_size * lengths[:, 0].mean())
+    pairs = numpy.asarray(pairs)
+    blocks = batch_size * blocks_for([pairs.sum(axis=1).max()])
+    timeout = cost.step_seconds('prefill', batch_size, batch_size * pairs[:, 0].mean())
     rows = []
     for load in loads:
-        rate = load * solo_rate(cost, lengths)
-        requests = poisson_requests(count, rate, lengths, seed)
+        rate = load * solo_rate(cost, pairs)
+        requests = poisson_requests(rate, pairs, seed)
         served, pool, preempted = iteration_level(requests, cost, blocks)
         rows.append({'policy': 'iteration-level', 'load': load, 'rate': rate,
                      **summary(served), 'peak_blocks': pool.peak, 'preempted': preempted})

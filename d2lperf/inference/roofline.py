@@ -13,11 +13,11 @@ a layer's Dense weights are 12 h² (query, key, value, output: 4 h²; MLP: 8 h²
 """
 import numpy
 
-from .. import np
 from ..hardware import memory_bandwidth, matmul_flops
 from ..nn import GPT
-from ..np import extension as npx
 from ..utils import median_seconds
+from .cache import ContiguousCache
+from .generate import forward
 
 
 def sizes(net):
@@ -108,43 +108,27 @@ def machine_roof(working_set_bytes=2 ** 28, matmul_size=1024):
     return triad[0]['gb_per_s'], peak[0]['gflop_per_s']
 
 
-def random_tokens(net, shape, seed=0):
-    vocab = sizes(net)[0]
-    return np.array(numpy.random.default_rng(seed).integers(0, vocab, shape))
+def step(net, batch, start, count, seed=0):
+    """A function that runs one step of generation (`generate.forward`) on `batch` sequences:
+    `count` new tokens each after `start` already in a contiguous KV cache, and waits for its
+    logits. Prefill is start 0; a decode step is count 1. The cache's earlier keys and values
+    are zeros: the step reads them all the same."""
+    vocab, layers, h = sizes(net)
+    weight = next(iter(net.collect_params().values())).list_data()[0]
+    cache = ContiguousCache(layers, batch, start + count, h, weight.dtype, weight.device)
+    tokens = numpy.random.default_rng(seed).integers(0, vocab, (batch, count))
+    pads = numpy.zeros(batch, numpy.int64)
+    return lambda: forward(net, tokens, start, pads, cache)
 
 
 def decode_step(net, batch, context, seed=0):
-    """A function that runs one decode step's work on `net` and waits for it.
-
-    It is the GPT's forward on (batch, 1) tokens, which reads every weight once, and, for each
-    layer, one query per sequence against `context` cached keys and values, which reads the
-    cache. A generator with a KV cache does both (and writes one token's keys and values,
-    not timed here)."""
-    _, layers, h = sizes(net)
-    heads = net[1].attention.num_heads if layers else 1
-    rng = numpy.random.default_rng(seed)
-
-    def cached(*shape):
-        return np.array(rng.standard_normal(shape).astype(dtype(net)))
-    tokens = random_tokens(net, (batch, 1), seed)
-    query = cached(batch, heads, 1, h // heads)
-    keys = [cached(batch, heads, context, h // heads) for _ in range(layers)]
-    values = [cached(batch, heads, context, h // heads) for _ in range(layers)]
-
-    def run():
-        outputs = [net(tokens)]
-        for k, v in zip(keys, values):
-            scores = query @ k.transpose(0, 1, 3, 2) * (1 / numpy.sqrt(h // heads))
-            outputs.append(npx.softmax(scores) @ v)
-        for out in outputs:
-            out.wait_to_read()
-    return run
+    """One decode step after `context` tokens: it reads every weight and the whole cache."""
+    return step(net, batch, context, 1, seed)
 
 
 def prefill_step(net, batch, prompt, seed=0):
-    """A function that runs the prefill of `batch` prompts of `prompt` tokens and waits."""
-    tokens = random_tokens(net, (batch, prompt), seed)
-    return lambda: net(tokens).wait_to_read()
+    """The prefill of `batch` prompts of `prompt` tokens."""
+    return step(net, batch, 0, prompt, seed)
 
 
 def thin_copy(net):
