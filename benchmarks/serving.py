@@ -21,10 +21,10 @@ simulation is exact given the fit; the fit is this machine's, measured under its
 """
 import argparse
 import os
-import platform
 
 import d2lperf as d2l
 from d2lperf import data
+from d2lperf import hardware
 from d2lperf.hardware import print_table
 from d2lperf.inference import batching, paged, roofline
 
@@ -79,9 +79,12 @@ def main():
     parser.add_argument('--batch-size', type=int, nargs='+', default=[4, 16])
     parser.add_argument('--repeats', type=int, default=5)
     args = parser.parse_args()
-    print(f'machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; '
+    machine = hardware.system_summary()
+    print(f"machine: {machine['cpu_model']}, {machine['logical_cpus']} CPUs, BLAS "
+          f"{machine['blas']}; "
           + ', '.join(f'{name}={os.environ.get(name, "(unset)")}'
                       for name in ('OPENBLAS_CORETYPE', 'OPENBLAS_L2_SIZE')))
+    start = hardware.cpu_times()
     bandwidth, peak = roofline.machine_roof()
     print(f'main-memory bandwidth (triad, 256 MiB): {bandwidth:.1f} GB/s; float32 matrix '
           f'product: {peak:.0f} GFLOP/s; ridge {peak / bandwidth:.1f} FLOP/byte')
@@ -90,6 +93,8 @@ def main():
                        peak, args.repeats)
     pairs = paged.corpus_requests(data.python_docs(), args.requests, args.max_len)
     serving_tables(gpt(*args.serve), pairs, args.loads, args.batch_size, args.repeats)
+    print(f'\nother processes kept {hardware.load_by_others(start, hardware.cpu_times()):.2f} '
+          'CPUs busy on average during this run')
 
 
 if __name__ == '__main__':
