@@ -30,11 +30,13 @@ class BlockAllocator:
         self.num_blocks = num_blocks
         self.free_blocks = list(range(num_blocks - 1, -1, -1))     # pop() hands out 0 first
 
-    def allocate(self):
-        if not self.free_blocks:
-            raise MemoryError(f'all {self.num_blocks} blocks are in use: free a finished '
-                              'sequence, or make the pool larger')
-        return self.free_blocks.pop()
+    def allocate(self, count):
+        """`count` free blocks, or none at all and a MemoryError."""
+        if count > len(self.free_blocks):
+            raise MemoryError(f'{count} blocks asked, {len(self.free_blocks)} of all '
+                              f'{self.num_blocks} blocks free: free a finished sequence, or '
+                              'make the pool larger')
+        return [self.free_blocks.pop() for _ in range(count)]
 
     def free(self, blocks):
         self.free_blocks.extend(reversed(blocks))
@@ -48,8 +50,8 @@ class BlockTables:
     {'a': [0, 1], 'b': [2]}
     >>> tables.utilization()            # 25 tokens in 3 blocks of 16 slots
     0.5208333333333334
-    >>> tables.free('a'); tables.grow('c', 1); tables.tables['c']
-    [1]
+    >>> tables.free('a'); tables.grow('c', 1); tables.tables['c']    # a's first block
+    [0]
     """
 
     def __init__(self, num_blocks, block_size=BLOCK_SIZE):
@@ -62,10 +64,9 @@ class BlockTables:
     def grow(self, sequence, count):
         """Room for `count` more tokens of `sequence` (a new one starts empty): a block only
         for the tokens that spill past the last one."""
-        table = self.tables.setdefault(sequence, [])
-        length = self.lengths.get(sequence, 0) + count
-        while len(table) * self.block_size < length:
-            table.append(self.allocator.allocate())
+        table, length = self.tables.get(sequence, []), self.lengths.get(sequence, 0) + count
+        spilled = -(-length // self.block_size) - len(table)          # ceil, less held
+        self.tables[sequence] = table + self.allocator.allocate(max(spilled, 0))
         self.lengths[sequence] = length
 
     def free(self, sequence):

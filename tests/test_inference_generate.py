@@ -1,0 +1,156 @@
+"""Tests of generation (d2lperf.inference.generate) and its contiguous KV cache: greedy tokens
+with the cache equal recomputation's in float64, for batches of prompts of different lengths;
+padding changes no prompt's tokens; sampling is reproducible and top_k=1 is greedy; the cache
+holds 2·L·s·b·h·bytes on the ledger; bad input is refused by name."""
+import numpy
+import pytest
+from hypothesis import given, strategies as st
+
+import d2lperf as d2l
+from d2lperf import np
+from d2lperf.inference import ContiguousCache, agreement, cache_bytes, forward, generate, sampler
+from strategies import checks
+from test_memory import held
+
+pytestmark = [pytest.mark.usefixtures('fresh_engine'), pytest.mark.chapter('inference')]
+
+VOCAB, LAYERS, HIDDENS, HEADS, MAX_LEN = 30, 2, 16, 2, 40
+
+
+def gpt(seed=0, dtype='float64', layers=LAYERS):
+    np.random.seed(seed)
+    net = d2l.nn.GPT(VOCAB, layers, HIDDENS, HEADS, MAX_LEN).initialize()
+    net.cast(dtype)
+    return net
+
+
+def random_prompts(seed, batch, longest):
+    rng = numpy.random.default_rng(seed)
+    return [rng.integers(0, VOCAB, rng.integers(1, longest + 1)) for _ in range(batch)]
+
+
+def hosts(out):
+    return [row.asnumpy().tolist() for row in out]
+
+
+def test_a_step_without_padding_is_the_gpts_own_forward():
+    net, tokens = gpt(), numpy.random.default_rng(0).integers(0, VOCAB, (3, 7))
+    want = net(np.array(tokens)).asnumpy()[:, -1]
+    numpy.testing.assert_allclose(forward(net, tokens, 0, numpy.zeros(3, int)), want,
+                                  rtol=1e-12, atol=1e-15)
+
+
+@checks(12)
+@given(seed=st.integers(0, 2 ** 16), batch=st.integers(1, 4), longest=st.integers(1, 12),
+       new=st.integers(1, 10))
+def test_greedy_tokens_with_the_cache_are_recomputations_in_float64(seed, batch, longest, new):
+    net, prompts = gpt(seed % 4), random_prompts(seed, batch, longest)
+    cached = generate(net, prompts, new)
+    assert hosts(cached) == hosts(generate(net, prompts, new, cache=None))
+    assert [row[:len(p)] for row, p in zip(hosts(cached), prompts)] == [p.tolist()
+                                                                         for p in prompts]
+    assert [len(row) for row in hosts(cached)] == [len(p) + new for p in prompts]
+
+
+def test_padding_changes_no_prompts_tokens():
+    """Each prompt of a batch gets the tokens it gets alone: its positions count from its own
+    first token, and the padding before it is hidden from every query."""
+    for seed in range(4):
+        net, prompts = gpt(seed), random_prompts(seed, 4, 10)
+        together = hosts(generate(net, prompts, 6))
+        alone = [hosts(generate(net, [p], 6))[0] for p in prompts]
+        assert together == alone
+
+
+def test_a_batch_array_gives_an_array_and_a_list_a_list():
+    net, tokens = gpt(), numpy.random.default_rng(1).integers(0, VOCAB, (2, 5))
+    out = generate(net, np.array(tokens), 3)
+    assert isinstance(out, np.ndarray) and out.shape == (2, 8)
+    assert hosts(generate(net, list(tokens), 3)) == out.asnumpy().tolist()
+
+
+def test_float32_agrees_with_recomputation_most_of_the_time():
+    """float32 reported, not required: a near-tie may fall either way between the shapes of
+    the two products; float64 agrees exactly."""
+    prompts = random_prompts(0, 4, 10)
+    assert agreement(gpt(dtype='float64'), prompts, 8) == 1.0
+    share = agreement(gpt(dtype='float32'), prompts, 8)
+    print(f'float32: {share:.0%} of greedy tokens with the cache equal recomputation')
+    assert 0.5 <= share <= 1.0
+
+
+def test_sampling_with_a_seed_is_reproducible_and_top_k_1_is_greedy():
+    net, prompts = gpt(), random_prompts(3, 3, 8)
+    drawn = hosts(generate(net, prompts, 8, temperature=1.0, seed=7))
+    assert drawn == hosts(generate(net, prompts, 8, temperature=1.0, seed=7))
+    assert drawn == hosts(generate(net, prompts, 8, temperature=1.0, seed=7, cache=None))
+    assert drawn != hosts(generate(net, prompts, 8, temperature=1.0, seed=8))
+    greedy = hosts(generate(net, prompts, 8))
+    assert drawn != greedy
+    for temperature in (0.5, 1.0, 3.0):
+        assert hosts(generate(net, prompts, 8, temperature=temperature, top_k=1,
+                              seed=1)) == greedy
+
+
+def test_the_sampler_draws_each_token_with_its_softmax_probability_among_the_top_k():
+    """20,000 rows of the same logits, one draw each: each share within 4 standard deviations
+    of its probability (at most 0.014)."""
+    p = numpy.array([0.1, 0.4, 0.2, 0.3])
+    logits = numpy.tile(numpy.log(p), (20_000, 1))
+    for temperature, top_k, want in ((1.0, None, p), (1.0, 2, [0, 0.4 / 0.7, 0, 0.3 / 0.7]),
+                                     (0.5, None, p ** 2 / (p ** 2).sum())):  # ∝ p^(1/T)
+        drawn = sampler(temperature, top_k, seed=0)(logits)
+        shares = numpy.bincount(drawn, minlength=4) / len(drawn)
+        numpy.testing.assert_allclose(shares, want, atol=0.014)
+        assert all(shares[numpy.array(want) == 0] == 0)
+
+
+def test_the_cache_holds_two_l_s_b_h_bytes_on_the_ledger_as_kv_cache():
+    device = d2l.cpu()
+    before = held(device).by_kind['kv cache']
+    for dtype, itemsize in (('float32', 4), ('float64', 8)):
+        cache = ContiguousCache(num_layers=3, batch=5, length=11, width=16, dtype=dtype,
+                                device=device)
+        kept = held(device).by_kind['kv cache'] - before
+        assert kept == cache_bytes(3, 11, 5, 16, itemsize) == 2 * 3 * 11 * 5 * 16 * itemsize
+        del cache
+        assert held(device).by_kind['kv cache'] == before
+
+
+def test_generation_holds_the_formulas_bytes_at_its_peak_and_none_after():
+    """s is the longest prompt plus the new tokens: the cache has room for the whole output."""
+    device, net, prompts = d2l.cpu(), gpt(), random_prompts(5, 3, 9)
+    before = held(device).by_kind['kv cache']
+    d2l.device.reset_peak(device)
+    generate(net, prompts, 7)
+    memory = held(device)
+    length = max(map(len, prompts)) + 7
+    assert memory.peak_by_kind['kv cache'] - before == cache_bytes(LAYERS, length, 3, HIDDENS, 8)
+    assert memory.by_kind['kv cache'] == before
+
+
+def test_bad_input_is_refused_by_name():
+    net = gpt()
+    with pytest.raises(ValueError, match=r'30 tokens and max_new_tokens=11 .* max_len=40'):
+        generate(net, numpy.zeros((1, 30), int), 11)
+    with pytest.raises(ValueError, match='cache='):
+        generate(net, numpy.zeros((1, 3), int), 2, cache='static')
+    with pytest.raises(ValueError, match='temperature='):
+        generate(net, numpy.zeros((1, 3), int), 2, temperature=-1)
+    with pytest.raises(ValueError, match='top_k='):
+        generate(net, numpy.zeros((1, 3), int), 2, temperature=1, top_k=VOCAB + 1)
+    with pytest.raises(ValueError, match='prompt ids'):
+        generate(net, numpy.full((1, 3), VOCAB), 2)
+    with pytest.raises(ValueError, match='1-D prompts'):
+        generate(net, [numpy.zeros(3, int), numpy.zeros(0, int)], 2)
+    with pytest.raises(ValueError, match='different lengths go in a list'):
+        generate(net, numpy.zeros(3, int), 2)
+    with pytest.raises(TypeError, match='GPT'):
+        generate(d2l.nn.Dense(3), numpy.zeros((1, 3), int), 2)
+
+
+def test_a_gpt_with_experts_is_refused_with_the_reason():
+    np.random.seed(0)
+    moe = d2l.nn.GPT(VOCAB, 2, HIDDENS, HEADS, MAX_LEN, num_experts=2).initialize()
+    with pytest.raises(ValueError, match='mixtures of experts: an expert takes a capacity'):
+        generate(moe, numpy.zeros((1, 3), int), 2)
