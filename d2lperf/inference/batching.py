@@ -30,8 +30,10 @@ from ..utils import median_seconds
 from . import roofline
 from .paged import BLOCK_SIZE, BlockTables, blocks_for
 
+
 @dataclasses.dataclass(frozen=True)
 class Request:
+    """A request as the server sees it: when it came, and its lengths in tokens."""
     arrival: float          # seconds
     prompt: int             # tokens
     output: int             # tokens to generate, the first one by the prefill
