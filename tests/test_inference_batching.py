@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+import d2lperf as d2l
 from d2lperf.data import python_docs
 from d2lperf.inference import batching, paged
 from d2lperf.inference.batching import LinearCost, Request
@@ -121,3 +122,13 @@ def test_loads_are_counted_in_requests_served_one_at_a_time():
         ('iteration-level', 0.5), ('static', 0.5), ('iteration-level', 4), ('static', 4)]
     assert all(r['requests'] == 30 and r['peak_blocks'] <= 2 for r in rows)
     assert rows[0]['rate'] == rows[1]['rate'] == 0.5 / 4
+
+
+@pytest.mark.usefixtures('fresh_engine')
+def test_the_cost_is_fitted_to_real_steps_of_a_gpt():
+    net = d2l.nn.GPT(20, 1, 16, 2, max_len=32)
+    net.initialize()
+    cost, errors = batching.measure_cost(net, [1, 4], [4, 16], most_tokens=32, repeats=1)
+    assert (len(cost.prefill), len(cost.decode)) == (4, 3)
+    assert min(cost.prefill + cost.decode) >= 0 and set(errors) == {'prefill', 'decode'}
+    assert cost.step_seconds('decode', 4, 64) >= cost.step_seconds('decode', 1, 4) > 0
