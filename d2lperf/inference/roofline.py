@@ -13,7 +13,7 @@ a layer's Dense weights are 12 h² (query, key, value, output: 4 h²; MLP: 8 h²
 """
 import numpy
 
-from ..hardware import memory_bandwidth, matmul_flops
+from ..hardware import gpu, matmul_flops, memory_bandwidth
 from ..nn import GPT
 from ..utils import median_seconds
 from .cache import ContiguousCache
@@ -26,13 +26,14 @@ def sizes(net):
     return vocab, layers, hiddens
 
 
-def dtype(net):
-    """The dtype of the GPT's weights (a Parameter's own is None until `cast`)."""
-    return next(iter(net.collect_params().values())).list_data()[0].dtype
+def a_weight(net):
+    """One of the GPT's weight arrays: its dtype and device are the GPT's (a Parameter's
+    own dtype is None until `cast`)."""
+    return next(iter(net.collect_params().values())).list_data()[0]
 
 
 def itemsize(net):
-    return numpy.dtype(dtype(net)).itemsize
+    return numpy.dtype(a_weight(net).dtype).itemsize
 
 
 def matmul_weights(net):
@@ -98,10 +99,14 @@ def decode_bound_seconds(net, batch, context, bandwidth_gb_per_s, peak_gflop_per
     return max(memory, decode_flops(net, batch, context) / (peak_gflop_per_s * 1e9))
 
 
-def machine_roof(working_set_bytes=2 ** 28, matmul_size=1024):
-    """(main-memory GB/s, float32 matrix-product GFLOP/s) of this machine, measured as the
-    Hardware chapter does: triad over a working set far larger than the caches, and a square
-    product."""
+def machine_roof(device=None, working_set_bytes=2 ** 28, matmul_size=1024):
+    """(memory GB/s, float32 matrix-product GFLOP/s) of the device a GPT runs on, measured as
+    the Hardware chapter does: triad over a working set far larger than the caches, and a
+    square product (on a GPU: in device memory, and cuBLAS in float32)."""
+    if device is not None and device.kind == 'gpu':
+        triad = gpu.gpu_memory_bandwidth([4 * working_set_bytes], repeats=3)
+        peak = gpu.gpu_matmul_flops(4 * matmul_size, modes=('float32',), repeats=3)
+        return triad[-1]['gb_per_s'], peak[0]['tflop_per_s'] * 1e3
     triad = [r for r in memory_bandwidth([working_set_bytes], repeats=3)
              if r['kernel'] == 'triad']
     peak = matmul_flops([matmul_size], dtypes=('float32',))
@@ -114,7 +119,7 @@ def step(net, batch, start, count, seed=0):
     logits. Prefill is start 0; a decode step is count 1. The cache's earlier keys and values
     are zeros: the step reads them all the same."""
     vocab, layers, h = sizes(net)
-    weight = next(iter(net.collect_params().values())).list_data()[0]
+    weight = a_weight(net)
     cache = ContiguousCache(layers, batch, start + count, h, weight.dtype, weight.device)
     tokens = numpy.random.default_rng(seed).integers(0, vocab, (batch, count))
     pads = numpy.zeros(batch, numpy.int64)
@@ -137,8 +142,9 @@ def thin_copy(net):
     a step (pushing each operation, Python), the part of a step no hardware bound sees."""
     vocab, layers, _, heads, max_len = net.config[:5]
     thin = GPT(vocab, layers, heads, heads, max_len)
-    thin.initialize()
-    thin.cast(dtype(net))
+    weight = a_weight(net)
+    thin.initialize(device=weight.device)
+    thin.cast(weight.dtype)
     return thin
 
 
