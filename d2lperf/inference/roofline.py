@@ -166,8 +166,8 @@ def decode_rows(net, batches, context, bandwidth_gb_per_s, peak_gflop_per_s, rep
 
 
 def verdict(rows):
-    """Which of the three a step spends most on: the framework's overhead, or the floor
-    set by bandwidth or by compute (a step takes at least the overhead plus the higher floor)."""
+    """Which of the three a step spends most on: the framework's overhead, or the floor set
+    by bandwidth or by compute (a step takes at least the overhead plus the higher floor)."""
     names = {'overhead_ms': 'overhead', 'memory_floor_ms': 'bandwidth',
              'compute_floor_ms': 'compute'}
     return {row['batch']: names[max(names, key=row.get)] for row in rows}
