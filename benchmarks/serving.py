@@ -11,13 +11,15 @@ the three. It runs on two GPTs: a large one whose weights leave the caches, and 
 The second fits a step-cost model to timed prefill and decode steps of the serving GPT,
 prints the fit's largest relative error beside it, and then serves --requests requests (their
 prompt and output lengths: a paragraph of the course's text corpus and the paragraph after
-it, `paged.corpus_requests`, in characters, prompts cut to --max-len / 2) by static batching and by iteration-level scheduling at each load (arrival rate over
-the rate one request at a time can be served), on the simulated clock the fit drives. The
-simulation is exact given the fit; the fit is this machine's, measured under its load.
+it, `paged.corpus_requests`, in characters, prompts cut to --max-len / 2) by static batching
+and by iteration-level scheduling at each load (arrival rate over the rate one request at a
+time can be served), on the simulated clock the fit drives. The simulation is exact given
+the fit; the fit is this machine's, measured under its load.
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python benchmarks/serving.py \
-        [--large 8 512 8] [--small 2 128 4] [--serve 4 256 4] [--context 128] [--batches 1 2 4 ... 64]
-        [--requests 400] [--max-len 1024] [--loads 0.5 1 2 4 8 16 32] [--batch-size 4 16] [--repeats 5]
+        [--large 8 512 8] [--small 2 128 4] [--serve 4 256 4] [--context 128]
+        [--batches 1 2 4 ... 64] [--requests 400] [--max-len 1024]
+        [--loads 0.5 1 2 4 8 16 32] [--batch-size 4 16] [--repeats 5]
 """
 import argparse
 import os

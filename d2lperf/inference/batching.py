@@ -267,8 +267,8 @@ def solo_rate(cost, pairs):
 
 
 def compare_policies(pairs, cost, loads, batch_size, seed=0):
-    """Both policies on the same requests, one a (prompt, output) pair, at each load (arrival rate over `solo_rate`): one
-    `summary` row for each, with its policy and rate.
+    """Both policies on the same requests, one a (prompt, output) pair, at each load
+    (arrival rate over `solo_rate`): one `summary` row for each, with its policy and rate.
 
     The two get the same KV memory: what static batching holds, a slot of the longest
     request for each of its `batch_size` sequences, is the iteration-level server's block
