@@ -14,7 +14,8 @@ prompt and output lengths: a paragraph of the course's text corpus and the parag
 it, `paged.corpus_requests`, in characters, prompts cut to --max-len / 2) by static batching
 and by iteration-level scheduling at each load (arrival rate over the rate one request at a
 time can be served), on the simulated clock the fit drives. The simulation is exact given
-the fit; the fit is this machine's, measured under its load.
+the fit; the fit is this machine's, measured under its load. Last, the same at the highest
+load with every request at the mean lengths: what is left of the gain without their spread.
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python benchmarks/serving.py \
         [--large 8 512 8] [--small 2 128 4] [--serve 4 256 4] [--context 128]
@@ -23,6 +24,8 @@ the fit; the fit is this machine's, measured under its load.
 """
 import argparse
 import os
+
+import numpy
 
 import d2lperf as d2l
 from d2lperf import data
@@ -63,6 +66,10 @@ def serving_tables(net, pairs, loads, batch_sizes, repeats):
             faster = pair['static']['latency_p50'] / pair['iteration-level']['latency_p50']
             print(f'load {load:>5}: iteration-level gives {gain:.2f}x the tokens/s, '
                   f'p50 latency {faster:.2f}x shorter')
+        mean = [tuple(int(n) for n in numpy.round(numpy.mean(pairs, axis=0)))] * len(pairs)
+        print(f'every request at the mean lengths {mean[0]}, load {loads[-1]}:')
+        print_table([{k: v for k, v in row.items() if not k.endswith('_mean')}
+                     for row in batching.compare_policies(mean, cost, loads[-1:], batch_size)])
 
 
 def main():
