@@ -51,6 +51,11 @@ def test_iteration_level_beats_static_when_a_short_request_follows_a_long_one():
     assert [s.latency for s in static] == [10, 10]
     assert [s.latency for s in orca] == [11, 1]
     assert batching.summary(orca)['latency_mean'] < batching.summary(static)['latency_mean']
+    # 11 tokens asked within 1 s of arrivals, served from t = 0 to t = 11
+    assert batching.summary(orca) == {
+        'requests': 2, 'asked_tokens_per_s': 11, 'tokens_per_s': 1, 'ttft_mean': 1,
+        'ttft_p50': 1, 'ttft_p99': 1, 'latency_mean': 6, 'latency_p50': 6,
+        'latency_p99': pytest.approx(1 + 0.99 * 10)}    # numpy's linear percentile
 
 
 def test_a_full_cache_preempts_the_latest_and_recomputes_it():

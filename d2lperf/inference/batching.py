@@ -244,13 +244,17 @@ def iteration_level(requests, cost, blocks):
 # -- what a run gives ----------------------------------------------------------------------------
 
 def summary(served):
-    """Throughput (output tokens a second, from the first arrival to the last token) and
-    time to first token and end-to-end latency, mean, p50 and p99, in seconds."""
-    start = min(s.request.arrival for s in served)
-    end = max(s.done for s in served)
+    """Throughput (output tokens a second, from the first arrival to the last token) beside
+    what was asked (the same tokens over the span of the arrivals: a server that keeps up
+    serves about that much), and time to first token and end-to-end latency, mean, p50 and
+    p99, in seconds."""
+    arrivals = [s.request.arrival for s in served]
+    tokens = sum(s.tokens for s in served)
     ttft = numpy.array([s.time_to_first_token for s in served])
     latency = numpy.array([s.latency for s in served])
-    row = {'requests': len(served), 'tokens_per_s': sum(s.tokens for s in served) / (end - start)}
+    row = {'requests': len(served),
+           'asked_tokens_per_s': tokens / max(max(arrivals) - min(arrivals), 1e-12),
+           'tokens_per_s': tokens / (max(s.done for s in served) - min(arrivals))}
     for name, values in (('ttft', ttft), ('latency', latency)):
         row[f'{name}_mean'] = float(values.mean())
         row[f'{name}_p50'], row[f'{name}_p99'] = map(float, numpy.percentile(values, [50, 99]))
