@@ -154,3 +154,21 @@ def test_a_gpt_with_experts_is_refused_with_the_reason():
     moe = d2l.nn.GPT(VOCAB, 2, HIDDENS, HEADS, MAX_LEN, num_experts=2).initialize()
     with pytest.raises(ValueError, match='mixtures of experts: an expert takes a capacity'):
         generate(moe, numpy.zeros((1, 3), int), 2)
+
+
+def test_with_a_draft_greedy_tokens_are_the_targets_alone_in_float64():
+    """`draft=` hands generation to speculative decoding (speculative.py, tested there): the
+    draft's guesses change how many passes the target makes, never its greedy tokens."""
+    target, draft, prompts = gpt(0), gpt(1, layers=1), random_prompts(2, 3, 8)
+    alone = hosts(generate(target, prompts, 9))
+    for draft_tokens in (1, 3):
+        assert hosts(generate(target, prompts, 9, draft=draft, draft_tokens=draft_tokens)) == alone
+    tokens = numpy.random.default_rng(3).integers(0, VOCAB, (2, 4))
+    out = generate(target, tokens, 5, temperature=1.0, seed=4, draft=draft)
+    assert isinstance(out, np.ndarray) and out.shape == (2, 9)
+    assert (out.asnumpy() == generate(target, tokens, 5, temperature=1.0, seed=4,
+                                      draft=draft).asnumpy()).all()
+    np.random.seed(0)
+    moe = d2l.nn.GPT(VOCAB, 2, HIDDENS, HEADS, MAX_LEN, num_experts=2).initialize()
+    with pytest.raises(ValueError, match='mixtures of experts'):
+        generate(target, prompts, 2, draft=moe)

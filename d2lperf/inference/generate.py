@@ -17,6 +17,7 @@ import numpy
 from .. import np
 from ..np import extension as npx
 from ..nn import GPT
+from . import speculative
 from .cache import ContiguousCache
 from .paged import BlockTables, PagedCache, blocks_for
 
@@ -30,11 +31,16 @@ def generate(net, tokens, max_new_tokens, temperature=0.0, top_k=None, seed=None
     Generator seeded by `seed`. `tokens`: (batch, len) ids, the result (batch, len + new); or
     a list of 1-D prompts, the result a list. `cache`: 'contiguous', 'paged' (blocks of 16
     tokens) or None (recompute the whole prefix every step). `draft`: a smaller GPT that
-    proposes `draft_tokens` tokens a step (speculative decoding)."""
+    proposes `draft_tokens` tokens a round for `net` to check (speculative decoding,
+    `speculative.py`, which recomputes both GPTs' prefixes whatever `cache` says)."""
     prompts, as_list = read_prompts(tokens)
     check(net, prompts, max_new_tokens, cache)
+    device = parameter_of(net).device
     if draft is not None:
-        raise NotImplementedError('speculative decoding (draft=) is not wired in yet')
+        check(draft, prompts, max_new_tokens, cache)
+        rows = speculative.generate(net, draft, prompts, max_new_tokens, draft_tokens,
+                                    temperature, top_k, seed)
+        return returned(rows, as_list, device)
     choose = sampler(temperature, top_k, seed, vocab_size=net.config[0])
     ids, pads = left_pad(prompts)
     memory = make_cache(cache, net, pads, ids.shape[1] + max_new_tokens)
@@ -45,10 +51,14 @@ def generate(net, tokens, max_new_tokens, temperature=0.0, top_k=None, seed=None
         start = 0 if memory is None else ids.shape[1] - 1
     if isinstance(memory, PagedCache):
         memory.free()
-    device = parameter_of(net).device
+    return returned([row[pad:] for row, pad in zip(ids, pads)], as_list, device)
+
+
+def returned(rows, as_list, device):
+    """Host rows as the caller gave the prompts: a list of 1-D arrays, or one 2-D array."""
     if as_list:
-        return [np.array(row[pad:], device=device) for row, pad in zip(ids, pads)]
-    return np.array(ids, device=device)
+        return [np.array(row, device=device) for row in rows]
+    return np.array(numpy.stack(rows), device=device)
 
 
 def forward(net, tokens, start, pads, cache=None):
