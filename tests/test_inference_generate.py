@@ -184,3 +184,15 @@ def test_with_a_draft_the_cache_rolls_back_to_recomputations_tokens(temperature)
     moe = d2l.nn.GPT(VOCAB, 2, HIDDENS, HEADS, MAX_LEN, num_experts=2).initialize()
     with pytest.raises(ValueError, match='mixtures of experts'):
         generate(target, prompts, 2, draft=moe)
+
+
+def test_a_gpt_of_no_layers_runs_through_every_cache():
+    """A bigram model (0 layers) has no keys or values to keep: every cache gives what
+    recomputation gives, alone and as a draft."""
+    bigram, target, prompts = gpt(1, layers=0), gpt(0), random_prompts(4, 2, 6)
+    want = hosts(generate(bigram, prompts, 6, cache=None))
+    assert all(hosts(generate(bigram, prompts, 6, cache=c)) == want
+               for c in ('contiguous', 'paged'))
+    runs = [hosts(generate(target, prompts, 8, 1.0, seed=0, cache=cache, draft=bigram,
+                           draft_tokens=3)) for cache in (None, 'contiguous')]
+    assert runs[0] == runs[1]

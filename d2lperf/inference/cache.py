@@ -33,12 +33,12 @@ class ContiguousCache(KVCache):
     def __init__(self, num_layers, batch, length, width, dtype, device):
         self.keys, self.values = ([label(np.zeros((batch, length, width), dtype, device), KIND)
                                    for _ in range(num_layers)] for _ in range(2))
-        self.start = self.stop = 0
+        self.length, self.start, self.stop = length, 0, 0      # length: also with 0 layers
 
     def begin(self, start, count):
-        if start + count > self.keys[0].shape[1]:
+        if start + count > self.length:
             raise ValueError(f'columns up to {start + count} do not fit a cache made for '
-                             f'{self.keys[0].shape[1]}: make it for the whole output')
+                             f'{self.length}: make it for the whole output')
         self.start, self.stop = start, start + count
 
     def extend(self, layer, keys, values):
