@@ -7,10 +7,10 @@ same blocks), and a greedy loop of the hybridized GPT's own forward over the who
 over its passes of max(bytes / bandwidth, FLOPs / peak) (`inference.roofline`: a cached pass
 reads the weights and the cache; a recomputing pass is a prefill of the whole prefix), with
 the bandwidth (triad) and the float32 product's peak measured as the Hardware chapter does.
-Timed at a few N, to see from which N the cache wins. Last, one decode step of the full GPT
-at long contexts, where the cache is most of the bytes it reads, beside its floor. The GPTs: the chapter's
-quick (2 × 64, 4 heads) and full (4 × 256, 8 heads) ones with its prompts, and speculative
-decoding's target (2 × 128, 4 heads, one prompt of 8, 57 new tokens).
+Timed at a few N, to see from which N the cache wins. The GPTs: the chapter's quick (2 × 64,
+4 heads) and full (4 × 256, 8 heads) ones with its prompts, and speculative decoding's target
+(2 × 128, 4 heads, one prompt of 8, 57 new tokens). Last, one decode step of the full GPT at
+long contexts, where the cache is most of the bytes it reads, beside its floor.
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python benchmarks/kv_cache.py [--repeats 3]
 """
