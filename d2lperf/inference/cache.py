@@ -7,7 +7,8 @@ the keys and values of columns start .. start + count, split into heads, (batch,
 count, d), and its attention needs every column's up to there, (batch, heads, start + count,
 d). A cache is what turns the one into the other. `ContiguousCache` keeps each layer's in
 two arrays preallocated for the whole output, as FasterTransformer and Hugging Face's static
-cache do: 2·L·s·b·h numbers, which the memory ledger counts as 'kv cache'. The paged cache (`paged.py`) keeps them in blocks.
+cache do: 2·L·s·b·h numbers, which the memory ledger counts as 'kv cache'. The paged cache
+(`paged.py`) keeps them in blocks.
 """
 from .. import np
 from ..device import label
