@@ -92,17 +92,17 @@ class CausalSelfAttention(HybridBlock):
         return x.reshape(batch, seq, self.num_heads, width // self.num_heads).transpose(0, 2, 1, 3)
 
     def forward(self, x):
-        return self.output(self.attend(self.query(x), self.key(x), self.value(x)))
+        heads = (self.split_heads(f(x)) for f in (self.query, self.key, self.value))
+        return self.output(self.attend(*heads))
 
     def attend(self, q, k, v, bias=None):
-        """The heads' attention, (batch, t, heads · d) for queries (batch, t, heads · d) over
-        keys and values (batch, s, heads · d), s ≥ t: the queries are the last t positions,
-        and a KV cache (`d2l.inference`) holds the s - t before them. `bias` (batch, 1, 1, s),
-        added to the scores, hides a batch's padding from generation."""
-        q, k, v = map(self.split_heads, (q, k, v))
+        """The heads' attention, (batch, t, heads · d), for queries (batch, heads, t, d) over
+        keys and values (batch, heads, s, d), s ≥ t: the queries are the last t positions, and
+        a KV cache (`d2l.inference`) holds the s - t before them, already split into heads.
+        `bias` (batch, 1, 1, s), added to the scores, hides a batch's padding from generation."""
         scores = (q @ k.transpose(0, 1, 3, 2)) * (1 / math.sqrt(q.shape[-1]))
         heads = npx.causal_softmax(scores if bias is None else scores + bias) @ v
-        batch, count, seq, size = heads.shape                      # (batch, heads, t, d)
+        batch, count, seq, size = heads.shape
         return heads.transpose(0, 2, 1, 3).reshape(batch, seq, count * size)
 
 
