@@ -117,6 +117,24 @@ def test_the_cache_holds_two_l_s_b_h_bytes_on_the_ledger_as_kv_cache():
         assert held(device).by_kind['kv cache'] == before
 
 
+def test_the_cache_keeps_heads_as_the_attention_reads_them_and_a_step_writes_its_column():
+    """(batch, heads, length, head width), in the bytes allocated at construction: a decode
+    step writes only its own column and reads the earlier ones where they lie."""
+    net, tokens = gpt(), numpy.random.default_rng(1).integers(0, VOCAB, (3, 6))
+    pads = numpy.zeros(3, int)
+    cache = ContiguousCache(LAYERS, 3, 8, HIDDENS, 'float64', d2l.cpu())
+    forward(net, tokens, 0, pads, cache)
+    before = [held.asnumpy() for held in cache.keys + cache.values]
+    assert all(held.shape == (3, HEADS, 8, HIDDENS // HEADS) for held in before)
+    step = forward(net, tokens[:, -1:], 6, pads, cache)
+    after = [held.asnumpy() for held in cache.keys + cache.values]
+    for old, new in zip(before, after):
+        numpy.testing.assert_array_equal(new[:, :, :6], old[:, :, :6])
+        assert (new[:, :, 6] != 0).all() and (new[:, :, 7] == 0).all()
+    whole = numpy.concatenate([tokens, tokens[:, -1:]], axis=1)
+    numpy.testing.assert_allclose(step, forward(net, whole, 0, pads), rtol=1e-12, atol=1e-15)
+
+
 def test_generation_holds_the_formulas_bytes_at_its_peak_and_none_after():
     """s is the longest prompt plus the new tokens: the cache has room for the whole output."""
     device, net, prompts = d2l.cpu(), gpt(), random_prompts(5, 3, 9)

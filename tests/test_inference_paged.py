@@ -46,8 +46,8 @@ def test_the_attention_reads_through_the_tables_what_a_contiguous_cache_holds(
     padding reads back the same (the padding's are hidden from the attention either way)."""
     rng = numpy.random.default_rng(seed)
     pads = longest - rng.integers(1, longest + 1, batch)
-    length, width = longest + sum(steps), 3
-    sizes = dict(num_layers=2, width=width, dtype='float64', device=d2l.cpu())
+    length, heads, size = longest + sum(steps), 2, 3
+    sizes = dict(num_layers=2, width=heads * size, dtype='float64', device=d2l.cpu())
     contiguous = ContiguousCache(batch=batch, length=length, **sizes)
     tables = BlockTables(paged.blocks_for(length - pads, block_size), block_size)
     pages = PagedCache(tables, range(batch), pads, **sizes)
@@ -56,12 +56,12 @@ def test_the_attention_reads_through_the_tables_what_a_contiguous_cache_holds(
         for cache in (contiguous, pages):
             cache.begin(start, count)
         for layer in range(2):
-            new = [np.array(rng.normal(size=(batch, count, width))) for _ in range(2)]
+            new = [np.array(rng.normal(size=(batch, heads, count, size))) for _ in range(2)]
             want, got = ([a.asnumpy() for a in cache.extend(layer, *new)]
                          for cache in (contiguous, pages))
             for row, pad in enumerate(pads):
                 for w, g in zip(want, got):
-                    numpy.testing.assert_array_equal(g[row, pad:], w[row, pad:])
+                    numpy.testing.assert_array_equal(g[row, :, pad:], w[row, :, pad:])
         start += count
     assert tables.tokens_held() == sum(length - pads)
     pages.free()
@@ -139,6 +139,14 @@ def test_on_the_corpus_paged_memory_holds_90_percent_while_preallocation_holds_f
     in_pages, preallocated = utilization(requests, block_size=16, max_len=1024)
     print(f'paged {in_pages:.1%}, preallocated to 1024 tokens {preallocated:.1%}')
     assert in_pages >= 0.9 and preallocated < 0.5
+
+
+def test_a_gpt_of_no_layers_generates_through_pages_what_recomputation_gives():
+    """A bigram GPT has no keys or values: the pages hold none, and give every block back."""
+    net, prompts = gpt(1, layers=0), random_prompts(3, 3, 7)
+    for options in ({}, {'temperature': 1.0, 'seed': 3}):
+        assert hosts(generate(net, prompts, 9, cache='paged', **options)) == hosts(
+            generate(net, prompts, 9, cache=None, **options))
 
 
 def test_the_pool_holds_its_blocks_bytes_on_the_ledger_as_kv_cache():

@@ -228,3 +228,16 @@ def test_the_speedup_formula_helps_for_some_gamma_exactly_when_alpha_exceeds_c()
 def test_the_acceptance_rate_is_the_mean_overlap_of_the_tried_positions():
     rounds = [spec.Round(3, 1, [1.0, 0.25]), spec.Round(3, 3, [0.5] * 3), spec.Round(0, 0, [])]
     assert spec.acceptance_rate(rounds) == (1.0 + 0.25 + 1.5) / 5
+
+
+def test_a_draft_of_no_layers_runs_through_the_kv_cache():
+    """A bigram draft (a GPT of 0 layers) has no keys or values to cache: generation through
+    the cache gives what recomputation gives, greedy and sampled."""
+    target, draft = gpt(0, layers=2), gpt(1, layers=0)
+    prompts = [numpy.array([0, 3, 1]), numpy.array([7, 2, 9, 9, 4, 0])]
+    for temperature in (0.0, 1.0):
+        runs = [d2l.inference.generate(target, prompts, 12, temperature, seed=0, cache=cache,
+                                       draft=draft, draft_tokens=3)
+                for cache in (None, 'contiguous')]
+        for recomputed_row, cached_row in zip(*runs):
+            numpy.testing.assert_array_equal(cached_row.asnumpy(), recomputed_row.asnumpy())

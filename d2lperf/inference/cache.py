@@ -3,9 +3,9 @@ step computes the projections of one new position instead of the whole prefix's.
 "Inference", "One token at a time".
 
 Generation runs a batch as one left-padded array of columns (`generate.py`); a step brings
-the keys and values (batch, count, h) of columns start .. start + count, and its attention
-needs every column's up to there, (batch, start + count, h). A cache is what turns the one
-into the other. `ContiguousCache` keeps each layer's in two arrays preallocated for the whole
+the keys and values of columns start .. start + count, split into heads, (batch, heads,
+count, d), and its attention needs every column's up to there, (batch, heads, start + count,
+d). A cache is what turns the one into the other. `ContiguousCache` keeps each layer's in two arrays preallocated for the whole
 output, as FasterTransformer and Hugging Face's static cache do: 2·L·s·b·h numbers, which the
 memory ledger counts as 'kv cache'. The paged cache (`paged.py`) keeps them in blocks.
 """
@@ -28,23 +28,31 @@ class KVCache:
 
 
 class ContiguousCache(KVCache):
-    """Per layer, keys and values (batch, length, width): a column's at its own index."""
+    """Per layer, keys and values (batch, heads, length, head width), the layout the attention
+    reads (as vLLM's and Hugging Face's caches keep them): a step writes only its own columns,
+    split into heads once, and the attention reads columns 0 .. stop in place, a view. The
+    memory is allocated whole at construction; the first keys a layer stores say how many
+    heads it splits into (the same bytes, reshaped)."""
 
     def __init__(self, num_layers, batch, length, width, dtype, device):
         self.keys, self.values = ([label(np.zeros((batch, length, width), dtype, device), KIND)
                                    for _ in range(num_layers)] for _ in range(2))
-        self.start = self.stop = 0
+        self.length, self.start, self.stop = length, 0, 0
 
     def begin(self, start, count):
-        if start + count > self.keys[0].shape[1]:
+        if start + count > self.length:
             raise ValueError(f'columns up to {start + count} do not fit a cache made for '
-                             f'{self.keys[0].shape[1]}: make it for the whole output')
+                             f'{self.length}: make it for the whole output')
         self.start, self.stop = start, start + count
 
     def extend(self, layer, keys, values):
-        for held, new in ((self.keys[layer], keys), (self.values[layer], values)):
-            held[:, self.start:self.stop] = new
-        return self.keys[layer][:, :self.stop], self.values[layer][:, :self.stop]
+        """Store a step's keys and values (batch, heads, count, head width); every column's."""
+        batch, heads, _, size = keys.shape
+        for held, new in ((self.keys, keys), (self.values, values)):
+            if len(held[layer].shape) == 3:
+                held[layer] = held[layer].reshape(batch, heads, self.length, size)
+            held[layer][:, :, self.start:self.stop] = new
+        return self.keys[layer][:, :, :self.stop], self.values[layer][:, :, :self.stop]
 
 
 def cache_bytes(num_layers, length, batch, width, itemsize):

@@ -10,6 +10,7 @@ embedding table, norms, projections, attention and MLP: `forward` below), so tha
 the cache computes what the GPT computes on the whole prefix (`cache=None`, the reference),
 which the tests check token for token in float64.
 """
+import math
 import numbers
 
 import numpy
@@ -109,13 +110,25 @@ def column_logits(net, tokens, start, pads, cache, last):
 
 
 def transformer_layer(layer, x, bias, cache, number):
-    """`TransformerLayer.forward`, with keys and values through the cache."""
+    """`TransformerLayer.forward`, with keys and values through the cache. They are split
+    into heads as they are made, one step's columns, since the cache keeps them so: the
+    attention then reads the cached prefix as it lies instead of re-laying it every step."""
     attention, h = layer.attention, layer.attention_norm(x)
-    keys, values = attention.key(h), attention.value(h)
+    query, keys, values = (attention.split_heads(projection(h)) for projection in
+                           (attention.query, attention.key, attention.value))
     if cache is not None:
         keys, values = cache.extend(number, keys, values)
-    x = x + attention.output(attention.attend(attention.query(h), keys, values, bias))
+    x = x + attention.output(attend_heads(query, keys, values, bias))
     return x + layer.mlp(layer.mlp_norm(x))
+
+
+def attend_heads(query, keys, values, bias):
+    """`CausalSelfAttention.attend` on heads already split: queries (batch, heads, t, d), the
+    last t of the s columns of keys and values (batch, heads, s, d); (batch, t, heads · d)."""
+    scores = (query @ keys.transpose(0, 1, 3, 2)) * (1 / math.sqrt(query.shape[-1]))
+    heads = npx.causal_softmax(scores + bias) @ values
+    batch, count, seq, size = heads.shape
+    return heads.transpose(0, 2, 1, 3).reshape(batch, seq, count * size)
 
 
 def sampler(temperature=0.0, top_k=None, seed=None, vocab_size=None):

@@ -7,7 +7,8 @@ rest of a maximum length reserved up front. Taught in "Inference", "Paged memory
 `BlockAllocator` hands out blocks from a free list; `BlockTables` is the bookkeeping of
 sequences, tables and lengths, which `utilization` runs alone over a list of requests;
 `PagedCache` adds the pool's arrays, one (blocks · block size, h) pair a layer, for
-generation, and its attention reads them through the tables, a gather.
+generation: a block is (block size, heads, head width), as vLLM's FlashAttention backend lays
+it, and its attention reads them through the tables, a gather.
 """
 import math
 
@@ -93,8 +94,8 @@ class BlockTables:
 class PagedCache(KVCache):
     """Keys and values of a left-padded batch in pages: row i is sequence `sequences[i]`,
     whose token p sits at column p + pads[i]. Padding takes no slot; a gather hands the
-    attention the same (batch, columns, h) layout a `ContiguousCache` holds, its padding
-    columns read from slot 0 (finite, and hidden by the attention's bias)."""
+    attention the same (batch, heads, columns, d) layout a `ContiguousCache` holds, its
+    padding columns read from slot 0 (finite, and hidden by the attention's bias)."""
 
     def __init__(self, tables, sequences, pads, num_layers, width, dtype, device):
         slots = tables.allocator.num_blocks * tables.block_size
@@ -119,11 +120,18 @@ class PagedCache(KVCache):
         self.index = np.array(index, device=self.device)
 
     def extend(self, layer, keys, values):
+        """Store a step's keys and values (batch, heads, count, d) in their slots, a token's
+        heads side by side; hand back every column's, gathered through the tables and split
+        into heads, (batch, heads, columns, d)."""
+        batch, heads, count, size = keys.shape
+        gathered = []
         for pool, new in ((self.keys[layer], keys), (self.values[layer], values)):
+            tokens = new.transpose(0, 2, 1, 3).reshape(batch, count, heads * size)
             for row, column, slot, length in self.writes:
-                pool[slot:slot + length] = new[row, column:column + length]
-        return npx.embedding(self.index, self.keys[layer]), npx.embedding(self.index,
-                                                                           self.values[layer])
+                pool[slot:slot + length] = tokens[row, column:column + length]
+            columns = npx.embedding(self.index, pool)
+            gathered.append(columns.reshape(batch, -1, heads, size).transpose(0, 2, 1, 3))
+        return gathered
 
     def free(self):
         """The batch is done: every sequence's blocks go back."""
