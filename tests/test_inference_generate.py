@@ -108,9 +108,10 @@ def test_the_sampler_draws_each_token_with_its_softmax_probability_among_the_top
 def test_the_cache_holds_two_l_s_b_h_bytes_on_the_ledger_as_kv_cache():
     device = d2l.cpu()
     before = held(device).by_kind['kv cache']
-    for dtype, itemsize in (('float32', 4), ('float64', 8)):
+    for (dtype, itemsize), heads in zip((('float32', 4), ('float64', 8)) * 2,
+                                        (None, None, 4, 4)):
         cache = ContiguousCache(num_layers=3, batch=5, length=11, width=16, dtype=dtype,
-                                device=device)
+                                device=device, heads=heads)
         kept = held(device).by_kind['kv cache'] - before
         assert kept == cache_bytes(3, 11, 5, 16, itemsize) == 2 * 3 * 11 * 5 * 16 * itemsize
         del cache
@@ -133,6 +134,20 @@ def test_the_cache_keeps_heads_as_the_attention_reads_them_and_a_step_writes_its
         assert (new[:, :, 6] != 0).all() and (new[:, :, 7] == 0).all()
     whole = numpy.concatenate([tokens, tokens[:, -1:]], axis=1)
     numpy.testing.assert_allclose(step, forward(net, whole, 0, pads), rtol=1e-12, atol=1e-15)
+
+
+def test_a_decode_step_pushes_the_operations_of_the_prefill():
+    """With its heads given, the cache is laid out when it is made: a prefill through it and
+    each decode step after it push the same operations, each on one column a row."""
+    net, tokens = gpt(), numpy.random.default_rng(2).integers(0, VOCAB, (2, 5))
+    pads = numpy.array([2, 0])
+    cache = ContiguousCache(LAYERS, 2, 8, HIDDENS, 'float64', d2l.cpu(), heads=HEADS)
+    with d2l.profiler.profile() as prefill:
+        forward(net, tokens, 0, pads, cache)
+    for start in (5, 6):
+        with d2l.profiler.profile() as step:
+            forward(net, tokens[:, -1:], start, pads, cache)
+        assert [r.name for r in step] == [r.name for r in prefill]
 
 
 def test_generation_holds_the_formulas_bytes_at_its_peak_and_none_after():

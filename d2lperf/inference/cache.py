@@ -5,9 +5,10 @@ step computes the projections of one new position instead of the whole prefix's.
 Generation runs a batch as one left-padded array of columns (`generate.py`); a step brings
 the keys and values of columns start .. start + count, split into heads, (batch, heads,
 count, d), and its attention needs every column's up to there, (batch, heads, start + count,
-d). A cache is what turns the one into the other. `ContiguousCache` keeps each layer's in two arrays preallocated for the whole
-output, as FasterTransformer and Hugging Face's static cache do: 2·L·s·b·h numbers, which the
-memory ledger counts as 'kv cache'. The paged cache (`paged.py`) keeps them in blocks.
+d). A cache is what turns the one into the other. `ContiguousCache` keeps each layer's in
+two arrays preallocated for the whole output, as FasterTransformer and Hugging Face's static
+cache do: 2·L·s·b·h numbers, which the memory ledger counts as 'kv cache'. The paged cache
+(`paged.py`) keeps them in blocks.
 """
 from .. import np
 from ..device import label
@@ -31,11 +32,14 @@ class ContiguousCache(KVCache):
     """Per layer, keys and values (batch, heads, length, head width), the layout the attention
     reads (as vLLM's and Hugging Face's caches keep them): a step writes only its own columns,
     split into heads once, and the attention reads columns 0 .. stop in place, a view. The
-    memory is allocated whole at construction; the first keys a layer stores say how many
-    heads it splits into (the same bytes, reshaped)."""
+    memory is allocated whole at construction; `heads` (generation passes the GPT's) shapes
+    it there, else the first keys a layer stores do (a reshape of the same bytes, pushed in
+    that step)."""
 
-    def __init__(self, num_layers, batch, length, width, dtype, device):
-        self.keys, self.values = ([label(np.zeros((batch, length, width), dtype, device), KIND)
+    def __init__(self, num_layers, batch, length, width, dtype, device, heads=None):
+        shape = (batch, length, width) if heads is None else (
+            batch, heads, length, width // heads)
+        self.keys, self.values = ([label(np.zeros(shape, dtype, device), KIND)
                                    for _ in range(num_layers)] for _ in range(2))
         self.length, self.start, self.stop = length, 0, 0
 

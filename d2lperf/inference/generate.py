@@ -167,7 +167,7 @@ def make_cache(kind, net, pads, length):
     num_layers, width, weight = net.config[1], net.config[2], parameter_of(net)
     sizes = dict(num_layers=num_layers, width=width, dtype=weight.dtype, device=weight.device)
     if kind == 'contiguous':
-        return ContiguousCache(batch=len(pads), length=length, **sizes)
+        return ContiguousCache(batch=len(pads), length=length, heads=net.config[3], **sizes)
     tables = BlockTables(blocks_for(length - pads))
     return PagedCache(tables, range(len(pads)), pads, **sizes)
 
