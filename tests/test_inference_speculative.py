@@ -15,7 +15,7 @@ import d2lperf as d2l
 from d2lperf import np
 from d2lperf.inference import speculative as spec
 
-pytestmark = pytest.mark.usefixtures('fresh_engine')
+pytestmark = [pytest.mark.usefixtures('fresh_engine'), pytest.mark.chapter('inference')]
 
 VOCAB, MAX_LEN = 11, 24
 
