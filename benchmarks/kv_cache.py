@@ -15,7 +15,6 @@ long contexts, where the cache is most of the bytes it reads, beside its floor.
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python benchmarks/kv_cache.py [--repeats 3]
 """
 import argparse
-import os
 
 import numpy
 
@@ -23,6 +22,7 @@ import d2lperf as d2l
 from d2lperf import hardware, np
 from d2lperf.hardware import print_table
 from d2lperf.inference import generate, roofline
+from serving import machine_and_roof       # the same header and roof as the serving tables
 
 VOCAB = 96
 GPTS = {'chapter quick': ((2, 64, 4), 48, 24, 4), 'chapter full': ((4, 256, 8), 128, 64, 4),
@@ -121,15 +121,8 @@ def main():
     parser.add_argument('--only', nargs='*', default=list(GPTS))
     parser.add_argument('--contexts', type=int, nargs='*', default=[128, 512, 1000])
     args = parser.parse_args()
-    machine = hardware.system_summary()
-    print(f"machine: {machine['cpu_model']}, {machine['logical_cpus']} CPUs, BLAS "
-          f"{machine['blas']}; "
-          + ', '.join(f'{name}={os.environ.get(name, "(unset)")}'
-                      for name in ('OPENBLAS_CORETYPE', 'OPENBLAS_L2_SIZE')))
     start = hardware.cpu_times()
-    bandwidth, peak = roofline.machine_roof()
-    print(f'main-memory bandwidth (triad, 256 MiB): {bandwidth:.1f} GB/s; float32 matrix '
-          f'product: {peak:.0f} GFLOP/s')
+    bandwidth, peak = machine_and_roof()
     for name in args.only:
         compare(name, *GPTS[name], bandwidth, peak, args.repeats)
     if args.contexts:

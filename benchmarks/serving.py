@@ -34,6 +34,20 @@ from d2lperf.hardware import print_table
 from d2lperf.inference import batching, paged, roofline
 
 
+def machine_and_roof():
+    """Print the machine, its BLAS and the two OpenBLAS settings a reader's laptop leaves unset,
+    then measure its roof: every figure after is read beside these. (bandwidth, peak)."""
+    machine = hardware.system_summary()
+    print(f"machine: {machine['cpu_model']}, {machine['logical_cpus']} CPUs, BLAS "
+          f"{machine['blas']}; "
+          + ', '.join(f'{name}={os.environ.get(name, "(unset)")}'
+                      for name in ('OPENBLAS_CORETYPE', 'OPENBLAS_L2_SIZE')))
+    bandwidth, peak = roofline.machine_roof()
+    print(f'main-memory bandwidth (triad, 256 MiB): {bandwidth:.1f} GB/s; float32 matrix '
+          f'product: {peak:.0f} GFLOP/s; ridge {peak / bandwidth:.1f} FLOP/byte')
+    return bandwidth, peak
+
+
 def gpt(layers, width, heads, vocab=96, max_len=1024):
     net = d2l.nn.GPT(vocab, layers, width, heads, max_len)
     net.initialize()
@@ -88,15 +102,8 @@ def main():
     parser.add_argument('--batch-size', type=int, nargs='+', default=[4, 16])
     parser.add_argument('--repeats', type=int, default=5)
     args = parser.parse_args()
-    machine = hardware.system_summary()
-    print(f"machine: {machine['cpu_model']}, {machine['logical_cpus']} CPUs, BLAS "
-          f"{machine['blas']}; "
-          + ', '.join(f'{name}={os.environ.get(name, "(unset)")}'
-                      for name in ('OPENBLAS_CORETYPE', 'OPENBLAS_L2_SIZE')))
     start = hardware.cpu_times()
-    bandwidth, peak = roofline.machine_roof()
-    print(f'main-memory bandwidth (triad, 256 MiB): {bandwidth:.1f} GB/s; float32 matrix '
-          f'product: {peak:.0f} GFLOP/s; ridge {peak / bandwidth:.1f} FLOP/byte')
+    bandwidth, peak = machine_and_roof()
     for name, sizes in (('large GPT', args.large), ('small GPT', args.small)):
         roofline_table(gpt(*sizes), f'{name} {sizes}', args.batches, args.context, bandwidth,
                        peak, args.repeats)
