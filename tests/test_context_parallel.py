@@ -15,7 +15,9 @@ from d2lperf.model_parallel import context, predict
 from strategies import checks
 from strategies.comm import context_parallel_problems
 from test_attention import output_and_gradients, relative_error
-from model_parallel_helpers import devices as devices_from
+from model_parallel_helpers import HEADS, HIDDEN, SEQ, VOCAB, devices as devices_from, gpt
+from d2lperf.model_parallel import tensor_parallel
+from d2lperf.model_parallel.layers import TensorGroup
 
 pytestmark = pytest.mark.chapter('model_parallelism')
 
@@ -275,3 +277,114 @@ def test_the_layout_search_fills_the_cluster_with_d_t_p_c():
     assert rows and all(d * t * p * 2 == CLUSTER.devices for d, t, p in rows)
     for (d, t, p), row in rows.items():
         assert row['activations'] == pytest.approx(plain[2 * d, t, p]['activations'] / 2)
+
+
+# -- inside the GPT: a context-parallel spec in the grid ----------------------------------------
+
+GPT_LAYERS, GPT_BATCH = 2, 2
+rng = numpy.random.default_rng(1)
+TOKENS = rng.integers(0, VOCAB, (GPT_BATCH, SEQ))
+LABELS = rng.integers(0, VOCAB, (GPT_BATCH, SEQ))
+LOSS = d2l.SoftmaxCrossEntropyLoss()
+
+
+def split_step(split):
+    """Logits and a backward pass of a split GPT, its gradients finished."""
+    with autograd.record():
+        logits = split(np.array(TOKENS))
+        losses = [LOSS(out, np.array(LABELS, device=out.device)).sum() for out in logits]
+    split.backward(losses)
+    split.finish_gradients()
+    return [out.asnumpy() for out in logits]
+
+
+def gradients(split, rank):
+    return {name.split('.', 1)[1]: param.grad(split.devices[rank]).asnumpy()
+            for name, param in split.collect_params().items()
+            if name.startswith(f'rank{rank}.') and param.grad_req != 'null'}
+
+
+@pytest.mark.parametrize('t, c, algorithm, sequence', [
+    (1, 2, 'ring', False), (1, 4, 'ring', False), (2, 2, 'ring', False),
+    (1, 2, 'all_gather', False), (2, 2, 'all_gather', True), (2, 2, 'ulysses', False),
+    (1, 2, 'ring', True)])
+def test_a_context_parallel_gpt_equals_the_tensor_parallel_one(t, c, algorithm, sequence):
+    """c groups of t devices, each holding zig-zag chunks of the sequence, give the logits of
+    one device and, on each device, the gradients of the same share split over t devices
+    alone (which test_tensor_parallel holds to one device)."""
+    home = d2l.cpu(9)
+    whole = gpt(GPT_LAYERS, home)
+    want = whole(np.array(TOKENS, device=home)).asnumpy()
+    alone = tensor_parallel(whole, devices_from(t, first=10), sequence=sequence)
+    split_step(alone)
+    split = tensor_parallel(whole, devices_from(c * t), sequence=sequence, context=c,
+                            context_algorithm=algorithm)
+    for logits in split_step(split):
+        numpy.testing.assert_allclose(logits, want, atol=1e-5, rtol=0)
+    for rank in range(c * t):
+        got, expected = gradients(split, rank), gradients(alone, rank % t)
+        assert got.keys() == expected.keys()
+        for name in got:
+            numpy.testing.assert_allclose(got[name], expected[name], atol=1e-5, rtol=0,
+                                          err_msg=f'rank {rank}: {name}')
+
+
+def grid_sends(c, t, backward):
+    split = tensor_parallel(gpt(GPT_LAYERS), devices_from(c * t), context=c)
+    npx.waitall()
+    with profiler.profile() as records:
+        if backward:
+            split_step(split)
+        else:
+            split(np.array(TOKENS))
+        npx.waitall()
+    return [x for x in comm.transfers_in(records)
+            if x['action'] == 'send' and x['algorithm'] == 'ring attention']
+
+
+@pytest.mark.parametrize('c, t', [(2, 1), (4, 1), (2, 2)])
+def test_the_gpts_ring_sends_its_formula_each_layer(c, t):
+    """Forward, each device sends its keys and values c - 1 times a layer. A training step
+    sends them round once more (backward runs the ring again from q, k and v, all the
+    forward keeps) and sends the gradients back, the causal mask's share of them."""
+    shape = (GPT_BATCH, HEADS // t, SEQ, HIDDEN // HEADS)
+    per_step = context.ring_bytes_per_step(shape, c)
+    forward = grid_sends(c, t, backward=False)
+    assert sum(x['bytes'] for x in forward) == GPT_LAYERS * t * c * (c - 1) * per_step
+    step = grid_sends(c, t, backward=True)
+    assert sum(x['bytes'] for x in step if x['phase'] == 'forward') == \
+        2 * GPT_LAYERS * t * c * (c - 1) * per_step
+    assert sum(x['bytes'] for x in step if x['phase'] == 'backward') == \
+        GPT_LAYERS * t * sum(context.ring_gradient_bytes(shape, c).values())
+
+
+def test_a_split_that_cannot_run_is_named():
+    net = gpt(GPT_LAYERS)
+    with pytest.raises(ValueError, match='context=3 must be a whole number'):
+        tensor_parallel(net, devices_from(4), context=3)
+    with pytest.raises(ValueError, match="unknown context_algorithm='p2p'"):
+        tensor_parallel(net, devices_from(4), context=2, context_algorithm='p2p')
+    with pytest.raises(ValueError, match='Ulysses splits the 2 heads a device holds over 4'):
+        tensor_parallel(net, devices_from(8), context=4, context_algorithm='ulysses')
+    split = tensor_parallel(net, devices_from(2), context=2)
+    with pytest.raises(ValueError, match='a sequence of 6 does not cut into 4 equal chunks'):
+        split(np.array(TOKENS[:, :6]))
+    numpy.testing.assert_allclose(split(np.array(TOKENS))[1].asnumpy(),
+                                  net(np.array(TOKENS)).asnumpy(), atol=1e-5)
+
+
+def test_a_program_that_never_meets_its_peers_is_named_not_waited_for():
+    """Programs that meet in more than one group hand their turn on until their meeting is
+    complete; one whose peer ended without coming raises, rather than waiting forever."""
+    group = TensorGroup(2, context=2)
+
+    def program(rank, x):
+        if rank != 3:                               # rank 3 never comes to its tensor group
+            x = group.meet(rank, x, lambda xs: [a + 1 for a in xs])
+        return x
+    with pytest.raises(RuntimeError, match=r'meetings \[\(2, 3\)\] never complete'):
+        group.run(program, [np.ones(1, device=d) for d in devices_from(4)], (1, 4))
+    outs = group.run(lambda rank, x: group.meet(rank, x, lambda xs: xs[::-1],
+                                                group.context_peers(rank)),
+                     [np.full(1, r, device=d) for r, d in enumerate(devices_from(4))], (1, 4))
+    assert [out.item() for out in outs] == [2, 3, 0, 1]

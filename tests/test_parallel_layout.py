@@ -68,6 +68,30 @@ def test_every_layout_trains_as_one_device(d, t, p, name, v, m, sequence):
     assert one[-1] < one[0]
 
 
+# (data, context, tensor, pipeline, schedule, micro-batches, sequence parallelism, algorithm)
+CONTEXT_LAYOUTS = [(1, 2, 1, 1, '1f1b', 1, False, 'ring'), (2, 2, 1, 2, '1f1b', 2, False, 'ring'),
+                   (1, 2, 2, 2, 'gpipe', 2, True, 'all_gather'),
+                   (1, 4, 1, 2, '1f1b', 2, False, 'ring'), (2, 2, 2, 1, '1f1b', 1, False, 'ulysses')]
+
+
+@pytest.mark.parametrize('d, c, t, p, name, m, sequence, algorithm', CONTEXT_LAYOUTS)
+def test_context_parallel_layouts_train_as_one_device(d, c, t, p, name, m, sequence, algorithm):
+    """Context parallelism inside the grid (tp, cp, dp, pp, Megatron's order): each group of
+    c·t devices splits the sequence in zig-zag chunks, and three steps of Adam give the one
+    device's losses."""
+    split = parallel_gpt(gpt(), devices(d * c * t * p), d, t, p, name, sequence=sequence,
+                         context=c, context_algorithm=algorithm)
+    trainer = d2l.Trainer(split.collect_params(), 'adam', {'learning_rate': 0.01},
+                          kvstore=None)
+    losses = []
+    for _ in range(3):
+        parts = split.forward_backward(np.array(TOKENS), np.array(LABELS), LOSS, m)
+        trainer.update(BATCH)
+        losses.append(sum(part.item() for part in parts))
+    numpy.testing.assert_allclose(losses, one_device_losses(3), rtol=1e-5)
+    assert [len(group) for group in split.grid[0]] == [c * t] * d
+
+
 def measured(split, d, t, p, m):
     """Each device's bytes by kind after a step on the naive engine (which frees at once):
     held, the gradients before the update, the peak of activations, and what it sent."""

@@ -30,7 +30,7 @@ from fractions import Fraction
 
 import numpy
 
-from .. import comm, np
+from .. import autograd, comm, np
 from ..np import extension as npx
 from ..engine import profiler
 from ..np.multiarray import apply
@@ -148,15 +148,118 @@ def context_parallel_attention(q, k, v, devices, causal=True, layout='zigzag',
     """
     devices = check(q, k, v, devices, layout, algorithm)
     queries, keys = scatter(q, k, v, devices, layout)
-    if algorithm == 'ulysses':
-        outs = ulysses(queries, keys, devices, causal)
-    else:
-        gathered = ring(queries, keys, devices, causal) if algorithm == 'ring' else \
-            attend_all(queries, all_gather_keys(keys, devices), causal)
-        outs = [{i: out for i, (out, _) in parts.items()} for parts in gathered]
+    outs = attend_chunks(queries, keys, devices, causal, algorithm)
     whole = {chunk: comm.send(out.astype(q.dtype), q.device, 'gather sequence', 0, chunk)
              for device_outs in outs for chunk, out in device_outs.items()}
     return np.concatenate([whole[chunk] for chunk in sorted(whole)], axis=2)
+
+
+def attend_chunks(queries, keys, devices, causal, algorithm):
+    """Per device, {chunk: the output of its queries}, from per device {chunk: queries} and
+    [(chunk, keys, values)], by `algorithm`."""
+    if algorithm == 'ulysses':
+        return ulysses(queries, keys, devices, causal)
+    gathered = ring(queries, keys, devices, causal) if algorithm == 'ring' else \
+        attend_all(queries, all_gather_keys(keys, devices), causal)
+    return [{i: out for i, (out, _) in parts.items()} for parts in gathered]
+
+
+# -- inside a model: each device holds its zig-zag chunks from the start ----------------------
+
+def own_chunks(x, rank, devices, axis=1):
+    """Of a whole sequence along `axis`, device `rank`'s zig-zag chunks (rank and
+    2c − 1 − rank), side by side: what it holds of every activation under context
+    parallelism."""
+    chunks = num_chunks(devices, 'zigzag')
+    if x.shape[axis] % chunks:
+        raise ValueError(f'a sequence of {x.shape[axis]} does not cut into {chunks} equal chunks '
+                         f'(zig-zag over {devices} devices); use a length that is a multiple '
+                         f'of {chunks}')
+    size = x.shape[axis] // chunks
+    return np.concatenate([along(x, axis, i * size, (i + 1) * size)
+                           for i in chunks_of(rank, devices, 'zigzag')], axis=axis)
+
+
+def along(x, axis, start, stop):
+    return x[(slice(None),) * axis + (slice(start, stop),)]
+
+
+def attention_of_chunks(packed, algorithm='ring'):
+    """Causal attention for c devices that each hold their zig-zag chunks of q, k and v,
+    packed side by side on the last axis ((batch, heads, tokens, 3d) a device, as
+    `own_chunks` left them): each device's output for its queries. Recorded as one
+    collective that keeps only the packed inputs: backward runs the attention again on the
+    tape and walks it (`recomputed_gradients`), as Ring Attention sends the keys and values
+    round again in its backward.
+
+    >>> devices = [d2l.cpu(1), d2l.cpu(2)]
+    >>> q = d2l.np.random.normal(size=(1, 2, 8, 4))
+    >>> packed = [d2l.np.concatenate([own_chunks(x, r, 2, axis=2) for x in (q, q, q)], axis=-1)
+    ...           .copyto(device) for r, device in enumerate(devices)]
+    >>> outs = attention_of_chunks(packed)
+    >>> whole = d2l.npx.attention(q, q, q)
+    >>> bool(abs(outs[1].copyto(q.device) - own_chunks(whole, 1, 2, axis=2)).max() < 1e-5)
+    True
+    """
+    with autograd.pause():
+        outs = chunk_attention(packed, algorithm)
+    return autograd.collective(
+        outs, packed, lambda grads: recomputed_gradients(packed, grads, algorithm))
+
+
+def chunk_attention(packed, algorithm):
+    """Each device's output, (batch, heads, tokens, d), from its packed q, k and v."""
+    devices, c = [x.device for x in packed], len(packed)
+    width, size = packed[0].shape[-1] // 3, packed[0].shape[2] // 2
+    queries, keys = [], []
+    for rank, x in enumerate(packed):
+        def piece(which, half):
+            return x[:, :, half * size:(half + 1) * size, which * width:(which + 1) * width]
+        mine = chunks_of(rank, c, 'zigzag')
+        queries.append({chunk: piece(0, half) for half, chunk in enumerate(mine)})
+        keys.append([(chunk, piece(1, half), piece(2, half)) for half, chunk in enumerate(mine)])
+    outs = attend_chunks(queries, keys, devices, True, algorithm)
+    return [np.concatenate([outs[rank][chunk].astype(x.dtype)
+                            for chunk in chunks_of(rank, c, 'zigzag')], axis=2)
+            for rank, x in enumerate(packed)]
+
+
+def recomputed_gradients(packed, grads, algorithm):
+    """The packed inputs' gradients, given the outputs' (`grads`, one a device): the
+    attention run again on the tape from copies of the inputs, and one backward walk from
+    Σ sum(output · gradient), its parts sent to the first device (a walk of its own, inside
+    the walks of the devices' backward passes, which meet here)."""
+    leaves = [x.copy() for x in packed]
+    for leaf in leaves:
+        leaf.attach_grad()
+    first = packed[0].device
+    with autograd.record():
+        total = None
+        for rank, (out, grad) in enumerate(zip(chunk_attention(leaves, algorithm), grads)):
+            part = (out * grad).sum()
+            part = part if out.device == first else \
+                comm.send(part, first, 'attention backward', 0, rank)
+            total = part if total is None else total + part
+    total.backward()
+    return [leaf.grad for leaf in leaves]
+
+
+def whole_sequence(parts):
+    """Every device's zig-zag chunks (axis 1) put back in order, the whole sequence on every
+    device (the logits: each device computes the whole loss). Backward, each device keeps its
+    own chunks' gradient of its own copy: every copy gets the whole loss's gradient, and
+    summing them would count it c times."""
+    c, size = len(parts), parts[0].shape[1] // 2
+    with autograd.pause():
+        pieces = {chunk: along(part, 1, half * size, (half + 1) * size)
+                  for rank, part in enumerate(parts)
+                  for half, chunk in enumerate(chunks_of(rank, c, 'zigzag'))}
+        wholes = [np.concatenate([piece if piece.device == part.device else
+                                  comm.send(piece, part.device, 'gather sequence', 0, chunk)
+                                  for chunk, piece in sorted(pieces.items())], axis=1)
+                  for part in parts]
+    return autograd.collective(
+        wholes, parts, lambda grads: [own_chunks(g, rank, c) for rank, g in enumerate(grads)])
 
 
 def scatter(q, k, v, devices, layout):

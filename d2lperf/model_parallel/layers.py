@@ -25,45 +25,74 @@ Taught in "Tensor and Sequence Parallelism".
 """
 from __future__ import annotations
 
+import collections
 import threading
 
-from .. import autograd, comm
+from .. import autograd, comm, np
 from ..nn.block import Dense
 from ..np.multiarray import alias
 from ..nn.init import Normal
 from ..nn.layer_spec import INIT_SIGMA, LayerSpec
+from . import context
 
 
 class TensorGroup:
     """The `size` ranks that split each layer (t, a device each), the collectives that join
     them (`algorithm`), and whether the residual stream is split by tokens (`sequence`). A
     collective joins the arrays the ranks bring, on whatever devices they are: data
-    parallelism's replicas of a group run through the same one."""
+    parallelism's replicas of a group run through the same one.
 
-    def __init__(self, size, algorithm='ring', sequence=False):
+    With context parallelism (`context` = c > 1) the group is c·t programs, t fastest
+    (Megatron's order, tp then cp): program r is tensor rank r mod t of context rank r // t.
+    The tensor collectives join the t programs of a context rank; the attention joins the c
+    programs of a tensor rank (`context_attention`, by `context_algorithm`)."""
+
+    def __init__(self, size, algorithm='ring', sequence=False, context=1,
+                 context_algorithm='ring'):
         self.size, self.algorithm, self.sequence = size, algorithm, sequence
+        self.context, self.context_algorithm = context, context_algorithm
+        self.programs = size * context
+
+    def tensor_rank(self, rank):
+        return rank % self.size
+
+    def context_rank(self, rank):
+        return rank // self.size
+
+    def tensor_peers(self, rank):
+        """The programs that split a layer with `rank`: its context rank's t."""
+        first = rank - self.tensor_rank(rank)
+        return tuple(range(first, first + self.size))
+
+    def context_peers(self, rank):
+        """The programs that hold the other chunks of the sequence for `rank`'s heads."""
+        return tuple(range(self.tensor_rank(rank), self.programs, self.size))
 
     def run(self, program, inputs, tokens_shape):
         """[program(rank, inputs[rank]) for each rank], each on a thread of its own (rank
-        0's the caller's), one at a time: rank 0 first, each until it meets the others
-        (`meet`) or ends, then the next in the cycle. `tokens_shape` is the (batch, sequence)
-        of the tokens the inputs come from."""
-        t = self.size
-        self.tokens_shape, self.failure = tuple(tokens_shape), None
-        self.turns = [threading.Semaphore(0) for _ in range(t)]
-        self.arrived, self.joined, self.entered = [None] * t, [None] * t, [None] * t
-        self.meeting = self.joining = 0             # the devices come so far
-        outputs = [None] * t
+        0's the caller's), one at a time: rank 0 first, each until it meets others (`meet`)
+        or ends, then the next in the cycle. `tokens_shape` is the (batch, sequence) of the
+        tokens the inputs come from."""
+        n = self.programs
+        batch, seq = tokens_shape
+        self.tokens_shape, self.failure = (batch, seq // self.context), None
+        self.turns = [threading.Semaphore(0) for _ in range(n)]
+        self.meetings, self.results, self.ended = {}, {}, set()
+        self.joined, self.entered = [None] * n, [None] * n
+        self.joining = collections.Counter()        # a context rank's devices come so far
+        self.idle = 0                               # turns handed on with no meeting done
+        outputs = [None] * n
 
         def device_program(rank):
             try:
                 self.wait_turn(rank)
                 outputs[rank] = program(rank, inputs[rank])
+                self.ended.add(rank)
                 self.hand_on(rank)
             except BaseException as error:        # noqa: BLE001 - raised by run, below
                 self.fail(error)
         threads = [threading.Thread(target=device_program, args=(rank,), daemon=True,
-                                    name=f'tensor rank {rank}') for rank in range(1, t)]
+                                    name=f'tensor rank {rank}') for rank in range(1, n)]
         try:
             for thread in threads:
                 thread.start()
@@ -75,27 +104,43 @@ class TensorGroup:
             self.fail(error)
             raise
         finally:
-            self.arrived = self.joined = self.entered = self.results = None   # no arrays held
+            self.meetings = self.results = self.joined = self.entered = None  # no arrays held
         failure, self.failure = self.failure, None
         if failure is not None:
             raise failure
         return outputs
 
-    def meet(self, rank, array, collective):
-        """`collective` over every device's `array`, run by the last device to come, which
-        goes on at once (one hand-off fewer); each gets its own result back."""
-        self.arrived[rank], self.meeting = array, self.meeting + 1
-        if self.meeting < self.size:
+    def meet(self, rank, array, collective, among=None):
+        """`collective` over the `array` of each program in `among` (by default the t that
+        split a layer with `rank`), run by the last of them to come, which goes on at once
+        (one hand-off fewer); each gets its own result back. A program whose meeting is not
+        complete hands its turn on until it is."""
+        among = self.tensor_peers(rank) if among is None else among
+        arrived = self.meetings.setdefault(among, {})
+        arrived[rank], self.idle = array, 0
+        if len(arrived) == len(among):
+            del self.meetings[among]
+            self.results.update(zip(among, collective([arrived[r] for r in among])))
+        while rank not in self.results:
             self.hand_on(rank)
             self.wait_turn(rank)
-        else:
-            self.meeting, self.results = 0, collective(list(self.arrived))
-        return self.results[rank]
+            self.idle += rank not in self.results
+            if self.idle > self.programs:
+                raise RuntimeError(f'the programs wait for each other in a cycle: meetings '
+                                   f'{sorted(self.meetings)} never complete; every program must '
+                                   'meet its peers in the same order')
+        self.idle = 0
+        return self.results.pop(rank)
 
     def hand_on(self, rank):
-        """The turn to the next device in the cycle (the order of the devices only changes
-        which runs first: each device's operations keep their own order)."""
-        self.turns[(rank + 1) % self.size].release()
+        """The turn to the next program in the cycle that has not ended (the order of the
+        programs only changes which runs first: each program's operations keep their own
+        order)."""
+        for ahead in range(1, self.programs + 1):
+            after = (rank + ahead) % self.programs
+            if after not in self.ended:
+                self.turns[after].release()
+                return
 
     def wait_turn(self, rank):
         self.turns[rank].acquire()
@@ -134,10 +179,11 @@ class TensorGroup:
         if not autograd.is_recording():
             return x
         self.joined[rank] = x, alias(x, x.shape, x.dtype, lambda data: data, 'collective')
-        self.joining += 1
-        if self.joining == self.size:
-            self.joining = 0
-            xs, outs = zip(*self.joined)
+        context_rank = self.context_rank(rank)
+        self.joining[context_rank] += 1
+        if self.joining[context_rank] == self.size:
+            self.joining[context_rank] = 0
+            xs, outs = zip(*(self.joined[peer] for peer in self.tensor_peers(rank)))
             autograd.collective(list(outs), list(xs), self.allreduce)
         return self.joined[rank][1]
 
@@ -190,13 +236,14 @@ class Abandoned(Exception):
 
 
 class ParallelDense(Dense):
-    """One device's share of a Dense layer of the whole model, on the last axis. `take`
-    fills it from the whole layer."""
+    """One device's share of a Dense layer of the whole model, on the last axis, for program
+    `rank` of `group` (its share is its tensor rank's, `part`). `take` fills it from the whole
+    layer."""
 
     def __init__(self, units, in_units, group, rank):
         super().__init__(units, in_units=in_units, flatten=False)
         self.weight.init = Normal(INIT_SIGMA)       # drawn as the whole layer's, then set
-        self.group, self.rank = group, rank
+        self.group, self.rank, self.part = group, rank, group.tensor_rank(rank)
 
     def take(self, whole):
         """This device's share of the whole layer's values, in its dtypes."""
@@ -214,7 +261,7 @@ class ColumnParallelDense(ParallelDense):
 
     def take(self, whole):
         """Rows of the weight and the bias: this device's output features."""
-        mine = slice(self.rank * self.units, (self.rank + 1) * self.units)
+        mine = slice(self.part * self.units, (self.part + 1) * self.units)
         in_dtypes_of(self, whole)
         self.weight.set_data(whole.weight.data()[mine].copy())
         self.bias.set_data(whole.bias.data()[mine].copy())
@@ -226,7 +273,7 @@ class RowParallelDense(ParallelDense):
 
     def __init__(self, units, in_units, group, rank):
         super().__init__(units, in_units // group.size, group, rank)
-        if rank > 0:
+        if self.part > 0:
             self.bias.grad_req = 'null'
 
     def forward(self, x):
@@ -237,20 +284,26 @@ class RowParallelDense(ParallelDense):
         inputs = self.weight.shape[1]
         in_dtypes_of(self, whole)
         self.weight.set_data(
-            whole.weight.data()[:, self.rank * inputs:(self.rank + 1) * inputs].copy())
-        if self.rank == 0:
+            whole.weight.data()[:, self.part * inputs:(self.part + 1) * inputs].copy())
+        if self.part == 0:
             self.bias.set_data(whole.bias.data().copy())
 
 
 class ReplicatedDense(ParallelDense):
     """A layer whole on every device (the head's). With sequence parallelism, where each
     device holds some of the tokens, it reads every token: an all-gather, then the product;
-    backward, each device keeps its own tokens' gradients (its weights' are whole already)."""
+    backward, each device keeps its own tokens' gradients (its weights' are whole already).
+    With context parallelism each device's product covers its chunks of the sequence, and
+    the outputs are gathered whole (`context.whole_sequence`)."""
 
     def forward(self, x):
         if self.group.sequence:
             x = self.group.meet(self.rank, x, self.every_token)
-        return super().forward(x)
+        out = super().forward(x)
+        if self.group.context > 1:
+            out = self.group.meet(self.rank, out, context.whole_sequence,
+                                  self.group.context_peers(self.rank))
+        return out
 
     def every_token(self, shards):
         return self.group.gather_tokens(shards, summed=False)
@@ -260,9 +313,10 @@ class ReplicatedDense(ParallelDense):
 
 
 class DeviceSpec(LayerSpec):
-    """The layers of device `rank` of `group` (nn.layer_spec.LayerSpec): column- and
+    """The layers of program `rank` of `group` (nn.layer_spec.LayerSpec): column- and
     row-parallel shares; the head's layer whole, gathering the tokens where the residual
-    stream is split by them; and of the embeddings' output, this device's tokens."""
+    stream is split by them; of the embeddings' output, this device's tokens; and the
+    attention over the sequence's chunks the context ranks hold."""
 
     def __init__(self, group, rank):
         self.group, self.rank, self.parts = group, rank, group.size
@@ -277,8 +331,11 @@ class DeviceSpec(LayerSpec):
         return ReplicatedDense(units, in_units, self.group, self.rank)
 
     def local_tokens(self, x):
-        """Of the whole (batch, sequence, hidden), the device's 1/t of the tokens, as
-        (tokens / t, hidden), with sequence parallelism; else all of it."""
+        """Of the whole (batch, sequence, hidden), the device's tokens: with context
+        parallelism its zig-zag chunks of the sequence; of those, with sequence parallelism,
+        its 1/t as (tokens / t, hidden)."""
+        if self.group.context > 1:
+            x = context.own_chunks(x, self.group.context_rank(self.rank), self.group.context)
         if not self.group.sequence:
             return x
         hidden = x.shape[-1]
@@ -287,8 +344,19 @@ class DeviceSpec(LayerSpec):
             raise ValueError(f'{count} tokens (batch × sequence) do not split among '
                              f'{self.parts} devices: use a batch or sequence length that '
                              f'{self.parts} divides')
-        each = count // self.parts
-        return x.reshape(count, hidden)[self.rank * each:(self.rank + 1) * each]
+        each, part = count // self.parts, self.group.tensor_rank(self.rank)
+        return x.reshape(count, hidden)[part * each:(part + 1) * each]
+
+    def attention(self, q, k, v):
+        """Over the whole sequence: with context parallelism the c programs of this tensor
+        rank meet, each with its chunks' q, k and v packed side by side."""
+        if self.group.context == 1:
+            return super().attention(q, k, v)
+        return self.group.meet(self.rank, np.concatenate((q, k, v), axis=-1),
+                               self.context_attention, self.group.context_peers(self.rank))
+
+    def context_attention(self, packed):
+        return context.attention_of_chunks(packed, self.group.context_algorithm)
 
 
 def copied(block, source):

@@ -29,32 +29,40 @@ from .pipeline import Pipeline
 
 def parallel_gpt(net: GPT, devices: Sequence[Device], data: int = 1, tensor: int = 1,
                  pipeline: int = 1, schedule: str = '1f1b', chunks: int = 1,
-                 algorithm: str = 'ring', sequence: bool = False) -> ParallelGPT:
-    """A copy of the GPT `net` on `data · tensor · pipeline` devices (the net is left as it
-    is), trained with `schedule` over its pipeline stages; `sequence=True` adds sequence
-    parallelism to the tensor-parallel groups."""
+                 algorithm: str = 'ring', sequence: bool = False, context: int = 1,
+                 context_algorithm: str = 'ring') -> ParallelGPT:
+    """A copy of the GPT `net` on `data · context · tensor · pipeline` devices (the net is
+    left as it is), trained with `schedule` over its pipeline stages; `sequence=True` adds
+    sequence parallelism to the tensor-parallel groups, `context` = c > 1 splits the
+    sequence over c of them (`context_algorithm`: 'ring', 'all_gather' or 'ulysses')."""
     return ParallelGPT(net, devices, data, tensor, pipeline, schedule, chunks, algorithm,
-                       sequence)
+                       sequence, context, context_algorithm)
 
 
 class ParallelGPT:
     """`replicas[r]` is replica r's Pipeline; `grid[s][r][i]` the device of stage s, replica r,
-    tensor rank i."""
+    program i of its group (tensor rank i mod t of context rank i // t: Megatron's order,
+    tp fastest, then cp, dp and pp)."""
 
     def __init__(self, net, devices, data=1, tensor=1, pipeline=1, schedule='1f1b', chunks=1,
-                 algorithm='ring', sequence=False):
+                 algorithm='ring', sequence=False, context=1, context_algorithm='ring'):
         devices = list(devices)
-        for name, size in (('data', data), ('tensor', tensor), ('pipeline', pipeline)):
+        sizes = (('data', data), ('tensor', tensor), ('pipeline', pipeline),
+                 ('context', context))
+        for name, size in sizes:
             at_least_one(name, size)
-        if len(devices) != data * tensor * pipeline:
-            raise ValueError(f'{len(devices)} devices do not make a grid of data {data} × '
-                             f'tensor {tensor} × pipeline {pipeline}: give '
-                             f'{data * tensor * pipeline} devices, or other sizes')
+        group = context * tensor
+        if len(devices) != data * group * pipeline:
+            raise ValueError(f'{len(devices)} devices do not make a grid of '
+                             + ' × '.join(f'{name} {size}' for name, size in sizes)
+                             + f': give {data * group * pipeline} devices, or other sizes')
         self.data, self.tensor, self.pipeline, self.algorithm = data, tensor, pipeline, algorithm
-        self.grid = [[devices[(s * data + r) * tensor:(s * data + r + 1) * tensor]
+        self.context = context
+        self.grid = [[devices[(s * data + r) * group:(s * data + r + 1) * group]
                       for r in range(data)] for s in range(pipeline)]
         first = Pipeline(net, [self.grid[s][0] for s in range(pipeline)], schedule=schedule,
-                         chunks=chunks, algorithm=algorithm, sequence=sequence)
+                         chunks=chunks, algorithm=algorithm, sequence=sequence,
+                         context=context, context_algorithm=context_algorithm)
         self.replicas = [first] + [first.replica([self.grid[s][r] for s in range(pipeline)])
                                    for r in range(1, data)]
         self.groups, self.summed = sum_over_replicas(first.params(), data, algorithm)

@@ -44,12 +44,15 @@ class Pipeline:
     `devices[s]` is stage s: a Device, whose parts' layers are moved there (the net itself is
     split), or a list of t Devices, whose parts are tensor-parallel copies of a GPT's layers
     (the net is left as it is; `sequence=True` splits their residual stream by tokens too,
-    so that a stage sends each device's tokens only). `stages[k]` is the model's part k, a
+    so that a stage sends each device's tokens only; `context` = c > 1 makes a group c·t
+    devices that split the sequence too, `TensorParallelGPT`'s context parallelism).
+    `stages[k]` is the model's part k, a
     `Stage`, on devices[k mod p]; the pipeline calls nothing else of it."""
 
     def __init__(self, net: Block, devices: Sequence[Device | Sequence[Device]],
                  schedule: str = '1f1b', chunks: int = 1, sizes: Sequence[int] | None = None,
-                 algorithm: str = 'ring', sequence: bool = False):
+                 algorithm: str = 'ring', sequence: bool = False, context: int = 1,
+                 context_algorithm: str = 'ring'):
         self.devices, self.schedule, self.chunks = list(devices), schedule, chunks
         self.sent = collections.Counter()      # bytes each device sent to another stage
         p = len(self.devices)
@@ -57,7 +60,8 @@ class Pipeline:
             raise ValueError('a Pipeline needs at least one stage: devices is empty')
         check(schedule, p, p, chunks)
         spans = cut(len(net.children()), p * chunks, sizes)
-        self.stages = build_stages(net, self.devices, spans, algorithm, sequence)
+        self.stages = build_stages(net, self.devices, spans, algorithm, sequence, context,
+                                   context_algorithm)
 
     def forward_backward(self, inputs: Sequence[NDArray], labels: Sequence[NDArray], loss):
         """Forward and backward of every micro-batch (`inputs[i]`, `labels[i]`), by the schedule;
@@ -150,16 +154,19 @@ def as_group(stage):
     return [stage] if isinstance(stage, Device) else list(stage)
 
 
-def build_stages(net, devices, spans, algorithm, sequence):
+def build_stages(net, devices, spans, algorithm, sequence, context=1, context_algorithm='ring'):
     """Part k of `net` (its children `spans[k]`) as the Stage that stage k mod p runs: a
     `Part` on one Device, or a `TensorParallelGPT` on a group of Devices."""
     p = len(devices)
     if all(isinstance(stage, Device) for stage in devices):
+        if context > 1:
+            raise ValueError(f'context={context} splits a stage\'s sequence over its devices: '
+                             'give each stage a list of devices (c·t), not one Device')
         return [Part(net, devices[k % p], span) for k, span in enumerate(spans)]
     if all(isinstance(stage, (list, tuple)) for stage in devices):
         check_groups(devices)
-        return [TensorParallelGPT(net, devices[k % p], algorithm, sequence, span)
-                for k, span in enumerate(spans)]
+        return [TensorParallelGPT(net, devices[k % p], algorithm, sequence, span, context,
+                                  context_algorithm) for k, span in enumerate(spans)]
     raise ValueError('each stage is a Device, or each is a list of Devices (a tensor-'
                      f'parallel group), not a mix: {devices}')
 

@@ -31,15 +31,20 @@ from ..nn.block import Block
 from ..nn.parameter import ParameterDict
 from ..nn.transformer import GPT
 from ..np.multiarray import NDArray
+from .context import ALGORITHMS
 from .layers import DeviceSpec, ParallelDense, TensorGroup, copied
 from .stage import Stage, copy_onto, named
 
 
 def tensor_parallel(net: GPT, devices: Sequence[Device], algorithm: str = 'ring',
-                    sequence: bool = False):
+                    sequence: bool = False, context: int = 1, context_algorithm: str = 'ring'):
     """A copy of the GPT `net` split over `devices` (the net itself is left as it is);
-    `sequence=True` splits the residual stream and the norms by tokens too."""
-    return TensorParallelGPT(net, devices, algorithm, sequence)
+    `sequence=True` splits the residual stream and the norms by tokens too. With `context`
+    = c > 1 the sequence is split over c groups of len(devices) / c (context parallelism:
+    each holds zig-zag chunks, and the attention brings the others' keys and values by
+    `context_algorithm`, 'ring', 'all_gather' or 'ulysses')."""
+    return TensorParallelGPT(net, devices, algorithm, sequence, context=context,
+                             context_algorithm=context_algorithm)
 
 
 class TensorParallelGPT(Stage):
@@ -47,14 +52,18 @@ class TensorParallelGPT(Stage):
 
     `net(tokens)` returns the logits on every device (the same values); `backward(losses)`
     runs every device's backward pass at once, and `finish_gradients()` ends the step;
+    with context parallelism (`context` = c), `ranks` are c·t programs, t fastest, each
+    context rank's t a tensor-parallel group of its own over its chunks of the sequence;
     `collect_params()` has every rank's parameters, each with a copy on its rank's device
     (`rank1.3.mlp.dense1.weight`: rank 1's share of the GPT's), and one a replica's. As a
     pipeline's `Stage` it holds the units `units` of the net."""
 
-    def __init__(self, net, devices, algorithm='ring', sequence=False, units=slice(None)):
+    def __init__(self, net, devices, algorithm='ring', sequence=False, units=slice(None),
+                 context=1, context_algorithm='ring'):
         self.devices, self.sequence = list(devices), sequence
-        check_collectives(len(self.devices), algorithm, sequence)
-        self.group = TensorGroup(len(self.devices), algorithm, sequence)
+        t = check_context(len(self.devices), context, context_algorithm, net.config)
+        check_collectives(t, algorithm, sequence)
+        self.group = TensorGroup(t, algorithm, sequence, context, context_algorithm)
         self.ranks = [Rank(net, DeviceSpec(self.group, rank), device, units)
                       for rank, device in enumerate(self.devices)]
 
@@ -84,12 +93,21 @@ class TensorParallelGPT(Stage):
 
     def finish_gradients(self):
         """With sequence parallelism, the gradients of the whole copies that saw a device's
-        tokens only, summed over the devices (a pipeline does it once, after the step's last
-        micro-batch)."""
+        tokens only, summed over the t devices; with context parallelism, every gradient
+        summed over the c devices that hold the same share, each of which saw its chunks of
+        the sequence only (a pipeline does it once, after the step's last micro-batch)."""
         if self.sequence:
-            for params in zip(*(rank.token_params() for rank in self.ranks)):
-                self.group.allreduce([param.grad(device)
-                                      for param, device in zip(params, self.devices)])
+            for first in range(0, len(self.ranks), self.group.size):
+                self.sum_over(self.group.tensor_peers(first), Rank.token_params)
+        if self.group.context > 1:
+            for part in range(self.group.size):
+                self.sum_over(self.group.context_peers(part), Rank.trained_params)
+
+    def sum_over(self, peers, params_of):
+        """Each of `params_of(rank)`'s gradients summed over the programs `peers`."""
+        for params in zip(*(params_of(self.ranks[peer]) for peer in peers)):
+            self.group.allreduce([param.grad(self.devices[peer])
+                                  for param, peer in zip(params, peers)])
 
     def collect_params(self):
         return ParameterDict((f'rank{r}.{name}', param) for r, rank in enumerate(self.ranks)
@@ -107,6 +125,21 @@ class TensorParallelGPT(Stage):
         twin = copy.copy(self)
         twin.devices = list(devices)
         return twin
+
+
+def check_context(devices, context, algorithm, config):
+    """The tensor-parallel size, `devices` / `context`, or a clear error for a context split
+    that could not run."""
+    if not isinstance(context, int) or context < 1 or devices % context:
+        raise ValueError(f'context={context!r} must be a whole number of at least 1 that '
+                         f'divides the {devices} devices (c groups of t)')
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f'unknown context_algorithm={algorithm!r}; use one of {ALGORITHMS}')
+    t, heads = devices // context, config[3]
+    if algorithm == 'ulysses' and (heads // max(t, 1)) % context:
+        raise ValueError(f'Ulysses splits the {heads // t} heads a device holds over '
+                         f'{context} devices: use a context size that divides them, or the ring')
+    return t
 
 
 def check_collectives(t, algorithm, sequence):
@@ -139,6 +172,9 @@ class Rank:
         for unit in self.units:
             x = unit(x)
         return x
+
+    def trained_params(self):
+        return [param for param in self.collect_params().values() if param.grad_req != 'null']
 
     def token_params(self):
         """The whole copies that see only this device's tokens under sequence parallelism:

@@ -28,7 +28,10 @@ class LayerSpec:
     * `row(units, in_units)`: one that may be split by its input features (the attention's
       and the MLP's output projections): the block's output leaves it whole;
     * `replicated(units, in_units)`: one whole on every device (the head's);
-    * `local_tokens(x)`: of the embeddings' output, the tokens this device holds."""
+    * `local_tokens(x)`: of the embeddings' output, the tokens this device holds;
+    * `attention(q, k, v)`: causal attention of the heads (batch, heads, seq, d) it holds,
+      over the tokens it holds (a context-parallel spec brings the other devices' keys and
+      values)."""
 
     parts = 1
 
@@ -43,6 +46,9 @@ class LayerSpec:
 
     def local_tokens(self, x):
         return x
+
+    def attention(self, q, k, v):
+        return npx.attention(q, k, v)
 
 
 WHOLE = LayerSpec()

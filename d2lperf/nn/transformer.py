@@ -70,7 +70,8 @@ class CausalSelfAttention(HybridBlock):
     """Multi-head attention in which each position attends to itself and earlier ones.
 
     Its `num_heads` heads are shared among `spec.parts` devices: `self.num_heads` are the
-    heads it computes (all of them, unless a tensor-parallel spec splits it)."""
+    heads it computes (all of them, unless a tensor-parallel spec splits it), over the tokens
+    `spec.attention` brings (a context-parallel spec brings other devices' keys and values)."""
 
     def __init__(self, num_hiddens, num_heads, spec=WHOLE):
         super().__init__()
@@ -80,7 +81,7 @@ class CausalSelfAttention(HybridBlock):
         if num_heads % spec.parts:
             raise ValueError(f'{num_heads} attention heads do not split among {spec.parts} '
                              f'devices: use a number of devices that divides {num_heads}')
-        self.num_heads = num_heads // spec.parts
+        self.num_heads, self.spec = num_heads // spec.parts, spec
         self.query = spec.column(num_hiddens, num_hiddens)
         self.key = spec.column(num_hiddens, num_hiddens)
         self.value = spec.column(num_hiddens, num_hiddens)
@@ -93,7 +94,7 @@ class CausalSelfAttention(HybridBlock):
 
     def forward(self, x):
         heads = (self.split_heads(f(x)) for f in (self.query, self.key, self.value))
-        return self.output(self.attend(*heads))
+        return self.output(merge_heads(self.spec.attention(*heads)))
 
     def attend(self, q, k, v, bias=None):
         """The heads' attention, (batch, t, heads · d), for queries (batch, heads, t, d) over
@@ -101,9 +102,13 @@ class CausalSelfAttention(HybridBlock):
         a KV cache (`d2l.inference`) holds the s - t before them, already split into heads.
         `bias` (batch, 1, 1, s), added to the scores, hides a batch's padding from generation."""
         scores = (q @ k.transpose(0, 1, 3, 2)) * (1 / math.sqrt(q.shape[-1]))
-        heads = npx.causal_softmax(scores if bias is None else scores + bias) @ v
-        batch, count, seq, size = heads.shape
-        return heads.transpose(0, 2, 1, 3).reshape(batch, seq, count * size)
+        return merge_heads(npx.causal_softmax(scores if bias is None else scores + bias) @ v)
+
+
+def merge_heads(heads):
+    """(batch, heads, seq, d) -> (batch, seq, heads · d)."""
+    batch, count, seq, size = heads.shape
+    return heads.transpose(0, 2, 1, 3).reshape(batch, seq, count * size)
 
 
 class TransformerLayer(HybridBlock):
