@@ -91,12 +91,9 @@ CPUS = [d2l.cpu(i) for i in range(1, 9)]
     (lambda: parallel_gpt(gpt(2), CPUS[:4], tensor=2, pipeline=2, algorithm='tree',
                           sequence=True), "sequence=True .* not 'tree'"),
     (lambda: nn.GPT(VOCAB, -1, HIDDEN, HEADS, SEQ), 'num_layers=-1'),
-    (lambda: Pipeline(gpt(2), [CPUS[:2]]).replica([CPUS[2:5]]),
-     'a replica of a group of 2 devices needs as many, not 3'),
-    (lambda: Pipeline(gpt(2), CPUS[:2]).replica(CPUS[2:3]),
-     'a replica of a pipeline of 2 stages needs as many, not 1'),
-    (lambda: Pipeline(gpt(2), CPUS[:2]).replica([CPUS[2:4], CPUS[4:6]]),
-     'a replica of a part on one device needs one device'),
+    (lambda: parallel_gpt(gpt(2), CPUS[:6], data=2, context=2), '6 devices do not make a grid'
+     ' of data 2 × tensor 1 × pipeline 1 × context 2: give 4'),
+    (lambda: Pipeline(gpt(2), CPUS[:2], data=2), 'data=2 split a stage over its devices'),
 ])
 def test_a_setting_with_nothing_or_something_wrong_to_run_is_refused_when_built(build, words):
     with pytest.raises(ValueError, match=words):

@@ -380,11 +380,11 @@ def test_a_program_that_never_meets_its_peers_is_named_not_waited_for():
 
     def program(rank, x):
         if rank != 3:                               # rank 3 never comes to its tensor group
-            x = group.meet(rank, x, lambda xs: [a + 1 for a in xs])
+            x = group.meet(x, lambda xs: [a + 1 for a in xs])
         return x
     with pytest.raises(RuntimeError, match=r'meetings \[\(2, 3\)\] never complete'):
         group.run(program, [np.ones(1, device=d) for d in devices_from(4)], (1, 4))
-    outs = group.run(lambda rank, x: group.meet(rank, x, lambda xs: xs[::-1],
+    outs = group.run(lambda rank, x: group.meet(x, lambda xs: xs[::-1],
                                                 group.context_peers(rank)),
                      [np.full(1, r, device=d) for r, d in enumerate(devices_from(4))], (1, 4))
     assert [out.item() for out in outs] == [2, 3, 0, 1]

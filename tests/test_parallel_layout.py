@@ -1,7 +1,6 @@
 """Data × tensor × pipeline parallelism on virtual devices, with and without sequence
 parallelism: every layout trains as one device does, and each device holds and sends, to the
 byte, what the calculator predicts."""
-import collections
 import dataclasses
 import gc
 
@@ -12,7 +11,10 @@ import d2lperf as d2l
 from d2lperf import autograd, comm, np, npx
 from d2lperf.model_parallel import Pipeline, parallel_gpt, predict, schedule, simulate
 from d2lperf.model_parallel import bubble as simulated_bubble
-from model_parallel_helpers import SEQ, VOCAB, devices, gpt as layered_gpt
+from d2lperf.comm.all_to_all import bytes_each_sends
+from d2lperf.comm.schedules import ALL_TO_ALL
+from d2lperf.nn.moe import capacity
+from model_parallel_helpers import HEADS, HIDDEN, SEQ, VOCAB, devices, gpt as layered_gpt
 
 pytestmark = pytest.mark.chapter('parallel_layouts')
 
@@ -92,6 +94,86 @@ def test_context_parallel_layouts_train_as_one_device(d, c, t, p, name, m, seque
     assert [len(group) for group in split.grid[0]] == [c * t] * d
 
 
+# (data, context, tensor, pipeline, expert, micro-batches, experts, top_k, sequence parallelism)
+EXPERT_LAYOUTS = [(2, 1, 1, 1, 2, 1, 4, 1, False), (4, 1, 1, 1, 4, 2, 4, 2, False),
+                  (2, 2, 1, 2, 4, 2, 4, 2, False), (2, 1, 2, 1, 2, 1, 4, 1, True),
+                  (2, 2, 2, 1, 2, 1, 4, 2, False)]
+
+
+def experts_gpt(experts, top_k):
+    """The test GPT with every second MLP a mixture, with room for every token (capacity
+    factor E/k: an expert can take every token, on one device or on a share of them)."""
+    np.random.seed(0)
+    net = d2l.nn.GPT(VOCAB, LAYERS, HIDDEN, HEADS, SEQ, num_experts=experts, top_k=top_k)
+    net.initialize(device=d2l.cpu(0))
+    for mixture in net.mixtures():
+        mixture.capacity_factor = experts / top_k
+    return net
+
+
+def trained_losses(split, trainer, m, steps=3):
+    losses = []
+    for _ in range(steps):
+        parts = split.forward_backward(np.array(TOKENS), np.array(LABELS), LOSS, m)
+        trainer.update(BATCH)
+        losses.append(sum(part.item() for part in parts))
+    return losses
+
+
+@pytest.mark.parametrize('d, c, t, p, e, m, experts, top_k, sequence', EXPERT_LAYOUTS)
+def test_expert_parallel_layouts_train_as_one_device(d, c, t, p, e, m, experts, top_k,
+                                                     sequence):
+    """Expert parallelism carved out of the data and context ranks (tp-cp-ep-dp-pp): the
+    replicas run in lockstep, tokens go to their experts' programs and back by all-to-all,
+    and with no token dropped three steps of Adam give one device's losses."""
+    net = experts_gpt(experts, top_k)
+    one = d2l.Trainer(net.collect_params(), 'adam', {'learning_rate': 0.01}, kvstore=None)
+    want = []
+    for _ in range(3):
+        with autograd.record():
+            loss = LOSS(net(np.array(TOKENS)), np.array(LABELS)).sum()
+        loss.backward()
+        one.step(BATCH)
+        want.append(loss.item())
+    split = parallel_gpt(experts_gpt(experts, top_k), devices(d * c * t * p), d, t, p,
+                         '1f1b', sequence=sequence, context=c, expert=e)
+    trainer = d2l.Trainer(split.collect_params(), 'adam', {'learning_rate': 0.01},
+                          kvstore=None)
+    numpy.testing.assert_allclose(trained_losses(split, trainer, m), want, rtol=1e-5)
+
+
+def test_an_experts_copies_live_on_its_expert_ranks_and_sum_there():
+    """d = 4, e = 2, E = 4: expert j's parameters have copies on the two replicas whose
+    expert rank (r mod 2) holds it, experts 2·rank and 2·rank + 1, and nowhere else; the
+    router's on all four. After a step the copies hold the same gradient (summed over the
+    two); each all-to-all sends (e - 1)/e of a program's E · capacity rows, there and back,
+    forward and backward."""
+    d, e, experts = 4, 2, 4
+    split = parallel_gpt(experts_gpt(experts, 1), devices(d), d, expert=e)
+    grid = [group[0] for group in split.grid[0]]
+    params = split.collect_params()
+    for name, param in params.items():
+        if '.expert' in name:
+            j = int(name.split('.expert')[1].split('.')[0])
+            assert param.list_device() == [grid[r] for r in range(d) if r % e == j // 2], name
+        else:
+            assert param.list_device() == grid, name
+    with d2l.profiler.profile() as records:
+        split.forward_backward(np.array(TOKENS), np.array(LABELS), LOSS, 1)
+        npx.waitall()
+    for name, param in params.items():
+        grads = [g.asnumpy() for g in param.list_grad()]
+        for g in grads[1:]:
+            numpy.testing.assert_array_equal(g, grads[0], err_msg=name)
+    buffer_bytes = experts * capacity(BATCH // d * SEQ, experts, 1, experts) * HIDDEN * 4
+    sends = [x for x in comm.transfers_in(records)
+             if x['action'] == 'send' and x['algorithm'] == ALL_TO_ALL]
+    for device in grid:
+        sent = sum(x['bytes'] for x in sends if x['source'] == device)
+        mixtures = LAYERS // 2                    # each: there and back, forward and backward
+        assert sent == mixtures * 4 * bytes_each_sends(buffer_bytes, e)
+
+
 def measured(split, d, t, p, m):
     """Each device's bytes by kind after a step on the naive engine (which frees at once):
     held, the gradients before the update, the peak of activations, and what it sent."""
@@ -100,17 +182,14 @@ def measured(split, d, t, p, m):
         gc.collect()
         for device in devices(d * t * p):
             d2l.device.reset_peak(device)
-        for replica in split.replicas:
-            replica.sent.clear()
+        split.pipeline.sent.clear()
         with d2l.profiler.profile() as records:
             split.forward_backward(np.array(TOKENS), np.array(LABELS), LOSS, m)
         gc.collect()
         memory = {dev: d2l.device.memory(dev) for dev in devices(d * t * p)}
     finally:
         d2l.engine.use('threaded')
-    piped = collections.Counter()
-    for replica in split.replicas:
-        piped.update(replica.sent)
+    piped = split.pipeline.sent
     sends = [x for x in comm.transfers_in(records) if x['action'] == 'send']
     table = {}
     for s, r in numpy.ndindex(p, d):
@@ -282,7 +361,7 @@ def test_a_replicated_parameter_is_one_parameter_with_a_copy_a_replica():
                               ((0, 1, 2) if s == 0 else (3, 4, 5))]
         for param in mine.values():
             assert param.list_device() == [split.grid[s][r][i] for r in range(d)]
-    assert all(replica.params() == list(params.values()) for replica in split.replicas)
+    assert split.pipeline.params() == list(params.values())
     split.forward_backward(np.array(TOKENS), np.array(LABELS), LOSS, 2)
     for name, param in params.items():
         if param.grad_req == 'write':

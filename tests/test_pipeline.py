@@ -7,7 +7,7 @@ import d2lperf as d2l
 from d2lperf import autograd, nn, np
 from d2lperf.model_parallel import Part, Pipeline, Stage, held_microbatches, schedule
 from d2lperf.model_parallel import TensorParallelGPT
-from model_parallel_helpers import devices, gpt
+from model_parallel_helpers import SEQ, VOCAB, devices, gpt
 from test_memory import settle
 
 pytestmark = pytest.mark.chapter('model_parallelism')
@@ -168,29 +168,32 @@ def test_the_gradients_are_the_micro_batches_summed_in_order_bit_for_bit(name, d
     assert all(p.grad_req == 'write' for p in params)      # the step's 'add' is undone
 
 
-def test_a_replica_adds_into_its_own_copies_of_the_same_parameters():
-    """`Pipeline.replica`: the same parts on other devices, each parameter given a copy there
-    (one Parameter, a copy a replica). Each replica's step writes its own copies' gradients
-    and leaves the other's alone: they are one device's gradients of its half of the data."""
-    net = mlp(4)
-    first = Pipeline(net, [d2l.cpu(1), d2l.cpu(2)], '1f1b')
-    second = first.replica([d2l.cpu(3), d2l.cpu(4)])
-    assert second.params() == first.params() == list(net.collect_params().values())
-    for name, param in first.collect_params().items():
+def test_replicas_in_a_stage_group_add_into_their_own_copies_of_the_same_parameters():
+    """`data=2`: each stage group holds both replicas' devices, run in lockstep on half of
+    each micro-batch; each parameter is one Parameter with a copy a replica, and each
+    replica's copies get the gradients of its half alone (the sum over replicas is the
+    caller's: `ParallelGPT`)."""
+    tokens = numpy.random.default_rng(3).integers(0, VOCAB, (4, SEQ))
+    labels = numpy.random.default_rng(4).integers(0, VOCAB, (4, SEQ))
+    net = gpt(2)
+    both = Pipeline(net, [devices(2, 1), devices(2, 3)], '1f1b', data=2)
+    assert both.params() == list(both.stages[0].collect_params().values()) + \
+        list(both.stages[1].collect_params().values())
+    for name, param in both.collect_params().items():
         stage = int(name.split('.')[0].removeprefix('stage'))
-        assert param.list_device() == [d2l.cpu(1 + stage), d2l.cpu(3 + stage)]
-    halves = [([np.array(a) for a in numpy.array_split(X[part], 2)],
-               [np.array(a) for a in numpy.array_split(Y[part], 2)])
-              for part in (slice(0, BATCH // 2), slice(BATCH // 2, None))]
-    first.forward_backward(*halves[0], LOSS)
-    second.forward_backward(*halves[1], LOSS)
-    for replica, (inputs, labels) in enumerate(halves):
-        alone = mlp(4)
-        Pipeline(alone, [d2l.cpu(1), d2l.cpu(2)], '1f1b').forward_backward(inputs, labels,
-                                                                             LOSS)
-        for param, own in zip(net.collect_params().values(), alone.collect_params().values()):
-            numpy.testing.assert_array_equal(param.list_grad()[replica].asnumpy(),
-                                             own.grad().asnumpy())
+        assert param.list_device() == devices(2, 1 + 2 * stage)
+    micro = [np.array(tokens[:2]), np.array(tokens[2:])]
+    losses = both.forward_backward(micro, [np.array(labels[:2]), np.array(labels[2:])], LOSS)
+    assert len(losses) == 4                      # two micro-batches × two replicas
+    for replica in range(2):
+        alone = Pipeline(gpt(2), [devices(1, 5), devices(1, 6)], '1f1b')
+        rows = [slice(replica, replica + 1), slice(2 + replica, 3 + replica)]
+        alone.forward_backward([np.array(tokens[r]) for r in rows],
+                               [np.array(labels[r]) for r in rows], LOSS)
+        for (name, param), own in zip(both.collect_params().items(),
+                                      alone.collect_params().values(), strict=True):
+            numpy.testing.assert_allclose(param.list_grad()[replica].asnumpy(),
+                                          own.grad().asnumpy(), atol=1e-6, err_msg=name)
 
 
 def test_a_net_set_to_add_accumulates_over_pipeline_steps():

@@ -197,7 +197,7 @@ def test_the_split_keeps_every_parameters_dtype_and_value(split):
         ranks = tensor_parallel(net, devices(2)).ranks
     else:
         parts = d2l.model_parallel.parallel_gpt(net, devices(4), tensor=2, pipeline=2)
-        ranks = [rank for part in parts.replicas[0].stages for rank in part.ranks]
+        ranks = [rank for part in parts.pipeline.stages for rank in part.ranks]
     for rank in ranks:
         for name, param in rank.collect_params().items():
             assert param.data().dtype == ('float32' if 'norm' in name else 'float16'), name
@@ -238,7 +238,7 @@ def test_each_device_runs_the_gpts_own_forward_with_f_and_g_inside_its_layers(mo
                         lambda self, x: calls.append(1) or forward(self, x))
     meet = TensorGroup.meet
     monkeypatch.setattr(TensorGroup, 'meet',
-                        lambda self, rank, x, c: meets.append(rank) or meet(self, rank, x, c))
+                        lambda self, x, c: meets.append(self.program()) or meet(self, x, c))
     tp(np.array(TOKENS))
     assert len(calls) == t * LAYERS and len(meets) == t * LAYERS * 2
 

@@ -23,7 +23,7 @@ from ..device import Device
 from ..nn.moe import Mixture, MoE
 from ..nn.transformer import MLP
 from ..np.multiarray import NDArray
-from .layers import copied
+from .stage import copied
 
 
 def expert_parallel(moe: MoE, devices: Sequence[Device]) -> ExpertParallelMoE:
@@ -58,20 +58,24 @@ class ExpertRank(Mixture):
         self.reset_device(device)
 
     def run_experts(self, arrived, senders, rows):
-        """The local experts' outputs for the rows that `senders` devices sent, in the order
-        they arrived: sender by sender, expert by expert, `rows` a sender and expert. Each
-        expert runs once, on its rows from every sender."""
-        local = len(self.experts)
+        return run_experts(self.experts, arrived, senders, rows)
 
-        def block(sender, expert):
-            start = (sender * local + expert) * rows
-            return start, start + rows
-        outputs = []
-        for e, expert in enumerate(self.experts):
-            mine = [arrived[slice(*block(i, e))] for i in range(senders)]
-            outputs.append(expert(mine[0] if senders == 1 else np.concatenate(mine)))
-        return np.concatenate([outputs[e][i * rows:(i + 1) * rows]
-                               for i in range(senders) for e in range(local)])
+
+def run_experts(experts, arrived, senders, rows):
+    """The outputs of a device's `experts` for the rows that `senders` devices sent, in the
+    order they arrived: sender by sender, expert by expert, `rows` a sender and expert. Each
+    expert runs once, on its rows from every sender."""
+    local = len(experts)
+
+    def block(sender, expert):
+        start = (sender * local + expert) * rows
+        return start, start + rows
+    outputs = []
+    for e, expert in enumerate(experts):
+        mine = [arrived[slice(*block(i, e))] for i in range(senders)]
+        outputs.append(expert(mine[0] if senders == 1 else np.concatenate(mine)))
+    return np.concatenate([outputs[e][i * rows:(i + 1) * rows]
+                           for i in range(senders) for e in range(local)])
 
 
 class ExpertParallelMoE:
@@ -128,6 +132,47 @@ class ExpertParallelMoE:
         if len(counts) > 1:
             raise ValueError(f'every device must hold the same number of tokens, so that the '
                              f'expert buffers have one shape; got {sorted(counts)}')
+
+
+class GridMixture(Mixture):
+    """A GPT layer's mixture inside a stage group (`layers.TensorGroup` with `expert` = e):
+    the router whole, and the experts `held` by the programs that run this share of the GPT
+    (in a 3D grid one share serves a program in every replica, whose expert ranks differ).
+    A program routes its tokens, sends each expert's rows to its expert rank and runs its
+    own E/e experts on what arrives from its e - 1 peers (`TensorGroup.expert_peers`), as
+    `ExpertParallelMoE` does for devices side by side. Each expert's Parameter has a copy on
+    the devices of the programs whose expert rank holds it, and its gradient is summed over
+    them (`TensorParallelGPT.finish_gradients`)."""
+
+    def __init__(self, num_hiddens, num_experts, top_k, group, held):
+        super().__init__(num_hiddens, num_experts, top_k)
+        self.group, self.held = group, sorted(held)
+        for e in self.held:
+            setattr(self, f'expert{e}', MLP(num_hiddens))
+
+    def expert(self, e):
+        return getattr(self, f'expert{e}')
+
+    def forward(self, x):
+        program = self.group.program()
+        peers, rank = self.group.expert_peers(program), self.group.expert_rank(program)
+        local = self.num_experts // len(peers)
+        tokens = x.reshape(-1, x.shape[-1])
+        routing = self.route(tokens)
+        arrived = self.group.meet(self.dispatch(tokens, routing), exchange, peers)
+        mine = [self.expert(e) for e in range(rank * local, (rank + 1) * local)]
+        done = run_experts(mine, arrived, len(peers), routing.capacity)
+        return self.combine(self.group.meet(done, exchange, peers), routing).reshape(x.shape)
+
+    def take(self, whole):
+        """The router and the held experts of the whole mixture `whole`, and its capacity."""
+        copied(self.router, whole.router)
+        for e in self.held:
+            copied(self.expert(e), whole.experts[e])
+        self.capacity_factor = whole.capacity_factor
+
+    def expert_params(self):
+        return {e: list(self.expert(e).collect_params().values()) for e in self.held}
 
 
 def exchange(arrays):

@@ -33,31 +33,44 @@ from ..nn.block import Dense
 from ..np.multiarray import alias
 from ..nn.init import Normal
 from ..nn.layer_spec import INIT_SIGMA, LayerSpec
-from . import context
+from . import context, expert
+from .stage import copied, in_dtypes_of
 
 
 class TensorGroup:
     """The `size` ranks that split each layer (t, a device each), the collectives that join
     them (`algorithm`), and whether the residual stream is split by tokens (`sequence`). A
-    collective joins the arrays the ranks bring, on whatever devices they are: data
-    parallelism's replicas of a group run through the same one.
+    collective joins the arrays the ranks bring, on whatever devices they are.
 
-    With context parallelism (`context` = c > 1) the group is c·t programs, t fastest
-    (Megatron's order, tp then cp): program r is tensor rank r mod t of context rank r // t.
-    The tensor collectives join the t programs of a context rank; the attention joins the c
-    programs of a tensor rank (`context_attention`, by `context_algorithm`)."""
+    With context parallelism (`context` = c > 1) and data parallelism (`data` = d > 1) the
+    group is d·c·t programs, t fastest, then c, then d (Megatron's order, tp-cp-dp): program
+    r is tensor rank r mod t of context rank (r // t) mod c of replica r // (c·t). The tensor
+    collectives join the t programs of a context rank; the attention joins the c programs of
+    a tensor rank (`context_attention`, by `context_algorithm`). The replicas run in
+    lockstep, so that a collective may join them too: with `expert` = e > 1 a mixture's
+    experts are spread over e programs carved out of the d·c that share a tensor rank
+    (Megatron's expert parallelism: it adds no devices), which meet at its all-to-alls."""
 
     def __init__(self, size, algorithm='ring', sequence=False, context=1,
-                 context_algorithm='ring'):
+                 context_algorithm='ring', data=1, expert=1):
         self.size, self.algorithm, self.sequence = size, algorithm, sequence
-        self.context, self.context_algorithm = context, context_algorithm
-        self.programs = size * context
+        self.context, self.context_algorithm, self.data = context, context_algorithm, data
+        self.expert, self.programs = expert, size * context * data
+        self.running = threading.local()            # the program this thread runs
+
+    def program(self):
+        """The program that runs on this thread: the replicas share their layers, so a layer
+        asks the group which program calls it."""
+        return self.running.rank
 
     def tensor_rank(self, rank):
         return rank % self.size
 
     def context_rank(self, rank):
-        return rank // self.size
+        return rank // self.size % self.context
+
+    def data_rank(self, rank):
+        return rank // (self.size * self.context)
 
     def tensor_peers(self, rank):
         """The programs that split a layer with `rank`: its context rank's t."""
@@ -65,8 +78,28 @@ class TensorGroup:
         return tuple(range(first, first + self.size))
 
     def context_peers(self, rank):
-        """The programs that hold the other chunks of the sequence for `rank`'s heads."""
-        return tuple(range(self.tensor_rank(rank), self.programs, self.size))
+        """The programs of `rank`'s replica that hold the other chunks of the sequence for
+        its heads."""
+        first = self.data_rank(rank) * self.size * self.context + self.tensor_rank(rank)
+        return tuple(range(first, first + self.size * self.context, self.size))
+
+    def expert_rank(self, rank):
+        """Of the d·c programs of `rank`'s tensor rank, numbered replica by replica and
+        context rank by context rank, each consecutive e are an expert group."""
+        return rank // self.size % self.expert
+
+    def expert_peers(self, rank):
+        """The programs of `rank`'s expert group: its e consecutive programs of the d·c that
+        share its tensor rank."""
+        first = rank - self.expert_rank(rank) * self.size
+        return tuple(range(first, first + self.expert * self.size, self.size))
+
+    def experts_held(self, share, num_experts):
+        """The experts that the programs running `share` (program share, and its copies in
+        the other replicas) hold: E/e a program, by its expert rank."""
+        shares, local = self.size * self.context, num_experts // self.expert
+        ranks = {self.expert_rank(share + r * shares) for r in range(self.data)}
+        return [e for e in range(num_experts) if e // local in ranks]
 
     def run(self, program, inputs, tokens_shape):
         """[program(rank, inputs[rank]) for each rank], each on a thread of its own (rank
@@ -75,16 +108,17 @@ class TensorGroup:
         tokens the inputs come from."""
         n = self.programs
         batch, seq = tokens_shape
-        self.tokens_shape, self.failure = (batch, seq // self.context), None
+        self.tokens_shape, self.failure = (batch // self.data, seq // self.context), None
         self.turns = [threading.Semaphore(0) for _ in range(n)]
         self.meetings, self.results, self.ended = {}, {}, set()
         self.joined, self.entered = [None] * n, [None] * n
-        self.joining = collections.Counter()        # a context rank's devices come so far
+        self.joining = collections.Counter()        # a tensor group's devices come so far
         self.idle = 0                               # turns handed on with no meeting done
         outputs = [None] * n
 
         def device_program(rank):
             try:
+                self.running.rank = rank
                 self.wait_turn(rank)
                 outputs[rank] = program(rank, inputs[rank])
                 self.ended.add(rank)
@@ -110,11 +144,12 @@ class TensorGroup:
             raise failure
         return outputs
 
-    def meet(self, rank, array, collective, among=None):
+    def meet(self, array, collective, among=None):
         """`collective` over the `array` of each program in `among` (by default the t that
-        split a layer with `rank`), run by the last of them to come, which goes on at once
+        split a layer with this one), run by the last of them to come, which goes on at once
         (one hand-off fewer); each gets its own result back. A program whose meeting is not
         complete hands its turn on until it is."""
+        rank = self.program()
         among = self.tensor_peers(rank) if among is None else among
         arrived = self.meetings.setdefault(among, {})
         arrived[rank], self.idle = array, 0
@@ -154,35 +189,37 @@ class TensorGroup:
             turn.release()
 
     # -- f and g ------------------------------------------------------------------------------
-    def enter(self, rank, x):
+    def enter(self, x):
         """f: the block's input `x` whole on every device, its gradients summed over the
         devices backward. The query, key and value read one input: f joins the devices once
         for the three (Megatron fuses them into one column-parallel layer for this)."""
+        rank = self.program()
         if self.entered[rank] is not None and self.entered[rank][0] is x:
             return self.entered[rank][1]
         if self.sequence:
-            out = self.meet(rank, x, self.gather_tokens)
+            out = self.meet(x, self.gather_tokens)
         else:
-            out = self.copy_in(rank, x)
+            out = self.copy_in(x)
         self.entered[rank] = (x, out)
         return out
 
-    def leave(self, rank, part):
+    def leave(self, part):
         """g: the devices' parts of the block's output summed (each device's tokens' sums,
         with sequence parallelism)."""
-        return self.meet(rank, part, self.scatter_tokens if self.sequence else self.sum_parts)
+        return self.meet(part, self.scatter_tokens if self.sequence else self.sum_parts)
 
-    def copy_in(self, rank, x):
+    def copy_in(self, x):
         """f, the tokens whole: the identity forward, so a device goes on at once with an
         alias of its `x`; once the last device's has come, their gradients are tied together
         (`autograd.collective`), to be summed by an allreduce in backward."""
         if not autograd.is_recording():
             return x
+        rank = self.program()
         self.joined[rank] = x, alias(x, x.shape, x.dtype, lambda data: data, 'collective')
-        context_rank = self.context_rank(rank)
-        self.joining[context_rank] += 1
-        if self.joining[context_rank] == self.size:
-            self.joining[context_rank] = 0
+        first = self.tensor_peers(rank)[0]
+        self.joining[first] += 1
+        if self.joining[first] == self.size:
+            self.joining[first] = 0
             xs, outs = zip(*(self.joined[peer] for peer in self.tensor_peers(rank)))
             autograd.collective(list(outs), list(xs), self.allreduce)
         return self.joined[rank][1]
@@ -257,7 +294,7 @@ class ColumnParallelDense(ParallelDense):
         super().__init__(units // group.size, in_units, group, rank)
 
     def forward(self, x):
-        return super().forward(self.group.enter(self.rank, x))
+        return super().forward(self.group.enter(x))
 
     def take(self, whole):
         """Rows of the weight and the bias: this device's output features."""
@@ -277,7 +314,7 @@ class RowParallelDense(ParallelDense):
             self.bias.grad_req = 'null'
 
     def forward(self, x):
-        return self.group.leave(self.rank, super().forward(x))
+        return self.group.leave(super().forward(x))
 
     def take(self, whole):
         """Columns of the weight: this device's input features; the bias on the first."""
@@ -298,11 +335,11 @@ class ReplicatedDense(ParallelDense):
 
     def forward(self, x):
         if self.group.sequence:
-            x = self.group.meet(self.rank, x, self.every_token)
+            x = self.group.meet(x, self.every_token)
         out = super().forward(x)
         if self.group.context > 1:
-            out = self.group.meet(self.rank, out, context.whole_sequence,
-                                  self.group.context_peers(self.rank))
+            out = self.group.meet(out, context.whole_sequence,
+                                  self.group.context_peers(self.group.program()))
         return out
 
     def every_token(self, shards):
@@ -347,29 +384,20 @@ class DeviceSpec(LayerSpec):
         each, part = count // self.parts, self.group.tensor_rank(self.rank)
         return x.reshape(count, hidden)[part * each:(part + 1) * each]
 
+    def mixture(self, num_hiddens, num_experts, top_k):
+        """Whole on every device, or with expert parallelism this share's experts."""
+        if self.group.expert == 1:
+            return super().mixture(num_hiddens, num_experts, top_k)
+        held = self.group.experts_held(self.rank, num_experts)
+        return expert.GridMixture(num_hiddens, num_experts, top_k, self.group, held)
+
     def attention(self, q, k, v):
         """Over the whole sequence: with context parallelism the c programs of this tensor
         rank meet, each with its chunks' q, k and v packed side by side."""
         if self.group.context == 1:
             return super().attention(q, k, v)
-        return self.group.meet(self.rank, np.concatenate((q, k, v), axis=-1),
-                               self.context_attention, self.group.context_peers(self.rank))
+        return self.group.meet(np.concatenate((q, k, v), axis=-1), self.context_attention,
+                               self.group.context_peers(self.group.program()))
 
     def context_attention(self, packed):
         return context.attention_of_chunks(packed, self.group.context_algorithm)
-
-
-def copied(block, source):
-    """`block` (built alike) with `source`'s values."""
-    in_dtypes_of(block, source)
-    for mine, theirs in zip(block.collect_params().values(), source.collect_params().values()):
-        mine.set_data(theirs.data().copy())
-    return block
-
-
-def in_dtypes_of(block, source):
-    """`block` initialized with each parameter in the dtype of `source`'s (built alike): a
-    float16 net splits into float16 parts, its float32 norms stay float32."""
-    for mine, theirs in zip(block.collect_params().values(), source.collect_params().values()):
-        mine.cast(theirs.data().dtype)
-    block.initialize()

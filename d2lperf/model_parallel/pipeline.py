@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import copy
 from typing import Sequence
 
 import numpy
@@ -45,14 +44,15 @@ class Pipeline:
     split), or a list of t Devices, whose parts are tensor-parallel copies of a GPT's layers
     (the net is left as it is; `sequence=True` splits their residual stream by tokens too,
     so that a stage sends each device's tokens only; `context` = c > 1 makes a group c·t
-    devices that split the sequence too, `TensorParallelGPT`'s context parallelism).
-    `stages[k]` is the model's part k, a
-    `Stage`, on devices[k mod p]; the pipeline calls nothing else of it."""
+    devices that split the sequence too, and `data` = d > 1 d·c·t devices, d replicas of
+    the group run in lockstep on 1/d of each micro-batch, over e of which `expert` = e > 1
+    spreads the experts: `TensorParallelGPT`'s context, data and expert parallelism). `stages[k]` is the model's part k, a `Stage`, on devices[k mod p];
+    the pipeline calls nothing else of it."""
 
     def __init__(self, net: Block, devices: Sequence[Device | Sequence[Device]],
                  schedule: str = '1f1b', chunks: int = 1, sizes: Sequence[int] | None = None,
                  algorithm: str = 'ring', sequence: bool = False, context: int = 1,
-                 context_algorithm: str = 'ring'):
+                 context_algorithm: str = 'ring', data: int = 1, expert: int = 1):
         self.devices, self.schedule, self.chunks = list(devices), schedule, chunks
         self.sent = collections.Counter()      # bytes each device sent to another stage
         p = len(self.devices)
@@ -61,13 +61,14 @@ class Pipeline:
         check(schedule, p, p, chunks)
         spans = cut(len(net.children()), p * chunks, sizes)
         self.stages = build_stages(net, self.devices, spans, algorithm, sequence, context,
-                                   context_algorithm)
+                                   context_algorithm, data, expert)
 
     def forward_backward(self, inputs: Sequence[NDArray], labels: Sequence[NDArray], loss):
         """Forward and backward of every micro-batch (`inputs[i]`, `labels[i]`), by the schedule;
         each parameter's `.grad` becomes the sum over the micro-batches (autograd adds them:
         grad_req 'add' for the step). Returns the losses (each summed over its micro-batch), on
-        the last part's (first) device."""
+        the last part's (first) device: with d replicas, d a micro-batch, each summed over its
+        replica's share, micro-batch by micro-batch."""
         m, last = len(inputs), len(self.stages) - 1
         if m == 0 or len(labels) != m:
             raise ValueError(f'{m} micro-batches of inputs and {len(labels)} of labels: give '
@@ -79,14 +80,14 @@ class Pipeline:
             for action in in_order(plan):
                 k, mb, stage = action.stage, action.microbatch, self.stages[action.stage]
                 if action.kind == 'F':
-                    source = inputs[mb] if k == 0 else outputs[mb, k - 1]
+                    source = stage.inputs_of(inputs[mb]) if k == 0 else outputs[mb, k - 1]
                     borders[mb, k] = border = self.arrive(source, k, leaf=k > 0, count=k > 0)
                     with autograd.record():
                         outs = stage.forward(border, inputs[mb].shape)
                         if k == last:
-                            outs = [loss(out, labels[mb].copyto(out.device)).sum()
-                                    for out in outs]
-                            losses[mb] = outs[0]
+                            outs = [loss(out, y.copyto(out.device)).sum() for out, y
+                                    in zip(outs, stage.inputs_of(labels[mb]), strict=True)]
+                            losses[mb] = stage.one_a_replica(outs)
                     outputs[mb, k] = outs
                 else:
                     outs = outputs.pop((mb, k))
@@ -98,7 +99,7 @@ class Pipeline:
                         grads_in[mb, k] = [x.grad for x in border]
         for stage in self.stages:
             stage.finish_gradients()
-        return losses
+        return [replicas_loss for replicas in losses for replicas_loss in replicas]
 
     def arrive(self, arrays, k, leaf=True, count=True):
         """`arrays` copied to part k's devices, one each (an array given alone goes to all), as
@@ -134,39 +135,23 @@ class Pipeline:
         """The devices this pipeline's stages run on."""
         return {device for stage in self.stages for device in stage.devices}
 
-    def replica(self, devices):
-        """This pipeline again on `devices` (one entry a stage, as the constructor takes
-        them): data parallelism's replica, whose parts are this one's, each parameter given a
-        copy on the replica's device (one Parameter, a copy a replica, as a data-parallel
-        net's). Each replica's step adds into its own copies' gradients."""
-        if len(devices) != len(self.devices):
-            raise ValueError(f'a replica of a pipeline of {len(self.devices)} stages needs as '
-                             f'many, not {len(devices)}')
-        twin = copy.copy(self)
-        twin.devices, twin.sent = list(devices), collections.Counter()
-        twin.stages = [stage.replica(as_group(devices[k % len(devices)]))
-                       for k, stage in enumerate(self.stages)]
-        return twin
 
-
-def as_group(stage):
-    """A stage's devices as a list: a Device alone, or its group."""
-    return [stage] if isinstance(stage, Device) else list(stage)
-
-
-def build_stages(net, devices, spans, algorithm, sequence, context=1, context_algorithm='ring'):
+def build_stages(net, devices, spans, algorithm, sequence, context=1, context_algorithm='ring',
+                 data=1, expert=1):
     """Part k of `net` (its children `spans[k]`) as the Stage that stage k mod p runs: a
     `Part` on one Device, or a `TensorParallelGPT` on a group of Devices."""
     p = len(devices)
     if all(isinstance(stage, Device) for stage in devices):
-        if context > 1:
-            raise ValueError(f'context={context} splits a stage\'s sequence over its devices: '
-                             'give each stage a list of devices (c·t), not one Device')
+        if context * data > 1:
+            raise ValueError(f'context={context} and data={data} split a stage over its '
+                             'devices: give each stage a list of devices (d·c·t), not one '
+                             'Device')
         return [Part(net, devices[k % p], span) for k, span in enumerate(spans)]
     if all(isinstance(stage, (list, tuple)) for stage in devices):
         check_groups(devices)
         return [TensorParallelGPT(net, devices[k % p], algorithm, sequence, span, context,
-                                  context_algorithm) for k, span in enumerate(spans)]
+                                  context_algorithm, data, expert)
+                for k, span in enumerate(spans)]
     raise ValueError('each stage is a Device, or each is a list of Devices (a tensor-'
                      f'parallel group), not a mix: {devices}')
 
@@ -201,17 +186,6 @@ class Part(Stage):
         """Its parameters by the net's names (`3.mlp.dense1.weight`: the net's unit 3's)."""
         return named(self.net, self.layers)
 
-    def replica(self, devices):
-        """The same layers on `devices[0]` too: each parameter given a copy there."""
-        if len(devices) != 1:
-            raise ValueError(f'a replica of a part on one device needs one device, not '
-                             f'{devices}')
-        device, = devices
-        copy_onto(self.params(), device)
-        twin = copy.copy(self)
-        twin.devices = [device]
-        return twin
-
 
 def check_groups(stages):
     """Tensor-parallel stages of one size: stage k hands device i's activations to device i
@@ -230,8 +204,7 @@ def check_groups(stages):
 
 @contextlib.contextmanager
 def accumulating(params, devices):
-    """The step's parameters' copies on `devices` (this replica's: the others' gradients are
-    theirs) zeroed and added into (`autograd.adding`), so that each micro-batch's backward
+    """The step's parameters' copies on `devices` (the pipeline's own) zeroed and added into (`autograd.adding`), so that each micro-batch's backward
     adds its gradient to `.grad`. No parameter changes its grad_req: a Ctrl-C anywhere in the
     step leaves none adding into the next. (One the user set to 'add' keeps adding over
     steps, until its zero_grad().)"""

@@ -2,13 +2,14 @@
 and all it calls.
 
 A stage holds consecutive units of a model on its devices: one device (`pipeline.Part`), or
-a tensor-parallel group of t devices that split each layer (`tensor.TensorParallelGPT`).
+a group of devices that split each layer, its sequence and its batch (tensor, context and
+data parallelism: `tensor.TensorParallelGPT`).
 Values cross a stage's border as lists, one array a device of the stage, so that a pipeline
 moves a group's activations device to device without knowing how the group splits them.
 A stage names its parameters as the whole net's `collect_params()` does, after the place
-that holds them (`rank1.3.mlp.dense1.weight`: the tensor-parallel rank, then the net's name),
-and data parallelism's replicas of a stage are the same stage on other devices: one
-Parameter, with a copy a replica (`replica`), as a data-parallel net's parameters are.
+that holds them (`rank1.3.mlp.dense1.weight`: the tensor-parallel rank, then the net's name);
+data parallelism's replicas of a stage run the same ranks on other devices: one Parameter,
+with a copy a replica, as a data-parallel net's parameters are.
 Taught in "Model Parallelism".
 """
 from __future__ import annotations
@@ -54,10 +55,20 @@ class Stage(abc.ABC):
         """Every parameter the part trains, in order."""
         return list(self.collect_params().values())
 
-    @abc.abstractmethod
-    def replica(self, devices: list[Device]) -> Stage:
-        """This part again on `devices` (one a device of the stage), for data parallelism:
-        the same parameters, each given a copy on its device there."""
+    def summed_over_replicas(self) -> list[Parameter]:
+        """The parameters whose gradients data parallelism sums over the replicas' copies:
+        all of them, unless the stage sums some itself (experts, over those that hold them)."""
+        return self.params()
+
+    def inputs_of(self, tokens: NDArray) -> list[NDArray]:
+        """What each device of the part reads of a micro-batch's tokens (or labels), at the
+        pipeline's start (and its loss): all of them, unless its devices are replicas that
+        share the micro-batch."""
+        return [tokens] * len(self.devices)
+
+    def one_a_replica(self, losses: list[NDArray]) -> list[NDArray]:
+        """Of the losses at the part's devices, one a replica (its devices' are alike)."""
+        return losses[:1]
 
 
 def named(net: Block, units: Sequence[Block], prefix: str = '') -> ParameterDict:
@@ -72,3 +83,19 @@ def copy_onto(params: Sequence[Parameter], device: Device) -> None:
     """Each parameter given one more copy, on `device`, of its first: a replica's."""
     for param in params:
         param.reset_device(param.list_device() + [device])
+
+
+def copied(block, source):
+    """`block` (built alike) with `source`'s values."""
+    in_dtypes_of(block, source)
+    for mine, theirs in zip(block.collect_params().values(), source.collect_params().values()):
+        mine.set_data(theirs.data().copy())
+    return block
+
+
+def in_dtypes_of(block, source):
+    """`block` initialized with each parameter in the dtype of `source`'s (built alike): a
+    float16 net splits into float16 parts, its float32 norms stay float32."""
+    for mine, theirs in zip(block.collect_params().values(), source.collect_params().values()):
+        mine.cast(theirs.data().dtype)
+    block.initialize()

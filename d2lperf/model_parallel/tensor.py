@@ -22,7 +22,6 @@ Taught in "Tensor and Sequence Parallelism".
 """
 from __future__ import annotations
 
-import copy
 from typing import Sequence
 
 from .. import autograd, comm
@@ -32,19 +31,23 @@ from ..nn.parameter import ParameterDict
 from ..nn.transformer import GPT
 from ..np.multiarray import NDArray
 from .context import ALGORITHMS
-from .layers import DeviceSpec, ParallelDense, TensorGroup, copied
-from .stage import Stage, copy_onto, named
+from .expert import GridMixture
+from .layers import DeviceSpec, ParallelDense, TensorGroup
+from .stage import Stage, copied, copy_onto, named
 
 
 def tensor_parallel(net: GPT, devices: Sequence[Device], algorithm: str = 'ring',
-                    sequence: bool = False, context: int = 1, context_algorithm: str = 'ring'):
+                    sequence: bool = False, context: int = 1, context_algorithm: str = 'ring',
+                    data: int = 1, expert: int = 1):
     """A copy of the GPT `net` split over `devices` (the net itself is left as it is);
     `sequence=True` splits the residual stream and the norms by tokens too. With `context`
     = c > 1 the sequence is split over c groups of len(devices) / c (context parallelism:
     each holds zig-zag chunks, and the attention brings the others' keys and values by
-    `context_algorithm`, 'ring', 'all_gather' or 'ulysses')."""
+    `context_algorithm`, 'ring', 'all_gather' or 'ulysses'). With `data` = d replicas of
+    that group, run in lockstep, each on 1/d of the batch, `expert` = e > 1 spreads the
+    mixtures' experts over e of the d·c programs of each tensor rank."""
     return TensorParallelGPT(net, devices, algorithm, sequence, context=context,
-                             context_algorithm=context_algorithm)
+                             context_algorithm=context_algorithm, data=data, expert=expert)
 
 
 class TensorParallelGPT(Stage):
@@ -52,79 +55,126 @@ class TensorParallelGPT(Stage):
 
     `net(tokens)` returns the logits on every device (the same values); `backward(losses)`
     runs every device's backward pass at once, and `finish_gradients()` ends the step;
-    with context parallelism (`context` = c), `ranks` are c·t programs, t fastest, each
-    context rank's t a tensor-parallel group of its own over its chunks of the sequence;
-    `collect_params()` has every rank's parameters, each with a copy on its rank's device
-    (`rank1.3.mlp.dense1.weight`: rank 1's share of the GPT's), and one a replica's. As a
-    pipeline's `Stage` it holds the units `units` of the net."""
+    `collect_params()` has every rank's parameters (`rank1.3.mlp.dense1.weight`: rank 1's
+    share of the GPT's). As a pipeline's `Stage` it holds the units `units` of the net.
+
+    With context parallelism (`context` = c) there are c·t ranks, t fastest, each context
+    rank's t a tensor-parallel group of its own over its chunks of the sequence. With `data`
+    = d replicas the group runs d·c·t programs, in lockstep, each replica's on 1/d of the
+    batch: program p runs rank p mod c·t, whose parameters have one copy a replica (one
+    Parameter, as a data-parallel net's), each layer reading the copy on the device of what
+    reaches it."""
 
     def __init__(self, net, devices, algorithm='ring', sequence=False, units=slice(None),
-                 context=1, context_algorithm='ring'):
+                 context=1, context_algorithm='ring', data=1, expert=1):
         self.devices, self.sequence = list(devices), sequence
-        t = check_context(len(self.devices), context, context_algorithm, net.config)
+        t = check_context(len(self.devices) // data, context, context_algorithm, net.config)
         check_collectives(t, algorithm, sequence)
-        self.group = TensorGroup(t, algorithm, sequence, context, context_algorithm)
+        check_experts(expert, data * context, net.config)
+        self.group = TensorGroup(t, algorithm, sequence, context, context_algorithm, data,
+                                 expert)
+        ranks = len(self.devices) // data
         self.ranks = [Rank(net, DeviceSpec(self.group, rank), device, units)
-                      for rank, device in enumerate(self.devices)]
+                      for rank, device in enumerate(self.devices[:ranks])]
+        for replica in range(1, data):
+            for rank, device in zip(self.ranks, self.devices[replica * ranks:]):
+                copy_onto(list(rank.collect_params().values()), device)
+        for (_, params), devices in self.expert_copies().items():
+            for param in params:
+                param.reset_device(devices)
+
+    def expert_copies(self):
+        """{(share, layer, expert): its parameters} -> the devices of the programs that run
+        the share and whose expert rank holds the expert: where its copies live."""
+        copies = {}
+        for program, device in enumerate(self.devices):
+            share = program % len(self.ranks)
+            for layer, mixture in enumerate(self.ranks[share].grid_mixtures()):
+                local = mixture.num_experts // self.group.expert
+                for e, params in mixture.expert_params().items():
+                    if e // local == self.group.expert_rank(program):
+                        key = (share, layer, e), tuple(params)
+                        copies.setdefault(key, []).append(device)
+        return copies
 
     def __call__(self, tokens: NDArray) -> list[NDArray]:
         """The tokens through the embedding, the layers and the head: the logits on every
-        device."""
-        return self.forward([tokens.copyto(device) for device in self.devices], tokens.shape)
+        device (of its replica's share of the batch)."""
+        return self.forward([x.copyto(device) for x, device in
+                             zip(self.inputs_of(tokens), self.devices)], tokens.shape)
+
+    def inputs_of(self, tokens):
+        """What each program reads of a (batch, ...) array of the tokens or the labels: its
+        replica's 1/d of the batch."""
+        d, batch = self.group.data, tokens.shape[0]
+        if batch % d:
+            raise ValueError(f'a micro-batch of {batch} does not split into {d} replicas: use '
+                             f'a batch that {d} × the micro-batches divides')
+        each = batch // d
+        return [tokens[r * each:(r + 1) * each] for r in map(self.group.data_rank,
+                                                             range(len(self.devices)))]
+
+    def one_a_replica(self, outs):
+        return [outs[first] for first in range(0, len(outs), len(self.ranks))]
 
     def forward(self, xs, tokens_shape):
         """What reaches this part (one array a device: the tokens, or, with sequence
         parallelism, each device's tokens of the micro-batch whose tokens have
         `tokens_shape`) through the units it holds: each device's program on its own share
         (each layer reads its parameters' copies on the device of what reaches it)."""
-        return self.group.run(lambda rank, x: self.ranks[rank](x), xs, tokens_shape)
+        return self.group.run(lambda rank, x: self.ranks[rank % len(self.ranks)](x), xs,
+                              tokens_shape)
 
     def backward(self, outs, heads=None):
         """Every device's backward pass of one micro-batch side by side, from `heads` (None
         at the loss). One head (and head gradient) a device, or a device's walk would be left
         out and the collectives in backward would pair the wrong arrays: a drift raises."""
-        t = len(self.ranks)
-        if len(outs) != t:
-            raise ValueError(f'{len(outs)} heads for {t} devices: a tensor-parallel backward '
+        n = len(self.devices)
+        if len(outs) != n:
+            raise ValueError(f'{len(outs)} heads for {n} devices: a tensor-parallel backward '
                              'walks one head a device, side by side')
-        if heads is not None and len(heads) != t:
-            raise ValueError(f'{len(heads)} head gradients for {t} devices: give one a device')
+        if heads is not None and len(heads) != n:
+            raise ValueError(f'{len(heads)} head gradients for {n} devices: give one a device')
         autograd.backward_together(outs, head_grads=heads)
 
     def finish_gradients(self):
         """With sequence parallelism, the gradients of the whole copies that saw a device's
         tokens only, summed over the t devices; with context parallelism, every gradient
         summed over the c devices that hold the same share, each of which saw its chunks of
-        the sequence only (a pipeline does it once, after the step's last micro-batch)."""
+        the sequence only (a pipeline does it once, after the step's last micro-batch). The
+        sum over the replicas is the caller's (`ParallelGPT.sum_gradients`)."""
+        group = self.group
         if self.sequence:
-            for first in range(0, len(self.ranks), self.group.size):
-                self.sum_over(self.group.tensor_peers(first), Rank.token_params)
-        if self.group.context > 1:
-            for part in range(self.group.size):
-                self.sum_over(self.group.context_peers(part), Rank.trained_params)
+            for first in range(0, len(self.devices), group.size):
+                self.sum_over(group.tensor_peers(first), Rank.token_params)
+        if group.context > 1:
+            for first in range(0, len(self.devices), group.size * group.context):
+                for part in range(first, first + group.size):
+                    self.sum_over(group.context_peers(part), Rank.dense_params)
+        for (_, params), devices in self.expert_copies().items():
+            for param in params:                   # over the programs that hold the expert
+                group.allreduce([param.grad(device) for device in devices])
+
+    def summed_over_replicas(self):
+        """The parameters whose gradients the caller sums over the replicas: all but the
+        experts', which `finish_gradients` sums over the programs that hold them."""
+        experts = {id(p) for (_, params), _ in self.expert_copies().items() for p in params}
+        return [param for param in self.params() if id(param) not in experts]
 
     def sum_over(self, peers, params_of):
-        """Each of `params_of(rank)`'s gradients summed over the programs `peers`."""
-        for params in zip(*(params_of(self.ranks[peer]) for peer in peers)):
+        """Each of `params_of(rank)`'s gradients summed over the programs `peers` (those with
+        a copy on the peers' devices: a share's experts live on some of its programs only)."""
+        def held(peer):
+            device = self.devices[peer]
+            return [param for param in params_of(self.ranks[peer % len(self.ranks)])
+                    if device in param.list_device()]
+        for params in zip(*map(held, peers), strict=True):
             self.group.allreduce([param.grad(self.devices[peer])
                                   for param, peer in zip(params, peers)])
 
     def collect_params(self):
         return ParameterDict((f'rank{r}.{name}', param) for r, rank in enumerate(self.ranks)
                              for name, param in rank.collect_params().items())
-
-    def replica(self, devices):
-        """The same ranks on the group `devices` too: each parameter of rank r given a copy
-        on devices[r]. The two share the ranks' layers, which read the copy on the device of
-        what reaches them, and the group, which joins t ranks wherever they are."""
-        if len(devices) != len(self.devices):
-            raise ValueError(f'a replica of a group of {len(self.devices)} devices needs as '
-                             f'many, not {len(devices)}')
-        for rank, device in zip(self.ranks, devices):
-            copy_onto(list(rank.collect_params().values()), device)
-        twin = copy.copy(self)
-        twin.devices = list(devices)
-        return twin
 
 
 def check_context(devices, context, algorithm, config):
@@ -140,6 +190,18 @@ def check_context(devices, context, algorithm, config):
         raise ValueError(f'Ulysses splits the {heads // t} heads a device holds over '
                          f'{context} devices: use a context size that divides them, or the ring')
     return t
+
+
+def check_experts(expert, replicas, config):
+    """Refuse an expert group that does not divide the d·c programs of a tensor rank, or
+    whose size does not divide the experts."""
+    num_experts = config[5]
+    if not isinstance(expert, int) or expert < 1 or replicas % expert:
+        raise ValueError(f'expert={expert!r}: expert parallelism is carved out of the data × '
+                         f'context ranks ({replicas}); use a size that divides them')
+    if expert > 1 and (num_experts == 0 or num_experts % expert):
+        raise ValueError(f'expert={expert} needs a GPT whose mixtures\' {num_experts} experts '
+                         f'split among {expert} ranks: use num_experts a multiple of {expert}')
 
 
 def check_collectives(t, algorithm, sequence):
@@ -173,8 +235,17 @@ class Rank:
             x = unit(x)
         return x
 
-    def trained_params(self):
-        return [param for param in self.collect_params().values() if param.grad_req != 'null']
+    def dense_params(self):
+        """The trained parameters but the experts' of a grid's mixtures."""
+        experts = {id(p) for mixture in self.grid_mixtures()
+                   for params in mixture.expert_params().values() for p in params}
+        return [param for param in self.collect_params().values()
+                if param.grad_req != 'null' and id(param) not in experts]
+
+    def grid_mixtures(self):
+        """Its units' mixtures spread over an expert group, in order."""
+        return [block for unit in self.units for block in blocks_in(unit)
+                if isinstance(block, GridMixture)]
 
     def token_params(self):
         """The whole copies that see only this device's tokens under sequence parallelism:
@@ -196,7 +267,7 @@ def share(config, spec):
 def fill(mine: Block, whole: Block):
     """`mine` (a device's share of `whole`) with whole's values: each parallel layer takes
     its share, the rest is copied whole."""
-    if isinstance(mine, ParallelDense):
+    if isinstance(mine, (ParallelDense, GridMixture)):
         mine.take(whole)
     elif not any(isinstance(block, ParallelDense) for block in blocks_in(mine)):
         copied(mine, whole)

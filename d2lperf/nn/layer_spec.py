@@ -29,6 +29,8 @@ class LayerSpec:
       and the MLP's output projections): the block's output leaves it whole;
     * `replicated(units, in_units)`: one whole on every device (the head's);
     * `local_tokens(x)`: of the embeddings' output, the tokens this device holds;
+    * `mixture(num_hiddens, num_experts, top_k)`: a mixture of experts (an expert-parallel
+      spec makes one device's share of its experts);
     * `attention(q, k, v)`: causal attention of the heads (batch, heads, seq, d) it holds,
       over the tokens it holds (a context-parallel spec brings the other devices' keys and
       values)."""
@@ -49,6 +51,10 @@ class LayerSpec:
 
     def attention(self, q, k, v):
         return npx.attention(q, k, v)
+
+    def mixture(self, num_hiddens, num_experts, top_k):
+        from .moe import MoE          # the mixture is made of this module's MLP: import it late
+        return MoE(num_hiddens, num_experts, top_k)
 
 
 WHOLE = LayerSpec()

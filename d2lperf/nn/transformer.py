@@ -18,7 +18,7 @@ from ..np import extension as npx
 from .block import HybridBlock, HybridSequential
 from .init import Constant, Normal, Zero
 from .layer_spec import INIT_SIGMA, MLP, WHOLE
-from .moe import MoE
+from .moe import Mixture
 from .parameter import Parameter
 
 class Embedding(HybridBlock):
@@ -121,7 +121,7 @@ class TransformerLayer(HybridBlock):
         self.attention_norm = LayerNorm(num_hiddens)
         self.attention = CausalSelfAttention(num_hiddens, num_heads, spec)
         self.mlp_norm = LayerNorm(num_hiddens)
-        self.mlp = (MoE(num_hiddens, num_experts, top_k) if num_experts
+        self.mlp = (spec.mixture(num_hiddens, num_experts, top_k) if num_experts
                     else MLP(num_hiddens, spec=spec))
 
     def forward(self, x):
@@ -181,7 +181,7 @@ class GPT(HybridSequential):
 
     def mixtures(self):
         """The layers' mixtures of experts (`MoE`), in order: none without experts."""
-        return [layer.mlp for layer in self.children()[1:-1] if isinstance(layer.mlp, MoE)]
+        return [layer.mlp for layer in self.children()[1:-1] if isinstance(layer.mlp, Mixture)]
 
 
 def check_experts(num_experts, moe_every):
