@@ -122,6 +122,20 @@ def test_a_waiter_does_not_run_an_operation_whose_dependencies_are_not_met():
     assert seen == [True] and not waiter.is_alive()
 
 
+def test_running_a_chain_wakes_the_lane_once():
+    """A waiter that runs a chain of operations, each made ready by the last one's completion,
+    wakes the lane's thread only for the chain's first, ready when pushed: each wake-up would
+    be a system call, and a thread taking the interpreter from the one that runs the chain."""
+    x = d2l.np.zeros((2,))
+    x.wait_to_read()
+    with lane_asleep(CPU0) as worker:
+        for _ in range(10):
+            x = x + 1
+        x.wait_to_read()
+        assert worker.wakeups.held == [True]
+    assert x.asnumpy().tolist() == [10, 10]
+
+
 def test_a_waiter_does_not_run_a_lane_its_thread_is_running():
     var, gate, started, log = engine.Var(), threading.Event(), threading.Event(), []
     engine.push(lambda: started.set() or gate.wait(10), [], [], CPU0, 'busy')
