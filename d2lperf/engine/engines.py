@@ -283,7 +283,7 @@ class ThreadedEngine(Engine):
                 self.errors.append(error)
             if op.device is not None:
                 self.in_flight -= 1
-                if not self.in_flight:
+                if not self.in_flight and self.idle_sleepers:
                     wake(self.idle_sleepers)
                 if self.room_sleepers and self.in_flight < self.limit:
                     wake(self.room_sleepers)

@@ -357,10 +357,10 @@ BASIC_INDEX = (int, numpy.integer, slice, type(None), type(Ellipsis))
 
 
 def check_basic_key(key):
-    parts = key if isinstance(key, tuple) else (key,)
-    if not all(isinstance(k, BASIC_INDEX) for k in parts):
-        raise IndexError('d2lperf arrays take basic indexes only (ints, slices, None, ...); '
-                         'for gathering by index arrays use npx.pick')
+    for part in key if isinstance(key, tuple) else (key,):
+        if not isinstance(part, BASIC_INDEX):
+            raise IndexError('d2lperf arrays take basic indexes only (ints, slices, None, ...);'
+                             ' for gathering by index arrays use npx.pick')
     return key
 
 
