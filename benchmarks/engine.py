@@ -296,7 +296,8 @@ def issue_over_finish(n=d2l.workload(1000, 400)):
 # Run in a fresh interpreter on another tree of d2lperf (an older commit's): only the calls
 # every version has, so that a change in the per-op cost is measured side by side. One line:
 # µs per op for NumPy's own x + 1 (the floor, from the same process), the naive engine, the
-# threaded engine waiting after every op, asynchronously.
+# threaded engine waiting after every op, asynchronously; then a decode step of the small GPT
+# at batch 1 (many small operations, one wait), in ms, and the thread switches it caused.
 PER_OP_ROWS = """
 import statistics, time
 import numpy
@@ -325,10 +326,29 @@ def per_op(kind, wait_each):
     for _ in range({repeats}):
         start = time.perf_counter(); run(); times.append(time.perf_counter() - start)
     return statistics.median(times) / {ops} * 1e6
-print(numpy_floor(), per_op('naive', False), per_op('threaded', True), per_op('threaded', False))
+def decode_step(steps=200):
+    try:
+        from d2lperf.inference import roofline
+    except ImportError:                 # a tree from before generation
+        return float('nan'), float('nan')
+    import resource
+    engine.use('threaded')
+    numpy.random.seed(0)
+    step = roofline.decode_step(d2l.nn.GPT(96, 2, 128, 4, 1024).initialize(), 1, 32)
+    for _ in range(10):
+        step()
+    switches = resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter(); step(); times.append(time.perf_counter() - start)
+    switches = resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw - switches
+    return statistics.median(times) * 1e3, switches / steps
+print(numpy_floor(), per_op('naive', False), per_op('threaded', True), per_op('threaded', False),
+      *decode_step())
 """
-ROWS = ('NumPy x + 1 (floor)', 'naive engine', 'threaded, wait after every op',
-        'threaded, asynchronous')
+ROWS = ('NumPy x + 1 (floor), µs', 'naive engine, µs', 'threaded, wait after every op, µs',
+        'threaded, asynchronous, µs', 'decode step (2 x 128 GPT, batch 1), ms',
+        'voluntary context switches a decode step')
 
 
 def compare_trees(trees, rounds=3):
@@ -339,8 +359,8 @@ def compare_trees(trees, rounds=3):
     import sys
     code = PER_OP_ROWS.format(ops=OPS, repeats=REPEATS)
     figures = {tree: {row: [] for row in ROWS} for tree in trees}
-    for _ in range(rounds):
-        for tree in trees:
+    for turn in range(rounds):
+        for tree in trees if turn % 2 == 0 else trees[::-1]:
             env = dict(os.environ, PYTHONPATH=tree)
             done = subprocess.run([sys.executable, '-c', code], env=env, capture_output=True,
                                   text=True, check=True, cwd=tree)
@@ -350,10 +370,14 @@ def compare_trees(trees, rounds=3):
 
 
 def print_comparison(trees, rounds):
+    import os
+    load = os.getloadavg()[0]
     figures = compare_trees(trees, rounds)
+    print(f'load average (1 min): {load:.2f} before, {os.getloadavg()[0]:.2f} after')
     first = figures[trees[0]]
-    print(f'x + 1, µs per op, {rounds} alternations (median of {REPEATS} each); ratio to '
-          f'{trees[0]} in the same alternation')
+    print(f'x + 1 ({OPS} ops, median of {REPEATS} loops) and a decode step of speculative '
+          f'decoding\'s target (median of 200), {rounds} alternations; ratio to {trees[0]} in '
+          'the same alternation')
     for row in ROWS:
         print(f'{row}:')
         for tree, rows in figures.items():
