@@ -225,12 +225,6 @@ class Workers:
         worker = self.lanes.get((op.device, op.lane)) or self.start(op.device, op.lane)
         worker.submit(op)
 
-    def run_lane_until(self, op, finished):
-        """Run, on the calling thread, the ready operations queued on `op`'s lane until
-        `finished()`: how many ran (0 where nobody may help; see `Worker.run_here_until`)."""
-        worker = self.lanes.get((op.device, op.lane)) if op.device is not None else None
-        return worker.run_here_until(finished) if worker is not None else 0
-
     def start(self, device, lane):
         with self.lock:
             if (device, lane) not in self.lanes:
