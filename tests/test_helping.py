@@ -124,15 +124,17 @@ def test_a_waiter_does_not_run_an_operation_whose_dependencies_are_not_met():
 
 def test_running_a_chain_wakes_the_lane_once():
     """A waiter that runs a chain of operations, each made ready by the last one's completion,
-    wakes the lane's thread only for the chain's first, ready when pushed: each wake-up would
-    be a system call, and a thread taking the interpreter from the one that runs the chain."""
+    wakes the lane's thread only for the chain's first, ready when pushed (10 wake-ups before
+    this rule): each would be a system call, and a thread taking the interpreter from the one
+    that runs the chain. One more may come from the lane's thread, which may still be letting
+    its lane go after `lane_asleep`'s first operation (`Worker.run_queued`)."""
     x = d2l.np.zeros((2,))
     x.wait_to_read()
     with lane_asleep(CPU0) as worker:
         for _ in range(10):
             x = x + 1
         x.wait_to_read()
-        assert worker.wakeups.held == [True]
+        assert len(worker.wakeups.held) <= 2, worker.wakeups.held
     assert x.asnumpy().tolist() == [10, 10]
 
 
