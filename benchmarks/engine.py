@@ -2,7 +2,7 @@
 
     python benchmarks/engine.py            # full sizes
     D2LPERF_QUICK=1 python benchmarks/engine.py
-    python benchmarks/engine.py --compare /tmp/old .   # per-op rows: two trees, alternating
+    python benchmarks/engine.py --compare /tmp/old . [ROUNDS]  # per-op rows: trees alternating
     python benchmarks/engine.py --gpu      # the rows on gpu(0) alone
 
 Rows: µs per tiny operation (`x + 1` on a 1×2 float32 array) for plain NumPy (the floor:
@@ -141,31 +141,67 @@ def print_gpu_rows():
 
 def bookkeeping_us(count=OPS):
     """µs of the threaded engine's own Python per operation (1 read, 1 write, nothing to
-    compute), on this thread alone: the push with the hand-over to a lane left out, then the
-    worker's part (execute and complete). No thread wakes and nobody waits for the lock; the
-    garbage collector is off, since the pushed operations pile up here as they never would in
-    a program, and each collection would walk them all."""
+    compute), on this thread alone: the push, with its hand-over to the lane's queue, then the
+    lane's part (execute and complete). This thread holds the lane's `runner` meanwhile, so the
+    lane's thread is never woken and never runs one of them; the garbage collector is off,
+    since the pushed operations pile up here as they never would in a program, and each
+    collection would walk them all."""
     eng = engine.use('threaded')
     x = np.ones((1, 2))
     x.wait_to_read()
     worker = eng.workers.start(d2l.cpu(), engine.COMPUTE)
-    pushed, submit = [], eng.workers.submit
-    eng.workers.submit = pushed.append
     gc.disable()
+    worker.runner.acquire()
     try:
         start = time.perf_counter()
         for _ in range(count):
             eng.push(lambda: None, [x.var], [engine.Var()], d2l.cpu(), 'nothing')
         push = time.perf_counter() - start
-        eng.workers.submit = submit
+        pushed = list(worker.queued)
+        worker.queued.clear()
         start = time.perf_counter()
         for op in pushed:
             eng.run(op, worker)
         complete = time.perf_counter() - start
     finally:
-        eng.workers.submit = submit
+        worker.runner.release()
         gc.enable()
     return push / count * 1e6, complete / count * 1e6
+
+
+def calls_per_operation():
+    """Python calls (of Python and C functions, as `sys.setprofile` sees them) of one `x + 1`:
+    its push, then its run and completion by the thread that waits for it, which the lane's
+    thread leaves to it here (its wake-ups are kept from it). Unlike time, exact: the same in
+    every run. tests/test_engine_calls.py bounds the same counts."""
+    import sys
+    import types
+    eng = engine.use('threaded')
+    x = np.ones((1, 2))
+    x.wait_to_read()
+    worker = eng.workers.start(d2l.cpu(), engine.COMPUTE)
+    held, calls = [], []
+
+    def note(frame, event, arg):
+        if event in ('call', 'c_call'):
+            calls.append(event)
+    real, worker.wakeups = worker.wakeups, types.SimpleNamespace(put=held.append)
+    try:
+        for _ in range(3):                  # the third of three in a row
+            calls.clear()
+            sys.setprofile(note)
+            y = x + 1
+            sys.setprofile(None)
+            push = len(calls) - 1           # setprofile(None) itself
+            calls.clear()
+            sys.setprofile(note)
+            y.wait_to_read()
+            sys.setprofile(None)
+    finally:
+        worker.wakeups = real
+        for item in held:
+            real.put(item)
+    return push, len(calls) - 1
 
 
 def memory_counter_us(count=OPS):
@@ -228,17 +264,16 @@ def objects_per_operation(x, count=100):
 
 
 class engine_paused:
-    """Ready operations are held back from the lane inside, and handed over on the way out."""
+    """cpu(0)'s lane runs nothing inside (this thread holds its `runner`, so pushes queue there
+    and wake nobody); on the way out the lane's thread is woken to run them."""
 
     def __enter__(self):
-        self.workers = engine.current().workers
-        self.held = []
-        self.workers.submit = self.held.append
+        self.worker = engine.current().workers.start(d2l.cpu(), engine.COMPUTE)
+        self.worker.runner.acquire()
 
     def __exit__(self, *exc):
-        del self.workers.submit
-        for op in self.held:
-            self.workers.submit(op)
+        self.worker.runner.release()
+        self.worker.wake()
         npx.waitall()
 
 
@@ -260,11 +295,23 @@ def issue_over_finish(n=d2l.workload(1000, 400)):
 
 # Run in a fresh interpreter on another tree of d2lperf (an older commit's): only the calls
 # every version has, so that a change in the per-op cost is measured side by side. One line:
-# µs per op for the naive engine, the threaded engine waiting after every op, asynchronously.
+# µs per op for NumPy's own x + 1 (the floor, from the same process), the naive engine, the
+# threaded engine waiting after every op, asynchronously; then a decode step of the small GPT
+# at batch 1 (many small operations, one wait), in ms, and the thread switches it caused.
 PER_OP_ROWS = """
 import statistics, time
+import numpy
 import d2lperf as d2l
 from d2lperf import engine, np, npx
+def numpy_floor():
+    x = numpy.ones((1, 2), numpy.float32)
+    times = []
+    for _ in range({repeats}):
+        start = time.perf_counter()
+        for _ in range({ops}):
+            x + 1
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) / {ops} * 1e6
 def per_op(kind, wait_each):
     engine.use(kind)
     x = np.ones((1, 2)); x.wait_to_read()
@@ -279,9 +326,29 @@ def per_op(kind, wait_each):
     for _ in range({repeats}):
         start = time.perf_counter(); run(); times.append(time.perf_counter() - start)
     return statistics.median(times) / {ops} * 1e6
-print(per_op('naive', False), per_op('threaded', True), per_op('threaded', False))
+def decode_step(steps=200):
+    try:
+        from d2lperf.inference import roofline
+    except ImportError:                 # a tree from before generation
+        return float('nan'), float('nan')
+    import resource
+    engine.use('threaded')
+    numpy.random.seed(0)
+    step = roofline.decode_step(d2l.nn.GPT(96, 2, 128, 4, 1024).initialize(), 1, 32)
+    for _ in range(10):
+        step()
+    switches = resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter(); step(); times.append(time.perf_counter() - start)
+    switches = resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw - switches
+    return statistics.median(times) * 1e3, switches / steps
+print(numpy_floor(), per_op('naive', False), per_op('threaded', True), per_op('threaded', False),
+      *decode_step())
 """
-ROWS = ('naive engine', 'threaded, wait after every op', 'threaded, asynchronous')
+ROWS = ('NumPy x + 1 (floor), µs', 'naive engine, µs', 'threaded, wait after every op, µs',
+        'threaded, asynchronous, µs', 'decode step (2 x 128 GPT, batch 1), ms',
+        'voluntary context switches a decode step')
 
 
 def compare_trees(trees, rounds=3):
@@ -292,21 +359,25 @@ def compare_trees(trees, rounds=3):
     import sys
     code = PER_OP_ROWS.format(ops=OPS, repeats=REPEATS)
     figures = {tree: {row: [] for row in ROWS} for tree in trees}
-    for _ in range(rounds):
-        for tree in trees:
+    for turn in range(rounds):
+        for tree in trees if turn % 2 == 0 else trees[::-1]:
             env = dict(os.environ, PYTHONPATH=tree)
             done = subprocess.run([sys.executable, '-c', code], env=env, capture_output=True,
                                   text=True, check=True, cwd=tree)
-            for row, value in zip(ROWS, done.stdout.split()[-3:]):
+            for row, value in zip(ROWS, done.stdout.split()[-len(ROWS):]):
                 figures[tree][row].append(float(value))
     return figures
 
 
 def print_comparison(trees, rounds):
+    import os
+    load = os.getloadavg()[0]
     figures = compare_trees(trees, rounds)
+    print(f'load average (1 min): {load:.2f} before, {os.getloadavg()[0]:.2f} after')
     first = figures[trees[0]]
-    print(f'x + 1, µs per op, {rounds} alternations (median of {REPEATS} each); ratio to '
-          f'{trees[0]} in the same alternation')
+    print(f'x + 1 ({OPS} ops, median of {REPEATS} loops) and a decode step of speculative '
+          f'decoding\'s target (median of 200), {rounds} alternations; ratio to {trees[0]} in '
+          'the same alternation')
     for row in ROWS:
         print(f'{row}:')
         for tree, rows in figures.items():
@@ -319,8 +390,10 @@ def print_comparison(trees, rounds):
 
 def main():
     import sys
-    if sys.argv[1:2] == ['--compare']:       # python benchmarks/engine.py --compare OLD NEW
-        print_comparison(sys.argv[2:], rounds=7)
+    if sys.argv[1:2] == ['--compare']:       # python benchmarks/engine.py --compare OLD NEW [7]
+        trees = [arg for arg in sys.argv[2:] if not arg.isdigit()]
+        rounds = [int(arg) for arg in sys.argv[2:] if arg.isdigit()]
+        print_comparison(trees, rounds=rounds[0] if rounds else 7)
         return
     if sys.argv[1:2] == ['--gpu']:           # python benchmarks/engine.py --gpu: its rows alone
         print_gpu_rows()
@@ -348,6 +421,8 @@ def main():
     push, complete = bookkeeping_us()
     print(f'the threaded engine\'s own Python per operation, on one thread: push {push:.2f} µs, '
           f'execute + complete {complete:.2f} µs')
+    push, run = calls_per_operation()
+    print(f'Python calls per x + 1: push {push}, run, complete and wait {run}')
     collector, kept = garbage_collector_us()
     print(f'the memory counter per array: {memory_counter_us():.2f} µs; the garbage collector '
           f'in the asynchronous loop: {collector:.2f} µs per operation, {kept:.0f} objects '

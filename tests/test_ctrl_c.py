@@ -26,7 +26,7 @@ import d2lperf as d2l
 from d2lperf import engine
 from d2lperf.engine import COMPUTE, engines
 from conftest import run_with_timeout
-from test_helping import HeldWakeups, lane_asleep
+from test_helping import lane_asleep
 
 CHAIN = 6            # small additions in the chain a wait runs through (every point, every n)
 
@@ -109,6 +109,9 @@ class HookedLock:
         self.releasing()
         self.lock.release()
 
+    def locked(self):
+        return self.lock.locked()
+
     def __enter__(self):
         self.acquire()
 
@@ -167,18 +170,14 @@ def engine_lock_released(eng, worker, hook, monkeypatch):
     monkeypatch.setattr(eng, 'lock', HookedLock(eng.lock, releasing=hook))
 
 
-def waking_the_lane(eng, worker, hook, monkeypatch):
-    """The lane sleeps through these tests (`lane_asleep`): its wake-ups are held."""
-    monkeypatch.setattr(HeldWakeups, 'put', before(hook, HeldWakeups.put))
-
-
 def between_helps(eng, worker, hook, monkeypatch):
     monkeypatch.setattr(eng, 'run_lane_until_written', after(hook, eng.run_lane_until_written))
 
 
 POINTS = [taken_from_queue, about_to_run, inside_the_operation, completing, lane_taken,
-          lane_released, engine_lock_taken, engine_lock_released, waking_the_lane,
-          between_helps]
+          lane_released, engine_lock_taken, engine_lock_released, between_helps]
+# Not the lane's wake-up: a thread that runs the lane's queue wakes nobody
+# (test_helping.py, test_running_a_chain_wakes_the_lane_once).
 
 
 def lane(device):

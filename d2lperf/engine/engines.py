@@ -283,7 +283,7 @@ class ThreadedEngine(Engine):
                 self.errors.append(error)
             if op.device is not None:
                 self.in_flight -= 1
-                if not self.in_flight:
+                if not self.in_flight and self.idle_sleepers:
                     wake(self.idle_sleepers)
                 if self.room_sleepers and self.in_flight < self.limit:
                     wake(self.room_sleepers)
@@ -312,7 +312,8 @@ class ThreadedEngine(Engine):
         lane's order and one at a time (whoever holds the lane's `runner`), and they complete
         as on the worker. Nothing runs where the lane is busy on its own thread, where the
         write still waits for other work, or on a GPU."""
-        return self.workers.run_lane_until(writer, lambda: var.writer is not writer)
+        worker = self.workers.lanes.get((writer.device, writer.lane))
+        return 0 if worker is None else worker.run_here_until(lambda: var.writer is not writer)
 
     def sleep_until_written(self, var):
         done = threading.Lock()

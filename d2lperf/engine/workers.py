@@ -53,7 +53,7 @@ class RunNow:
 
 
 STOP = None                     # what a worker's wake-ups hold to end its thread
-WAKE = True                     # one per ready operation: look at the queue
+WAKE = True                     # look at the queue
 
 
 class Worker:
@@ -61,17 +61,18 @@ class Worker:
 
     The ready operations wait in `queued`; whoever holds `runner` runs them, one at a time
     and in order: the lane's thread, or a caller that waits for one of them
-    (`run_here_until`). `run(op,
-    worker)` is the engine's: it executes the operation, with `worker.launch`, and releases what
-    it held. `cores` (CPU compute lanes only) fits the BLAS threads before each operation and
-    is told when the device is busy.
+    (`run_here_until`). The lane's thread is woken only where nobody holds `runner` (`wake`):
+    whoever does runs what is queued meanwhile, and looks at the queue once more after letting
+    `runner` go. `run(op, worker)` is the engine's: it executes the operation, with
+    `worker.launch`, and releases what it held. `cores` (CPU compute lanes only) fits the BLAS
+    threads before each operation and is told when the device is busy.
     """
 
     def __init__(self, device, lane, run, cores=None):
         self.device, self.lane, self.name = device, lane, f'{device} {lane}'
         self.run, self.cores = run, cores
         self.queued = collections.deque()
-        self.wakeups = queue.SimpleQueue()       # WAKE per queued operation, STOP at the end
+        self.wakeups = queue.SimpleQueue()       # WAKE (see `wake`), STOP at the end
         self.runner = threading.Lock()
         self.launch = None            # how it runs an operation: GpuLane.launch, Pace.run_at_speed
         self.gpu = None               # on a GPU: the lane's stream (a GpuLane)
@@ -93,18 +94,24 @@ class Worker:
         started.set()
         get = self.wakeups.get
         while get() is not STOP:
-            # One wake-up per operation, but one run takes every operation queued by then:
-            # the wake-ups left over find the queue empty, and must cost no more than a look.
+            # One run takes every operation queued by then: a wake-up left over finds the
+            # queue empty, and must cost no more than a look.
             if self.queued:
                 self.run_queued()
 
     def submit(self, op):
         self.queued.append(op)
-        self.wakeups.put(WAKE)
+        self.wake()
 
     def wake(self):
-        """Have the lane's thread look at its queue (`ThreadedEngine.track` appends to it)."""
-        self.wakeups.put(WAKE)
+        """Have the lane's thread look at its queue, just appended to (`submit`,
+        `ThreadedEngine.track`), unless someone runs the queue now: that one runs the new
+        operation, or sees it when it looks again after letting `runner` go (`run_queued`).
+        A chain of operations, each made ready by the last one's completion, then wakes no
+        thread: waking one is a system call, and the woken thread takes the interpreter's
+        lock from the one running the chain, only to find the lane taken."""
+        if not self.runner.locked():
+            self.wakeups.put(WAKE)
 
     def run_queued(self, finished=None, helper=False):
         """Run the queued operations in order until none is left or `finished()`; how many ran
@@ -136,6 +143,8 @@ class Worker:
             if busy:
                 cores.leave()
             self.runner.release()
+            if queued:                 # appended while we ran, and left: nobody woke the lane
+                self.wakeups.put(WAKE)
         return ran
 
     def run_here_until(self, finished):
@@ -153,8 +162,6 @@ class Worker:
             ran = self.run_queued(finished, helper=True)
         finally:
             running.device = caller
-            if self.queued:
-                self.wakeups.put(WAKE)     # the lane's thread may have woken and found us running
             if held:
                 ctrl_c.release()           # raises KeyboardInterrupt if Ctrl-C came meanwhile
         return ran
@@ -217,12 +224,6 @@ class Workers:
         """Queue a ready operation on its device's lane."""
         worker = self.lanes.get((op.device, op.lane)) or self.start(op.device, op.lane)
         worker.submit(op)
-
-    def run_lane_until(self, op, finished):
-        """Run, on the calling thread, the ready operations queued on `op`'s lane until
-        `finished()`: how many ran (0 where nobody may help; see `Worker.run_here_until`)."""
-        worker = self.lanes.get((op.device, op.lane)) if op.device is not None else None
-        return worker.run_here_until(finished) if worker is not None else 0
 
     def start(self, device, lane):
         with self.lock:

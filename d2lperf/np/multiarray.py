@@ -215,8 +215,8 @@ def common_device(name, arrays):
     (`x.copyto(device)`), which the program writes where it wants the transfer to happen.
     """
     device = arrays[0].device
-    for i, x in enumerate(arrays[1:], 1):
-        if x.device != device:
+    for x in arrays:
+        if x.device is not device:          # one object a device (`Device`)
             where = ', '.join(f'input {j} on {a.device}' for j, a in enumerate(arrays))
             raise ValueError(
                 f"operation '{name}' mixes arrays on {device} and {x.device} ({where}); "
@@ -357,10 +357,10 @@ BASIC_INDEX = (int, numpy.integer, slice, type(None), type(Ellipsis))
 
 
 def check_basic_key(key):
-    parts = key if isinstance(key, tuple) else (key,)
-    if not all(isinstance(k, BASIC_INDEX) for k in parts):
-        raise IndexError('d2lperf arrays take basic indexes only (ints, slices, None, ...); '
-                         'for gathering by index arrays use npx.pick')
+    for part in key if isinstance(key, tuple) else (key,):
+        if not isinstance(part, BASIC_INDEX):
+            raise IndexError('d2lperf arrays take basic indexes only (ints, slices, None, ...);'
+                             ' for gathering by index arrays use npx.pick')
     return key
 
 
