@@ -15,6 +15,7 @@ from d2lperf.model_parallel import context, predict
 from strategies import checks
 from strategies.comm import context_parallel_problems
 from test_attention import output_and_gradients, relative_error
+import model_parallel_helpers as helpers
 from model_parallel_helpers import HEADS, HIDDEN, SEQ, VOCAB, devices as devices_from, gpt
 from d2lperf.model_parallel import tensor_parallel
 from d2lperf.model_parallel.layers import TensorGroup
@@ -285,17 +286,10 @@ GPT_LAYERS, GPT_BATCH = 2, 2
 rng = numpy.random.default_rng(1)
 TOKENS = rng.integers(0, VOCAB, (GPT_BATCH, SEQ))
 LABELS = rng.integers(0, VOCAB, (GPT_BATCH, SEQ))
-LOSS = d2l.SoftmaxCrossEntropyLoss()
 
 
 def split_step(split):
-    """Logits and a backward pass of a split GPT, its gradients finished."""
-    with autograd.record():
-        logits = split(np.array(TOKENS))
-        losses = [LOSS(out, np.array(LABELS, device=out.device)).sum() for out in logits]
-    split.backward(losses)
-    split.finish_gradients()
-    return [out.asnumpy() for out in logits]
+    return helpers.split_step(split, TOKENS, LABELS)
 
 
 def gradients(split, rank):

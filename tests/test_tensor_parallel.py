@@ -6,6 +6,7 @@ import pytest
 import d2lperf as d2l
 from d2lperf import autograd, comm, np
 from d2lperf.model_parallel import tensor_parallel
+import model_parallel_helpers as helpers
 from model_parallel_helpers import HIDDEN, SEQ, VOCAB, devices, gpt
 from test_memory import settle
 
@@ -27,12 +28,7 @@ def one_device_step(net):
 
 
 def split_step(tp):
-    with autograd.record():
-        logits = tp(np.array(TOKENS))
-        losses = [LOSS(out, np.array(LABELS, device=out.device)).sum() for out in logits]
-    tp.backward(losses)
-    tp.finish_gradients()
-    return [out.asnumpy() for out in logits]
+    return helpers.split_step(tp, TOKENS, LABELS)
 
 
 @pytest.mark.parametrize('t', [1, 2, 4])
