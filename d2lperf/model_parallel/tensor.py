@@ -18,7 +18,11 @@ becomes its two halves, where they belong: g is a reduce-scatter (each device ke
 its tokens), f an all-gather (each block's products see every token), and the bytes moved are
 the same. The norms and embeddings, still copied whole, now see a device's tokens only, so
 their gradients are summed over the devices after backward, as Megatron-LM does.
-Taught in "Tensor and Sequence Parallelism".
+The same group holds the other dimensions of a grid that split a layer's work: context
+parallelism (the sequence over c devices, `context.py`), data parallelism's d replicas, run
+in lockstep, and expert parallelism, carved out of the d·c programs of each tensor rank
+(`expert.GridMixture`). Taught in "Tensor and Sequence Parallelism" and "Long Sequences and
+Many Experts".
 """
 from __future__ import annotations
 
@@ -79,22 +83,20 @@ class TensorParallelGPT(Stage):
         for replica in range(1, data):
             for rank, device in zip(self.ranks, self.devices[replica * ranks:]):
                 copy_onto(list(rank.collect_params().values()), device)
-        for (_, params), devices in self.expert_copies().items():
-            for param in params:
-                param.reset_device(devices)
+        for param, holders in self.expert_copies().items():
+            param.reset_device(holders)
 
     def expert_copies(self):
-        """{(share, layer, expert): its parameters} -> the devices of the programs that run
-        the share and whose expert rank holds the expert: where its copies live."""
+        """{an expert's parameter: the devices of the programs that run its share of the GPT
+        and whose expert rank holds the expert}: where its copies live."""
         copies = {}
         for program, device in enumerate(self.devices):
-            share = program % len(self.ranks)
-            for layer, mixture in enumerate(self.ranks[share].grid_mixtures()):
+            for mixture in self.ranks[program % len(self.ranks)].grid_mixtures():
                 local = mixture.num_experts // self.group.expert
                 for e, params in mixture.expert_params().items():
                     if e // local == self.group.expert_rank(program):
-                        key = (share, layer, e), tuple(params)
-                        copies.setdefault(key, []).append(device)
+                        for param in params:
+                            copies.setdefault(param, []).append(device)
         return copies
 
     def __call__(self, tokens: NDArray) -> list[NDArray]:
@@ -151,15 +153,14 @@ class TensorParallelGPT(Stage):
             for first in range(0, len(self.devices), group.size * group.context):
                 for part in range(first, first + group.size):
                     self.sum_over(group.context_peers(part), Rank.dense_params)
-        for (_, params), devices in self.expert_copies().items():
-            for param in params:                   # over the programs that hold the expert
-                group.allreduce([param.grad(device) for device in devices])
+        for param, holders in self.expert_copies().items():
+            group.allreduce([param.grad(device) for device in holders])
 
     def summed_over_replicas(self):
         """The parameters whose gradients the caller sums over the replicas: all but the
         experts', which `finish_gradients` sums over the programs that hold them."""
-        experts = {id(p) for (_, params), _ in self.expert_copies().items() for p in params}
-        return [param for param in self.params() if id(param) not in experts]
+        experts = self.expert_copies()
+        return [param for param in self.params() if param not in experts]
 
     def sum_over(self, peers, params_of):
         """Each of `params_of(rank)`'s gradients summed over the programs `peers` (those with
