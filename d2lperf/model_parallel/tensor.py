@@ -41,17 +41,15 @@ from .stage import Stage, copied, copy_onto, named
 
 
 def tensor_parallel(net: GPT, devices: Sequence[Device], algorithm: str = 'ring',
-                    sequence: bool = False, context: int = 1, context_algorithm: str = 'ring',
-                    data: int = 1, expert: int = 1):
+                    sequence: bool = False, context: int = 1, context_algorithm: str = 'ring'):
     """A copy of the GPT `net` split over `devices` (the net itself is left as it is);
     `sequence=True` splits the residual stream and the norms by tokens too. With `context`
     = c > 1 the sequence is split over c groups of len(devices) / c (context parallelism:
     each holds zig-zag chunks, and the attention brings the others' keys and values by
-    `context_algorithm`, 'ring', 'all_gather' or 'ulysses'). With `data` = d replicas of
-    that group, run in lockstep, each on 1/d of the batch, `expert` = e > 1 spreads the
-    mixtures' experts over e of the d·c programs of each tensor rank."""
+    `context_algorithm`, 'ring', 'all_gather' or 'ulysses'). Data and expert parallelism
+    join them in `parallel_gpt`, which sums the replicas' gradients."""
     return TensorParallelGPT(net, devices, algorithm, sequence, context=context,
-                             context_algorithm=context_algorithm, data=data, expert=expert)
+                             context_algorithm=context_algorithm)
 
 
 class TensorParallelGPT(Stage):
