@@ -22,7 +22,7 @@ import numpy
 
 from .. import hybrid, np
 from ..np import extension as npx
-from ..nn import GPT
+from ..nn import GPT, Parameter
 from . import speculative
 from .cache import ColumnWrites, ContiguousCache
 from .paged import BlockTables, PagedCache, blocks_for
@@ -165,22 +165,38 @@ class DecodeStep:
         self.net = weakref.proxy(net)       # STEPS keeps a step only while its GPT lives
         self.held = {f'kv_cache.{kind}{layer}': HeldArray() for kind in ('keys', 'values')
                      for layer in range(net.config[1])}
+        self.cache, self.readers = None, []
         self.compiled = hybrid.CompiledFunction(self.forward, self.params, 'decode_step',
-                                                arrays_now)
+                                                self.arrays_of)
 
     def params(self):
         return {**self.net.collect_params(), **self.held}
 
+    def arrays_of(self, params, device):
+        """The function a compiled program calls for its parameters' arrays."""
+        self.readers.append(ProgramArrays(params, device))
+        return self.readers[-1].read
+
     def __call__(self, cache, tokens, positions, bias, column):
-        for layer, (keys, values) in enumerate(zip(cache.keys, cache.values)):
-            self.held[f'kv_cache.keys{layer}'].array = keys
-            self.held[f'kv_cache.values{layer}'].array = values
+        if cache is not self.cache:
+            self.hold(cache)
         return self.compiled.run((tokens, positions, bias, column))
+
+    def hold(self, cache):
+        """Run the programs through `cache`'s arrays from now on (None: through none)."""
+        self.cache = cache
+        for kind in ('keys', 'values'):
+            for layer in range(self.net.config[1]):
+                self.held[f'kv_cache.{kind}{layer}'].array = (
+                    None if cache is None else getattr(cache, kind)[layer])
+        for reader in self.readers:
+            reader.seen = None
 
     def release(self):
         """Let go of the last generation's cache, so that the ledger counts it freed."""
-        for held in self.held.values():
-            held.array = None
+        self.hold(None)
+        for reader in self.readers:
+            reader.arrays = ()
         self.compiled.forget_params()
 
     def forward(self, tokens, positions, bias, column):
@@ -202,10 +218,19 @@ class HeldArray:
         return self.array
 
 
-def arrays_now(params, device):
-    """The function the compiled step calls for its parameters' arrays: read at every call,
-    since each generation brings a cache of its own."""
-    return lambda: tuple(param.data(device) for param in params)
+class ProgramArrays:
+    """The arrays of a compiled step's parameters, in its order: the same tuple from call to
+    call (which the program's push reads fastest), read again only when a parameter of the
+    GPT has been given new arrays or the step another cache (`DecodeStep.hold`)."""
+
+    def __init__(self, params, device):
+        self.params, self.device, self.seen, self.arrays = params, device, None, ()
+
+    def read(self):
+        if self.seen != Parameter.replacements:
+            self.arrays = tuple(param.data(self.device) for param in self.params)
+            self.seen = Parameter.replacements
+        return self.arrays
 
 
 def transformer_layer(layer, x, bias, cache, number):
