@@ -92,7 +92,7 @@ def compare(name, sizes, longest, new, batch, bandwidth, peak, repeats):
     net, hybrid = gpt(*sizes), gpt(*sizes).hybridize()
     prompts = prompts_of(longest, batch)
     rows = []
-    for count in sorted({1, 2, 4, 8, 16, new}):
+    for count in sorted({1, 2, 4, 8, 16, 24, new}):
         if count > new:
             continue
         seconds = timed(net, hybrid, prompts, count, repeats)

@@ -293,3 +293,19 @@ def test_the_step_is_compiled_once_for_a_batch_and_length_and_the_cache_is_on_th
     assert STEPS[net].compiled.compiles == 1
     generate(net, prompts, 8, cache='static')                   # a longer cache: a new shape
     assert STEPS[net].compiled.compiles == 2
+
+
+def test_the_compiled_step_reads_the_gpts_parameters_anew_and_runs_a_hybridized_gpt():
+    """Parameters given new arrays (a cast there and back) are read again by the program
+    compiled before; one of another dtype compiles a new one; a hybridized GPT's blocks are
+    traced into the step as the plain GPT's are."""
+    net, prompts = gpt(), random_prompts(6, 2, 7)
+    want = hosts(generate(net, prompts, 6, cache='static'))
+    net.cast('float32').cast('float64')
+    assert hosts(generate(net, prompts, 6, cache='static')) == want
+    net.cast('float32')                 # float32 tokens may part at a near-tie: not compared
+    assert [len(row) for row in hosts(generate(net, prompts, 6, cache='static'))] == [
+        len(p) + 6 for p in prompts]
+    assert STEPS[net].compiled.compiles == 2
+    net.cast('float64').hybridize()
+    assert hosts(generate(net, prompts, 6, cache='static')) == want
