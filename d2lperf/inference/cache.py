@@ -69,7 +69,8 @@ class ColumnWrites(KVCache):
     cache's arrays being parameters of the program), and hands back every column the cache
     has room for: the attention's bias hides those past `column`, so that the shapes, and
     the program, are the same at every step (Hugging Face's StaticCache does the same with
-    `index_copy_`)."""
+    `index_copy_`). Only inside a trace: imperatively, the op's result would be a second
+    array counting the cache's bytes again."""
 
     def __init__(self, keys, values, column):
         self.keys, self.values, self.column = keys, values, column

@@ -54,15 +54,23 @@ def generate(net, tokens, max_new_tokens, temperature=0.0, top_k=None, seed=None
     memory = make_cache(cache, net, pads, ids.shape[1] + max_new_tokens)
     decode = compiled_forward if cache == 'static' else forward
     start = 0
-    for _ in range(max_new_tokens):
-        logits = (decode if start else forward)(net, ids[:, start:], start, pads, memory)
-        ids = numpy.concatenate([ids, choose(logits)[:, None]], axis=1)
-        start = 0 if memory is None else ids.shape[1] - 1
+    try:
+        for _ in range(max_new_tokens):
+            logits = (decode if start else forward)(net, ids[:, start:], start, pads, memory)
+            ids = numpy.concatenate([ids, choose(logits)[:, None]], axis=1)
+            start = 0 if memory is None else ids.shape[1] - 1
+    finally:
+        give_back(net, memory)
+    return returned([row[pad:] for row, pad in zip(ids, pads)], as_list, device)
+
+
+def give_back(net, memory):
+    """What a generation held, freed: a paged cache's blocks, and the compiled step's hold on
+    a static cache's arrays (the ledger then counts them freed with the cache)."""
     if isinstance(memory, PagedCache):
         memory.free()
-    if cache == 'static' and net in STEPS:
+    if net in STEPS:
         STEPS[net].release()
-    return returned([row[pad:] for row, pad in zip(ids, pads)], as_list, device)
 
 
 def cached(net, temperature=0.0, top_k=None):
