@@ -88,11 +88,6 @@ class Executable:
             self._written_vars = [params[i].var for i in self.written]
         return params
 
-    def forget_params(self):
-        """Let go of the parameters' arrays read by the last call (the next reads them again):
-        arrays lent for one run, a KV cache's, are then freed when their owner drops them."""
-        self._params, self._param_vars, self._written_vars = None, [], []
-
     def pack(self, outputs):
         return tuple(outputs) if self.traced.returns_tuple else outputs[0]
 
@@ -235,11 +230,6 @@ class CompiledFunction:
         except ParameterTypesChanged:           # raised before anything was pushed
             del self.cache[key]
             return self.run(args)
-
-    def forget_params(self):
-        """`Executable.forget_params` for every program compiled so far."""
-        for executable in self.cache.values():
-            executable.forget_params()
 
     def compile(self, args):
         names = ['data'] if len(args) == 1 else [f'data{i}' for i in range(len(args))]

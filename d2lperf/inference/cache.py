@@ -8,14 +8,12 @@ count, d), and its attention needs every column's up to there, (batch, heads, st
 d). A cache is what turns the one into the other. `ContiguousCache` keeps each layer's in
 two arrays preallocated for the whole output, as FasterTransformer and Hugging Face's static
 cache do: 2·L·s·b·h numbers, which the memory ledger counts as 'kv cache'. The paged cache
-(`paged.py`) keeps them in blocks. `ColumnWrites` is the contiguous cache as a compiled
-decode step sees it (`generate.DecodeStep`): the column to write is an array, not a number,
-so that every step has the same shapes and one program serves them all.
+(`paged.py`) keeps them in blocks. `Appended` is the contiguous cache as a compiled decode
+step reads it (`generate.compiled_forward`): at its whole length, so that every step has the
+same shapes and one program serves them all.
 """
 from .. import np
 from ..device import label
-from ..np.multiarray import apply
-from ..ops import defop
 
 KIND = 'kv cache'          # the ledger's kind for the bytes of every cache
 
@@ -55,46 +53,32 @@ class ContiguousCache(KVCache):
 
     def extend(self, layer, keys, values):
         """Store a step's keys and values (batch, heads, count, head width); every column's."""
+        self.store(layer, keys, values)
+        return self.keys[layer][:, :, :self.stop], self.values[layer][:, :, :self.stop]
+
+    def store(self, layer, keys, values):
+        """Write a step's keys and values at its columns, start .. stop."""
         batch, heads, _, size = keys.shape
         for held, new in ((self.keys, keys), (self.values, values)):
             if len(held[layer].shape) == 3:
                 held[layer] = held[layer].reshape(batch, heads, self.length, size)
             held[layer][:, :, self.start:self.stop] = new
-        return self.keys[layer][:, :, :self.stop], self.values[layer][:, :, :self.stop]
 
 
-class ColumnWrites(KVCache):
-    """The arrays of a `ContiguousCache` inside a traced decode step: `extend` writes a step's
-    keys and values at `column`, a (1,) integer array, in place (the op `write_column`, the
-    cache's arrays being parameters of the program), and hands back every column the cache
-    has room for: the attention's bias hides those past `column`, so that the shapes, and
-    the program, are the same at every step (Hugging Face's StaticCache does the same with
-    `index_copy_`). Only inside a trace: imperatively, the op's result would be a second
-    array counting the cache's bytes again."""
+class Appended(KVCache):
+    """A contiguous cache's arrays, `held` (keys, values, for each layer in turn), as a traced
+    decode step reads them: every column the cache has room for, then the step's own keys and
+    values appended (a copy), which `new` keeps for generation to store into the cache once
+    the step has run. A compiled program only makes new values, so the cache is written
+    outside it; the attention's bias hides the columns not written yet."""
 
-    def __init__(self, keys, values, column):
-        self.keys, self.values, self.column = keys, values, column
+    def __init__(self, held):
+        self.held, self.new = held, []
 
     def extend(self, layer, keys, values):
-        return (apply('write_column', self.keys[layer], keys, self.column),
-                apply('write_column', self.values[layer], values, self.column))
-
-
-def write_column(xp, held, new, column):
-    """held[:, :, column] = new, in place; returns `held`, which the attention then reads."""
-    held[:, :, column] = new
-    return held
-
-
-def write_column_infer(held, new, column):
-    if tuple(new.shape) != (*held.shape[:2], 1, *held.shape[3:]) or column.shape != (1,):
-        raise ValueError(f'write_column stores one column (batch, heads, 1, d) at a (1,) '
-                         f'index into {tuple(held.shape)}, got {tuple(new.shape)} at '
-                         f'{tuple(column.shape)}')
-    return tuple(held.shape), held.dtype
-
-
-defop('write_column', write_column, write_column_infer, writes=(0,))
+        self.new += [keys, values]
+        return tuple(np.concatenate([self.held[2 * layer + i], new], axis=2)
+                     for i, new in enumerate((keys, values)))
 
 
 def cache_bytes(num_layers, length, batch, width, itemsize):

@@ -10,10 +10,10 @@ embedding table, norms, projections, attention and MLP: `forward` below), so tha
 the cache computes what the GPT computes on the whole prefix (`cache=None`, the reference),
 which the tests check token for token in float64.
 
-With `cache='static'` the decode steps run compiled (`DecodeStep`): the contiguous cache at
-its whole length, so that a step has the same shapes every time and is ONE engine push, not
-one per operation (the step of a small GPT is 67 operations, whose Python costs more than
-their arithmetic at batch 1).
+With `cache='static'` the decode steps run compiled (`decode_step`): the contiguous cache
+read at its whole length, so that a step has the same shapes every time and is one compiled
+program, one engine push, not one per operation (the step of a small GPT is 67 operations,
+whose Python costs more than their arithmetic at batch 1).
 """
 import numbers
 import weakref
@@ -22,9 +22,10 @@ import numpy
 
 from .. import hybrid, np
 from ..np import extension as npx
-from ..nn import GPT, Parameter
+from ..nn import GPT
+from ..nn.block import current_arrays
 from . import speculative
-from .cache import ColumnWrites, ContiguousCache
+from .cache import Appended, ContiguousCache
 from .paged import BlockTables, PagedCache, blocks_for
 
 CACHES = ('contiguous', 'static', 'paged', None)
@@ -36,7 +37,7 @@ def generate(net, tokens, max_new_tokens, temperature=0.0, top_k=None, seed=None
     else drawn from softmax(logits / temperature) over the `top_k` most likely, with a numpy
     Generator seeded by `seed`. `tokens`: (batch, len) ids, the result (batch, len + new); or
     a list of 1-D prompts, the result a list. `cache`: 'contiguous', 'static' (the same cache,
-    each decode step compiled once: `DecodeStep`), 'paged' (blocks of 16 tokens) or None
+    each decode step compiled once: `decode_step`), 'paged' (blocks of 16 tokens) or None
     (recompute the whole prefix every step). `draft`: a smaller GPT that
     proposes `draft_tokens` tokens a round for `net` to check (speculative decoding,
     `speculative.py`; both GPTs through a contiguous cache unless `cache` is None)."""
@@ -54,23 +55,13 @@ def generate(net, tokens, max_new_tokens, temperature=0.0, top_k=None, seed=None
     memory = make_cache(cache, net, pads, ids.shape[1] + max_new_tokens)
     decode = compiled_forward if cache == 'static' else forward
     start = 0
-    try:
-        for _ in range(max_new_tokens):
-            logits = (decode if start else forward)(net, ids[:, start:], start, pads, memory)
-            ids = numpy.concatenate([ids, choose(logits)[:, None]], axis=1)
-            start = 0 if memory is None else ids.shape[1] - 1
-    finally:
-        give_back(net, memory)
-    return returned([row[pad:] for row, pad in zip(ids, pads)], as_list, device)
-
-
-def give_back(net, memory):
-    """What a generation held, freed: a paged cache's blocks, and the compiled step's hold on
-    a static cache's arrays (the ledger then counts them freed with the cache)."""
+    for _ in range(max_new_tokens):
+        logits = (decode if start else forward)(net, ids[:, start:], start, pads, memory)
+        ids = numpy.concatenate([ids, choose(logits)[:, None]], axis=1)
+        start = 0 if memory is None else ids.shape[1] - 1
     if isinstance(memory, PagedCache):
         memory.free()
-    if net in STEPS:
-        STEPS[net].release()
+    return returned([row[pad:] for row, pad in zip(ids, pads)], as_list, device)
 
 
 def cached(net, temperature=0.0, top_k=None):
@@ -120,16 +111,40 @@ def column_logits(net, tokens, start, pads, cache, last):
 
 
 def compiled_forward(net, tokens, start, pads, cache):
-    """`forward` of one new column through a `ContiguousCache`, as one engine push: the step
-    compiled for the cache's whole length (`DecodeStep`). The bias hides, besides the
-    padding, the columns past `start`, which the cache has room for but no keys in yet."""
+    """`forward` of one new column through a `ContiguousCache`, as one compiled program (then
+    one push a layer's keys and a layer's values to store the column into the cache): the
+    step sees the cache at its whole length and its own column after it, and the bias hides,
+    besides the padding, the cache's columns from `start` on, not written yet."""
     device, dtype = parameter_of(net).device, parameter_of(net).dtype
-    columns = numpy.arange(cache.length)
-    bias = padding_bias(columns, pads, dtype)
-    bias[..., start + 1:] = numpy.finfo(dtype).min
-    inputs = (tokens, positions_of(columns[start:start + 1], pads), bias, numpy.array([start]))
-    step = STEPS.get(net) or STEPS.setdefault(net, DecodeStep(net))
-    return step(cache, *(np.array(x, device=device) for x in inputs)).asnumpy()[:, 0]
+    bias = padding_bias(numpy.arange(cache.length + 1), pads, dtype)
+    bias[..., start:cache.length] = numpy.finfo(dtype).min
+    inputs = [np.array(x, device=device) for x in (tokens, positions_of(
+        numpy.array([start]), pads), bias)]
+    held = [array for pair in zip(cache.keys, cache.values) for array in pair]
+    step = STEPS.get(net) or STEPS.setdefault(net, decode_step(net))
+    logits, *new = step.run((*inputs, *held))
+    cache.begin(start, 1)
+    for layer in range(len(cache.keys)):
+        cache.store(layer, new[2 * layer], new[2 * layer + 1])
+    return logits.asnumpy()[:, 0]
+
+
+STEPS = weakref.WeakKeyDictionary()         # a GPT -> its compiled decode step
+
+
+def decode_step(net):
+    """The GPT's decode step, traced and compiled once per batch, cache length and dtype
+    (`hybrid.CompiledFunction`; MXNet's static_shape, Hugging Face's StaticCache): the ids,
+    positions and bias, then the cache's arrays, in; the logits and each layer's new keys
+    and values out."""
+    gpt = weakref.proxy(net)                # STEPS keeps a step only while its GPT lives
+
+    def forward(tokens, positions, bias, *held):
+        cache = Appended(held)
+        x = layers(gpt, embed(gpt, tokens, positions), bias, cache)
+        return (gpt[-1](x), *cache.new)
+    return hybrid.CompiledFunction(forward, lambda: gpt.collect_params(), 'decode_step',
+                                   current_arrays)
 
 
 def embed(net, tokens, positions):
@@ -156,89 +171,6 @@ def layers(net, x, bias, cache):
     for number, layer in enumerate(list(net.children())[1:-1]):
         x = transformer_layer(layer, x, bias, cache, number)
     return x
-
-
-STEPS = weakref.WeakKeyDictionary()         # a GPT -> its DecodeStep
-
-
-class DecodeStep:
-    """A GPT's decode step traced and compiled once per batch, cache length and dtype
-    (`hybrid.CompiledFunction`), MXNet's static_shape and Hugging Face's StaticCache: the ids,
-    positions, bias and the column to write are the program's inputs; the cache's arrays are
-    parameters of it that it updates in place (`ColumnWrites`), as batch normalization's
-    running statistics are, so that the engine orders each step's write before the next
-    step's read. A call is one engine push."""
-
-    def __init__(self, net):
-        self.net = weakref.proxy(net)       # STEPS keeps a step only while its GPT lives
-        self.held = {f'kv_cache.{kind}{layer}': HeldArray() for kind in ('keys', 'values')
-                     for layer in range(net.config[1])}
-        self.cache, self.readers = None, []
-        self.compiled = hybrid.CompiledFunction(self.forward, self.params, 'decode_step',
-                                                self.arrays_of)
-
-    def params(self):
-        return {**self.net.collect_params(), **self.held}
-
-    def arrays_of(self, params, device):
-        """The function a compiled program calls for its parameters' arrays."""
-        self.readers.append(ProgramArrays(params, device))
-        return self.readers[-1].read
-
-    def __call__(self, cache, tokens, positions, bias, column):
-        if cache is not self.cache:
-            self.hold(cache)
-        return self.compiled.run((tokens, positions, bias, column))
-
-    def hold(self, cache):
-        """Run the programs through `cache`'s arrays from now on (None: through none)."""
-        self.cache = cache
-        for kind in ('keys', 'values'):
-            for layer in range(self.net.config[1]):
-                self.held[f'kv_cache.{kind}{layer}'].array = (
-                    None if cache is None else getattr(cache, kind)[layer])
-        for reader in self.readers:
-            reader.seen = None
-
-    def release(self):
-        """Let go of the last generation's cache, so that the ledger counts it freed."""
-        self.hold(None)
-        for reader in self.readers:
-            reader.arrays = ()
-        self.compiled.forget_params()
-
-    def forward(self, tokens, positions, bias, column):
-        keys, values = ([self.held[f'kv_cache.{kind}{layer}'].array
-                         for layer in range(self.net.config[1])] for kind in ('keys', 'values'))
-        x = layers(self.net, embed(self.net, tokens, positions), bias,
-                   ColumnWrites(keys, values, column))
-        return self.net[-1](x)
-
-
-class HeldArray:
-    """A cache array as a parameter of the compiled step: `data` gives the array of the cache
-    that generation runs through now."""
-
-    def __init__(self):
-        self.array = None
-
-    def data(self, device):
-        return self.array
-
-
-class ProgramArrays:
-    """The arrays of a compiled step's parameters, in its order: the same tuple from call to
-    call (which the program's push reads fastest), read again only when a parameter of the
-    GPT has been given new arrays or the step another cache (`DecodeStep.hold`)."""
-
-    def __init__(self, params, device):
-        self.params, self.device, self.seen, self.arrays = params, device, None, ()
-
-    def read(self):
-        if self.seen != Parameter.replacements:
-            self.arrays = tuple(param.data(self.device) for param in self.params)
-            self.seen = Parameter.replacements
-        return self.arrays
 
 
 def transformer_layer(layer, x, bias, cache, number):
