@@ -2,8 +2,8 @@
 with the cache equal recomputation's in float64, for batches of prompts of different lengths;
 padding changes no prompt's tokens; sampling is reproducible and top_k=1 is greedy; the cache
 holds 2·L·s·b·h·bytes on the ledger; bad input is refused by name. The static cache (each
-decode step compiled once, one engine push) gives the contiguous cache's tokens, greedy and
-sampled, and writes the same cache in place."""
+decode step compiled once) gives the contiguous cache's tokens, greedy and sampled, and
+stores the same columns into the cache's own arrays."""
 import numpy
 import pytest
 from hypothesis import given, strategies as st
