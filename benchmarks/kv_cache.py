@@ -1,20 +1,24 @@
 """Generation with a KV cache against recomputing the prefix, each beside its floor.
 
 For each GPT it times `inference.generate` of N new tokens after a batch of prompts, with the
-contiguous cache and with `cache=None` (every step recomputes the whole prefix through the
-same blocks), and a greedy loop of the hybridized GPT's own forward over the whole prefix
+contiguous cache, with the static one (the same cache, each decode step one compiled
+program, one engine push), and with `cache=None` (every step recomputes the whole prefix
+through the same blocks), and a greedy loop of the hybridized GPT's own forward over the whole prefix
 (what speculative decoding's `recomputed` does). Each beside its floor from this run: the sum
 over its passes of max(bytes / bandwidth, FLOPs / peak) (`inference.roofline`: a cached pass
 reads the weights and the cache; a recomputing pass is a prefill of the whole prefix), with
 the bandwidth (triad) and the float32 product's peak measured as the Hardware chapter does.
 Timed at a few N, to see from which N the cache wins. The GPTs: the chapter's quick (2 × 64,
 4 heads) and full (4 × 256, 8 heads) ones with its prompts, and speculative decoding's target
-(2 × 128, 4 heads, one prompt of 8, 57 new tokens). Last, one decode step of the full GPT at
+(2 × 128, 4 heads, one prompt of 8, 57 new tokens). The static cache's first call, which
+traces and compiles its step for that batch and length, is timed apart ("static_first_s";
+the medians exclude it). Last, one decode step of the full GPT at
 long contexts, where the cache is most of the bytes it reads, beside its floor.
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python benchmarks/kv_cache.py [--repeats 3]
 """
 import argparse
+import time
 
 import numpy
 
@@ -76,27 +80,32 @@ def floors(net, prompts, new, bandwidth, peak):
 
 def timed(net, hybrid, prompts, new, repeats):
     runs = {cache or 'recompute': lambda cache=cache: generate(net, prompts, new, cache=cache)
-            for cache in ('contiguous', None)}
+            for cache in ('contiguous', 'static', None)}
     runs['recompute, hybridized'] = hybrid_recompute(hybrid, prompts, new)
-    return d2l.median_seconds(runs, repeats=repeats, min_seconds=0)
+    start = time.perf_counter()
+    runs['static']()                        # compiles the step for this batch and length
+    first = time.perf_counter() - start
+    return dict(d2l.median_seconds(runs, repeats=repeats, min_seconds=0), static_first=first)
 
 
 def compare(name, sizes, longest, new, batch, bandwidth, peak, repeats):
     net, hybrid = gpt(*sizes), gpt(*sizes).hybridize()
     prompts = prompts_of(longest, batch)
     rows = []
-    for count in sorted({1, 2, 4, 8, 16, new}):
+    for count in sorted({1, 2, 4, 8, 16, 24, new}):
         if count > new:
             continue
         seconds = timed(net, hybrid, prompts, count, repeats)
         cached_floor, recomputed_floor = floors(net, prompts, count, bandwidth, peak)
         rows.append({'new': count, 'cached_s': seconds['contiguous'],
+                     'static_s': seconds['static'], 'static_first_s': seconds['static_first'],
                      'cached_floor_s': cached_floor, 'recompute_s': seconds['recompute'],
                      'hybrid_recompute_s': seconds['recompute, hybridized'],
                      'recompute_floor_s': recomputed_floor,
                      'speedup': seconds['recompute'] / seconds['contiguous'],
                      'speedup_over_hybrid': seconds['recompute, hybridized']
-                     / seconds['contiguous']})
+                     / seconds['contiguous'],
+                     'static_over_hybrid': seconds['recompute, hybridized'] / seconds['static']})
     print(f'\n{name} {sizes}: prompts {[len(p) for p in prompts]}')
     print_table(rows)
 

@@ -1,7 +1,9 @@
 """Tests of generation (d2lperf.inference.generate) and its contiguous KV cache: greedy tokens
 with the cache equal recomputation's in float64, for batches of prompts of different lengths;
 padding changes no prompt's tokens; sampling is reproducible and top_k=1 is greedy; the cache
-holds 2·L·s·b·h·bytes on the ledger; bad input is refused by name."""
+holds 2·L·s·b·h·bytes on the ledger; bad input is refused by name. The static cache (each
+decode step compiled once) gives the contiguous cache's tokens, greedy and sampled, and
+stores the same columns into the cache's own arrays."""
 import numpy
 import pytest
 from hypothesis import given, strategies as st
@@ -9,6 +11,7 @@ from hypothesis import given, strategies as st
 import d2lperf as d2l
 from d2lperf import np
 from d2lperf.inference import ContiguousCache, agreement, cache_bytes, forward, generate, sampler
+from d2lperf.inference.generate import STEPS, compiled_forward
 from strategies import checks
 from test_memory import held
 
@@ -167,7 +170,7 @@ def test_bad_input_is_refused_by_name():
     with pytest.raises(ValueError, match=r'30 tokens and max_new_tokens=11 .* max_len=40'):
         generate(net, numpy.zeros((1, 30), int), 11)
     with pytest.raises(ValueError, match='cache='):
-        generate(net, numpy.zeros((1, 3), int), 2, cache='static')
+        generate(net, numpy.zeros((1, 3), int), 2, cache='dense')
     with pytest.raises(ValueError, match='temperature='):
         generate(net, numpy.zeros((1, 3), int), 2, temperature=-1)
     with pytest.raises(ValueError, match='top_k='):
@@ -225,7 +228,84 @@ def test_a_gpt_of_no_layers_runs_through_every_cache():
     bigram, target, prompts = gpt(1, layers=0), gpt(0), random_prompts(4, 2, 6)
     want = hosts(generate(bigram, prompts, 6, cache=None))
     assert all(hosts(generate(bigram, prompts, 6, cache=c)) == want
-               for c in ('contiguous', 'paged'))
+               for c in ('contiguous', 'static', 'paged'))
     runs = [hosts(generate(target, prompts, 8, 1.0, seed=0, cache=cache, draft=bigram,
                            draft_tokens=3)) for cache in (None, 'contiguous')]
     assert runs[0] == runs[1]
+
+
+@checks(12)
+@given(seed=st.integers(0, 2 ** 16), batch=st.integers(1, 4), longest=st.integers(1, 12),
+       new=st.integers(1, 10))
+def test_greedy_tokens_of_the_compiled_step_are_the_contiguous_caches_in_float64(
+        seed, batch, longest, new):
+    net, prompts = gpt(seed % 4), random_prompts(seed, batch, longest)
+    assert hosts(generate(net, prompts, new, cache='static')) == hosts(generate(net, prompts, new))
+
+
+def test_sampled_tokens_of_the_compiled_step_are_the_contiguous_caches_from_one_seed():
+    for seed in range(3):
+        net, prompts = gpt(seed), random_prompts(seed, 3, 9)
+        for temperature, top_k in ((1.0, None), (0.7, 5)):
+            runs = [hosts(generate(net, prompts, 12, temperature, top_k, seed=seed, cache=c))
+                    for c in ('contiguous', 'static')]
+            assert runs[0] == runs[1]
+
+
+def test_a_compiled_step_is_one_push_and_stores_its_column_into_the_cache():
+    """The step's inputs (ids, positions, bias) are three arrays made on the host; the whole
+    step is one engine operation, which reads the cache's own arrays (the ledger's 'kv cache'
+    bytes); then one assignment a layer's keys and one its values store the step's column,
+    as the imperative step does, and no other."""
+    net, tokens = gpt(), numpy.random.default_rng(1).integers(0, VOCAB, (3, 6))
+    pads = numpy.array([0, 2, 1])
+    caches = [ContiguousCache(LAYERS, 3, 9, HIDDENS, 'float64', d2l.cpu(), heads=HEADS)
+              for _ in range(2)]
+    for cache in caches:
+        forward(net, tokens, 0, pads, cache)
+    arrays = [id(held) for held in caches[1].keys + caches[1].values]
+    want = forward(net, tokens[:, -1:], 6, pads, caches[0])
+    with d2l.profiler.profile() as step:
+        got = compiled_forward(net, tokens[:, -1:], 6, pads, caches[1])
+    assert [r.name for r in step] == ['array'] * 3 + ['decode_step'] + ['setitem'] * 2 * LAYERS
+    numpy.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-15)
+    assert [id(held) for held in caches[1].keys + caches[1].values] == arrays
+    for imperative, compiled in zip(caches[0].keys + caches[0].values,
+                                    caches[1].keys + caches[1].values):
+        numpy.testing.assert_allclose(compiled.asnumpy()[:, :, :7], imperative.asnumpy()[:, :, :7],
+                                      rtol=1e-12, atol=1e-15)
+        assert (compiled.asnumpy()[:, :, 6] != 0).all() and (compiled.asnumpy()[:, :, 7:] == 0).all()
+
+
+def test_the_step_is_compiled_once_for_a_batch_and_length_and_the_cache_is_on_the_ledger():
+    """A second generation of the same shapes reuses the program with its own, new cache; the
+    ledger holds that cache's 2·L·s·b·h bytes at the peak and none after, as with the
+    contiguous cache."""
+    device, net, prompts = d2l.cpu(), gpt(), random_prompts(5, 3, 9)
+    before = held(device).by_kind['kv cache']
+    d2l.device.reset_peak(device)
+    first = hosts(generate(net, prompts, 7, cache='static'))
+    memory = held(device)
+    length = max(map(len, prompts)) + 7
+    assert memory.peak_by_kind['kv cache'] - before == cache_bytes(LAYERS, length, 3, HIDDENS, 8)
+    assert memory.by_kind['kv cache'] == before
+    assert hosts(generate(net, prompts[::-1], 7, cache='static')) == first[::-1]
+    assert STEPS[net].compiles == 1
+    generate(net, prompts, 8, cache='static')                   # a longer cache: a new shape
+    assert STEPS[net].compiles == 2
+
+
+def test_the_compiled_step_reads_the_gpts_parameters_anew_and_runs_a_hybridized_gpt():
+    """Parameters given new arrays (a cast there and back) are read again by the program
+    compiled before; one of another dtype compiles a new one; a hybridized GPT's blocks are
+    traced into the step as the plain GPT's are."""
+    net, prompts = gpt(), random_prompts(6, 2, 7)
+    want = hosts(generate(net, prompts, 6, cache='static'))
+    net.cast('float32').cast('float64')
+    assert hosts(generate(net, prompts, 6, cache='static')) == want
+    net.cast('float32')                 # float32 tokens may part at a near-tie: not compared
+    assert [len(row) for row in hosts(generate(net, prompts, 6, cache='static'))] == [
+        len(p) + 6 for p in prompts]
+    assert STEPS[net].compiles == 2
+    net.cast('float64').hybridize()
+    assert hosts(generate(net, prompts, 6, cache='static')) == want

@@ -8,7 +8,9 @@ count, d), and its attention needs every column's up to there, (batch, heads, st
 d). A cache is what turns the one into the other. `ContiguousCache` keeps each layer's in
 two arrays preallocated for the whole output, as FasterTransformer and Hugging Face's static
 cache do: 2·L·s·b·h numbers, which the memory ledger counts as 'kv cache'. The paged cache
-(`paged.py`) keeps them in blocks.
+(`paged.py`) keeps them in blocks. `Appended` is the contiguous cache as a compiled decode
+step reads it (`generate.compiled_forward`): at its whole length, so that every step has the
+same shapes and one program serves them all.
 """
 from .. import np
 from ..device import label
@@ -51,12 +53,32 @@ class ContiguousCache(KVCache):
 
     def extend(self, layer, keys, values):
         """Store a step's keys and values (batch, heads, count, head width); every column's."""
+        self.store(layer, keys, values)
+        return self.keys[layer][:, :, :self.stop], self.values[layer][:, :, :self.stop]
+
+    def store(self, layer, keys, values):
+        """Write a step's keys and values at its columns, start .. stop."""
         batch, heads, _, size = keys.shape
         for held, new in ((self.keys, keys), (self.values, values)):
             if len(held[layer].shape) == 3:
                 held[layer] = held[layer].reshape(batch, heads, self.length, size)
             held[layer][:, :, self.start:self.stop] = new
-        return self.keys[layer][:, :, :self.stop], self.values[layer][:, :, :self.stop]
+
+
+class Appended(KVCache):
+    """A contiguous cache's arrays, `held` (keys, values, for each layer in turn), as a traced
+    decode step reads them: every column the cache has room for, then the step's own keys and
+    values appended (a copy), which `new` keeps for generation to store into the cache once
+    the step has run. A compiled program only makes new values, so the cache is written
+    outside it; the attention's bias hides the columns not written yet."""
+
+    def __init__(self, held):
+        self.held, self.new = held, []
+
+    def extend(self, layer, keys, values):
+        self.new += [keys, values]
+        return tuple(np.concatenate([self.held[2 * layer + i], new], axis=2)
+                     for i, new in enumerate((keys, values)))
 
 
 def cache_bytes(num_layers, length, batch, width, itemsize):

@@ -9,19 +9,27 @@ on the attention's scores hides the padding. The steps call the GPT's own blocks
 embedding table, norms, projections, attention and MLP: `forward` below), so that a step with
 the cache computes what the GPT computes on the whole prefix (`cache=None`, the reference),
 which the tests check token for token in float64.
+
+With `cache='static'` the decode steps run compiled (`decode_step`): the contiguous cache
+read at its whole length, so that a step has the same shapes every time and is one compiled
+program, then one push a layer's keys and one its values to store them: 8 pushes for a
+2-layer GPT instead of 67, one per operation, whose Python costs more than their arithmetic
+at batch 1.
 """
 import numbers
+import weakref
 
 import numpy
 
-from .. import np
+from .. import hybrid, np
 from ..np import extension as npx
 from ..nn import GPT
+from ..nn.block import current_arrays
 from . import speculative
-from .cache import ContiguousCache
+from .cache import Appended, ContiguousCache
 from .paged import BlockTables, PagedCache, blocks_for
 
-CACHES = ('contiguous', 'paged', None)
+CACHES = ('contiguous', 'static', 'paged', None)
 
 
 def generate(net, tokens, max_new_tokens, temperature=0.0, top_k=None, seed=None,
@@ -29,8 +37,9 @@ def generate(net, tokens, max_new_tokens, temperature=0.0, top_k=None, seed=None
     """`max_new_tokens` tokens after each prompt: the most likely at temperature 0 (greedy),
     else drawn from softmax(logits / temperature) over the `top_k` most likely, with a numpy
     Generator seeded by `seed`. `tokens`: (batch, len) ids, the result (batch, len + new); or
-    a list of 1-D prompts, the result a list. `cache`: 'contiguous', 'paged' (blocks of 16
-    tokens) or None (recompute the whole prefix every step). `draft`: a smaller GPT that
+    a list of 1-D prompts, the result a list. `cache`: 'contiguous', 'static' (the same cache,
+    each decode step compiled once: `decode_step`), 'paged' (blocks of 16 tokens) or None
+    (recompute the whole prefix every step). `draft`: a smaller GPT that
     proposes `draft_tokens` tokens a round for `net` to check (speculative decoding,
     `speculative.py`; both GPTs through a contiguous cache unless `cache` is None)."""
     prompts, as_list = read_prompts(tokens)
@@ -45,9 +54,10 @@ def generate(net, tokens, max_new_tokens, temperature=0.0, top_k=None, seed=None
     choose = sampler(temperature, top_k, seed, vocab_size=net.config[0])
     ids, pads = left_pad(prompts)
     memory = make_cache(cache, net, pads, ids.shape[1] + max_new_tokens)
+    decode = compiled_forward if cache == 'static' else forward
     start = 0
     for _ in range(max_new_tokens):
-        logits = forward(net, ids[:, start:], start, pads, memory)
+        logits = (decode if start else forward)(net, ids[:, start:], start, pads, memory)
         ids = numpy.concatenate([ids, choose(logits)[:, None]], axis=1)
         start = 0 if memory is None else ids.shape[1] - 1
     if isinstance(memory, PagedCache):
@@ -91,21 +101,77 @@ def forward(net, tokens, start, pads, cache=None):
 def column_logits(net, tokens, start, pads, cache, last):
     """`forward`'s logits for each of the `last` columns, (batch, last, vocab): speculative
     decoding's target scores every drafted token in one pass."""
-    embedding, *layers, head = net.children()
-    weight = parameter_of(net)
-    device, dtype = weight.device, weight.dtype
-    batch, count = tokens.shape
-    columns = numpy.arange(start + count)
-    positions = numpy.maximum(columns[start:] - pads[:, None], 0)
-    x = (embedding.token(np.array(tokens, device=device))
-         + npx.embedding(np.array(positions, device=device), embedding.position.data(device)))
-    hidden = numpy.where(columns < pads[:, None], numpy.finfo(dtype).min, 0).astype(dtype)
-    bias = np.array(hidden.reshape(batch, 1, 1, -1), device=device)
+    device, dtype = parameter_of(net).device, parameter_of(net).dtype
+    columns = numpy.arange(start + tokens.shape[1])
+    x = embed(net, np.array(tokens, device=device),
+              np.array(positions_of(columns[start:], pads), device=device))
+    bias = np.array(padding_bias(columns, pads, dtype), device=device)
     if cache is not None:
-        cache.begin(start, count)
-    for number, layer in enumerate(layers):
+        cache.begin(start, tokens.shape[1])
+    return net[-1](layers(net, x, bias, cache)[:, -last:]).asnumpy()
+
+
+def compiled_forward(net, tokens, start, pads, cache):
+    """`forward` of one new column through a `ContiguousCache`, as one compiled program (then
+    one push a layer's keys and a layer's values to store the column into the cache): the
+    step sees the cache at its whole length and its own column after it, and the bias hides,
+    besides the padding, the cache's columns from `start` on, not written yet."""
+    device, dtype = parameter_of(net).device, parameter_of(net).dtype
+    bias = padding_bias(numpy.arange(cache.length + 1), pads, dtype)
+    bias[..., start:cache.length] = numpy.finfo(dtype).min
+    inputs = [np.array(x, device=device) for x in (tokens, positions_of(
+        numpy.array([start]), pads), bias)]
+    held = [array for pair in zip(cache.keys, cache.values) for array in pair]
+    step = STEPS.get(net) or STEPS.setdefault(net, decode_step(net))
+    logits, *new = step.run((*inputs, *held))
+    cache.begin(start, 1)
+    for layer in range(len(cache.keys)):
+        cache.store(layer, new[2 * layer], new[2 * layer + 1])
+    return logits.asnumpy()[:, 0]
+
+
+STEPS = weakref.WeakKeyDictionary()         # a GPT -> its compiled decode step
+
+
+def decode_step(net):
+    """The GPT's decode step, traced and compiled once per batch, cache length and dtype
+    (`hybrid.CompiledFunction`; MXNet's static_shape, Hugging Face's StaticCache): the ids,
+    positions and bias, then the cache's arrays, in; the logits and each layer's new keys
+    and values out."""
+    gpt = weakref.proxy(net)                # STEPS keeps a step only while its GPT lives
+
+    def forward(tokens, positions, bias, *held):
+        cache = Appended(held)
+        x = layers(gpt, embed(gpt, tokens, positions), bias, cache)
+        return (gpt[-1](x), *cache.new)
+    return hybrid.CompiledFunction(forward, lambda: gpt.collect_params(), 'decode_step',
+                                   current_arrays)
+
+
+def embed(net, tokens, positions):
+    """The GPT's embedding of ids `tokens` at learnt positions `positions`, both (batch, count)."""
+    embedding = net[0]
+    return (embedding.token(tokens)
+            + npx.embedding(positions, embedding.position.data(tokens.device)))
+
+
+def positions_of(columns, pads):
+    """Each row's positions at `columns`, counted from its own first token."""
+    return numpy.maximum(columns - pads[:, None], 0)
+
+
+def padding_bias(columns, pads, dtype):
+    """(batch, 1, 1, columns) to add to the attention's scores: the dtype's lowest number
+    where a row's padding lies, so that its softmax weight is exactly 0, else 0."""
+    hidden = numpy.where(columns < pads[:, None], numpy.finfo(dtype).min, 0).astype(dtype)
+    return hidden.reshape(len(pads), 1, 1, -1)
+
+
+def layers(net, x, bias, cache):
+    """The GPT's transformer layers on `x`, each layer's keys and values through `cache`."""
+    for number, layer in enumerate(list(net.children())[1:-1]):
         x = transformer_layer(layer, x, bias, cache, number)
-    return head(x[:, -last:]).asnumpy()
+    return x
 
 
 def transformer_layer(layer, x, bias, cache, number):
@@ -156,7 +222,7 @@ def make_cache(kind, net, pads, length):
         return None
     num_layers, width, weight = net.config[1], net.config[2], parameter_of(net)
     sizes = dict(num_layers=num_layers, width=width, dtype=weight.dtype, device=weight.device)
-    if kind == 'contiguous':
+    if kind in ('contiguous', 'static'):
         return ContiguousCache(batch=len(pads), length=length, heads=net.config[3], **sizes)
     tables = BlockTables(blocks_for(length - pads))
     return PagedCache(tables, range(len(pads)), pads, **sizes)
