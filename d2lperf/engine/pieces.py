@@ -7,31 +7,39 @@ element is computed by the same code from the same inputs, only on another core.
 not cut: BLAS has threads of its own. A device runs one operation at a time, so a product never
 competes with the pieces of another operation of the same device.
 
-How many pieces (`count`): one below `SPLIT_BYTES`, where waking a second thread costs more
-than it saves; else as many as the threads one operation may use
-(`Engine.threads_per_operation`): the cores other programs leave free, divided among the CPU
-devices computing at once with `engine.set_blas_division(True)` (`blas.SharedCores`), so two
-virtual devices on two cores then each run whole; one on the naive engine. The first piece
-runs on the calling thread, the others on the process's `piece_threads`. Taught in "Training
-on Multiple GPUs" ("Sharing the cores well").
+How many pieces (`count`): one for every half `SPLIT_BYTES` of work the operation holds, up
+to the threads one operation may use (`Engine.threads_per_operation`: the cores other programs
+leave free, divided among the CPU devices computing at once with `engine.set_blas_division(True)`
+(`blas.SharedCores`); one on the naive engine). A piece must pay for waking a thread and
+waiting for it, so an operation takes a second core from `SPLIT_BYTES` of work, and a core
+more for every half `SPLIT_BYTES` after: the work, not the array, decides, and a machine with
+more cores gives them to the larger operations. The first piece runs on the calling thread, the
+others on the process's `piece_threads`. Taught in "Training on Multiple GPUs" ("Sharing the
+cores well").
 """
 import concurrent.futures
 import os
 import threading
 
-# Measured on the course's 2-core VM (`python benchmarks/parallel.py`, table "Pieces"): a strided
-# copy cut in two took 1.6 times as long as the whole at 1 MB, as long at 2 MB, 0.8 times at 4 MB
-# and 0.55 at 8 MB. Idle, that is: with a core busy elsewhere a piece waits for it, so the
-# threshold stays where the gain is large.
+# Work is counted as the bytes a contiguous copy moves in the same time: an operation gives
+# its bytes and how many copies of them it takes as long as (`copies`: a GELU, whose tanh is
+# arithmetic, some fifty). Measured on the course's 2-core VM (RESULTS.md, "Pieces for the
+# GPT's passes"): waking a piece thread and waiting for it costs 30-65 µs, the time a core
+# copies 1-2 MB; a pass of 0.15 ms (a 4 MB copy) ran 1.15 times as long cut in two, one of
+# 0.3 ms (8 MB of copies' work) about as long (the cores share the memory, and each piece's
+# NumPy calls take the interpreter lock), and passes of 1 ms and more 0.5-0.8 times as long.
+# Hence a second core from 8 MB of work, where cutting stops losing, each piece at least 4 MB.
 SPLIT_BYTES = 8 << 20
 
 
-def count(nbytes):
-    """How many pieces an operation that moves `nbytes` should be cut into (1: run it whole)."""
-    if nbytes < SPLIT_BYTES:
+def count(nbytes, copies=1):
+    """How many pieces an operation that moves `nbytes`, and takes as long as `copies` copies
+    of them, should be cut into (1: run it whole)."""
+    most = int(nbytes * copies // (SPLIT_BYTES / 2))
+    if most < 2:
         return 1
     from . import current                      # the engine in use (a package import, no cycle)
-    return current().threads_per_operation()
+    return min(most, current().threads_per_operation())
 
 
 def spans(size, pieces):
@@ -101,26 +109,30 @@ def copy(xp, view):
     return out
 
 
-def over_axis(xp, size, nbytes, piece):
+def over_axis(xp, size, nbytes, piece, copies=1):
     """Run `piece(start, stop)` over range(size) (an axis the caller's work is independent
-    along), in pieces where `nbytes` is large enough, else whole."""
-    pieces = count(nbytes) if xp.__name__ == 'numpy' else 1
+    along), in pieces where the work (`count`) is large enough, else whole."""
+    pieces = count(nbytes, copies) if xp.__name__ == 'numpy' else 1
     run(piece, size, pieces)
 
 
-def elementwise(xp, piece, like, *inputs):
-    """A new array shaped and laid out as `like`, filled by `piece(out, *inputs)` (a NumPy
-    function with `out=`), in pieces along the axis outermost in memory where large: every
-    piece a block of whole rows of memory."""
+def elementwise(xp, piece, like, *inputs, copies=1):
+    """A new array shaped and laid out as `like`, filled by `piece(out, *inputs)` (NumPy
+    functions with `out=`, applied element by element; the inputs shaped as `like`), in pieces
+    where large: flat pieces where every array is one contiguous block, else pieces along the
+    axis outermost in memory, every piece a block of whole rows of memory."""
     out = xp.empty_like(like)
+    arrays = (out,) + inputs
+    if all(a.flags.c_contiguous for a in arrays):
+        arrays = tuple(a.reshape(-1) for a in arrays)
     axis = max(range(out.ndim), key=lambda a: (out.shape[a] > 1, abs(out.strides[a])),
-               default=0)
+               default=0) if arrays[0].ndim > 1 else 0
 
     def block(start, stop):
         where = (slice(None),) * axis + (slice(start, stop),)
-        piece(out[where], *[x[where] for x in inputs])
+        piece(*[a[where] for a in arrays])
     if out.ndim:
-        over_axis(xp, out.shape[axis], out.nbytes, block)
+        over_axis(xp, arrays[0].shape[axis], out.nbytes, block, copies)
     else:
         piece(out, *inputs)
     return out
