@@ -7,35 +7,34 @@ element is computed by the same code from the same inputs, only on another core.
 not cut: BLAS has threads of its own. A device runs one operation at a time, so a product never
 competes with the pieces of another operation of the same device.
 
-How many pieces (`count`): one for every half `SPLIT_BYTES` of work the operation holds, up
-to the threads one operation may use (`Engine.threads_per_operation`: the cores other programs
-leave free, divided among the CPU devices computing at once with `engine.set_blas_division(True)`
-(`blas.SharedCores`); one on the naive engine). A piece must pay for waking a thread and
-waiting for it, so an operation takes a second core from `SPLIT_BYTES` of work, and a core
-more for every half `SPLIT_BYTES` after: the work, not the array, decides, and a machine with
-more cores gives them to the larger operations. The first piece runs on the calling thread, the
-others on the process's `piece_threads`. Taught in "Training on Multiple GPUs" ("Sharing the
-cores well").
+How many pieces (`count`): one for every half `SPLIT_BYTES` of an operation's bytes, times its
+`weight` (how much sooner than a copy it gains from being cut), up to the threads one operation
+may use (`Engine.threads_per_operation`: the cores other programs leave free, divided among the
+CPU devices computing at once with `engine.set_blas_division(True)` (`blas.SharedCores`); one
+on the naive engine). A piece must pay for waking a thread and waiting for it, so an operation
+takes a second core from `SPLIT_BYTES` of weighted bytes, and a core more for every half
+`SPLIT_BYTES` after: a machine with more cores gives them to the larger operations, each
+piece still large enough to pay. The first piece runs on the calling thread, the others on
+the process's `piece_threads`. Taught in "Training on Multiple GPUs" ("Sharing the cores
+well").
 """
 import concurrent.futures
 import os
 import threading
 
-# Work is counted as the bytes a contiguous copy moves in the same time: an operation gives
-# its bytes and how many copies of them it takes as long as (`copies`: a GELU, whose tanh is
-# arithmetic, some fifty). Measured on the course's 2-core VM (RESULTS.md, "Pieces for the
-# GPT's passes"): waking a piece thread and waiting for it costs 30-65 µs, the time a core
-# copies 1-2 MB; a pass of 0.15 ms (a 4 MB copy) ran 1.15 times as long cut in two, one of
-# 0.3 ms (8 MB of copies' work) about as long (the cores share the memory, and each piece's
-# NumPy calls take the interpreter lock), and passes of 1 ms and more 0.5-0.8 times as long.
-# Hence a second core from 8 MB of work, where cutting stops losing, each piece at least 4 MB.
+# Measured on the course's 2-core VM (`python benchmarks/parallel.py`, table "Pieces"): a
+# strided copy cut in two took 1.6 times as long as the whole at 1 MB, as long at 2 MB, 0.8
+# times at 4 MB and 0.55 at 8 MB. Waking a piece thread and waiting for it costs 25-65 µs
+# (RESULTS.md, "Pieces for the GPT's passes"), and each NumPy call of a piece takes the
+# interpreter lock in turn with the other pieces. So a copy is cut from 8 MB, in pieces of
+# 4 MB or more; a pass with more arithmetic a byte gains sooner, by its `weight`.
 SPLIT_BYTES = 8 << 20
 
 
-def count(nbytes, copies=1):
-    """How many pieces an operation that moves `nbytes`, and takes as long as `copies` copies
-    of them, should be cut into (1: run it whole)."""
-    most = int(nbytes * copies // (SPLIT_BYTES / 2))
+def count(nbytes, weight=1):
+    """How many pieces an operation over `nbytes` should be cut into (1: run it whole):
+    `weight` is how many times sooner than a copy it gains from being cut (GELU's tanh: 8)."""
+    most = int(nbytes * weight // (SPLIT_BYTES / 2))
     if most < 2:
         return 1
     from . import current                      # the engine in use (a package import, no cycle)
@@ -109,14 +108,14 @@ def copy(xp, view):
     return out
 
 
-def over_axis(xp, size, nbytes, piece, copies=1):
+def over_axis(xp, size, nbytes, piece, weight=1):
     """Run `piece(start, stop)` over range(size) (an axis the caller's work is independent
-    along), in pieces where the work (`count`) is large enough, else whole."""
-    pieces = count(nbytes, copies) if xp.__name__ == 'numpy' else 1
+    along), in pieces where it is large enough (`count`), else whole."""
+    pieces = count(nbytes, weight) if xp.__name__ == 'numpy' else 1
     run(piece, size, pieces)
 
 
-def elementwise(xp, piece, like, *inputs, copies=1):
+def elementwise(xp, piece, like, *inputs, weight=1):
     """A new array shaped and laid out as `like`, filled by `piece(out, *inputs)` (NumPy
     functions with `out=`, applied element by element; the inputs shaped as `like`), in pieces
     where large: flat pieces where every array is one contiguous block, else pieces along the
@@ -132,7 +131,7 @@ def elementwise(xp, piece, like, *inputs, copies=1):
         where = (slice(None),) * axis + (slice(start, stop),)
         piece(*[a[where] for a in arrays])
     if out.ndim:
-        over_axis(xp, arrays[0].shape[axis], out.nbytes, block, copies)
+        over_axis(xp, arrays[0].shape[axis], out.nbytes, block, weight)
     else:
         piece(out, *inputs)
     return out

@@ -17,12 +17,13 @@ from .rules import floating, result_type, same
 
 FLOAT32 = numpy.dtype(numpy.float32)
 
-# How many copies of its output each pass takes as long as (`pieces.count`), measured on the
-# course's VM at the small GPT's sizes: tanh's arithmetic makes GELU and its gradient some
-# fifty; a softmax's exp some twenty-five, its gradient eight; layer norm fifteen forward and
-# thirty backward (its gradient's statistics are recomputed).
-COPIES = {'gelu': 50, 'causal_softmax': 25, 'causal_softmax_vjp': 8, 'layer_norm': 15,
-          'layer_norm_vjp': 30}
+# How much sooner than a copy each pass gains from being cut (`pieces.count`'s weight), measured
+# on the course's 2-core VM (RESULTS.md, "Pieces for the GPT's passes"): cut in two, GELU, its
+# gradient and the softmax ran faster from 1 MB, layer norm and its gradient from 2 MB, the
+# softmax's gradient from 4 MB, where a copy needs 8. Not their time per byte: a pass of many
+# short NumPy calls gains late, each call taking the interpreter lock in turn with the others.
+WEIGHTS = {'gelu': 8, 'causal_softmax': 8, 'causal_softmax_vjp': 2, 'layer_norm': 4,
+           'layer_norm_vjp': 4}
 
 
 # -- embedding: rows of a table, picked by integer ids ----------------------------------------
@@ -131,11 +132,11 @@ def normalized(xp, x, eps, out=None):
     return centred, inverse_std
 
 
-def by_rows(xp, x, kernel, *outs, copies):
+def by_rows(xp, x, kernel, *outs, weight):
     """Run `kernel(start, stop)` over the rows of `x` (its last axis the row), in pieces where
     large; `outs` are (rows, width) arrays it fills, given back shaped as `x`."""
     rows = math.prod(x.shape[:-1])
-    pieces.over_axis(xp, rows, x.nbytes, kernel, copies)
+    pieces.over_axis(xp, rows, x.nbytes, kernel, weight)
     return tuple(out.reshape(x.shape) for out in outs)
 
 
@@ -156,7 +157,7 @@ def layer_norm(xp, x, gamma, beta, eps=1e-5):
         normal += beta
         if into is None:
             out[start:stop] = normal.astype(dtype, copy=False)
-    return by_rows(xp, x, block, out, copies=COPIES['layer_norm'])[0]
+    return by_rows(xp, x, block, out, weight=WEIGHTS['layer_norm'])[0]
 
 
 def layer_norm_vjp(xp, g, out, x, gamma, beta, eps=1e-5):
@@ -182,7 +183,7 @@ def layer_norm_vjp(xp, g, out, x, gamma, beta, eps=1e-5):
         d_hat *= inverse_std
         if not in_place:
             d_x[start:stop] = d_hat.astype(d_x.dtype, copy=False)
-    d_x, scaled = by_rows(xp, x, block, d_x, scaled, copies=COPIES['layer_norm_vjp'])
+    d_x, scaled = by_rows(xp, x, block, d_x, scaled, weight=WEIGHTS['layer_norm_vjp'])
     sums = tuple(range(g.ndim - 1))
     d_gamma, d_beta = scaled.sum(axis=sums), working_precision(g).sum(axis=sums)
     return (d_x,) + tuple(d.astype(result_type(g.dtype, like.dtype), copy=False)
@@ -203,7 +204,7 @@ def gelu(xp, a):
     every other pass in place, in pieces on the device's cores where large (`pieces`)."""
     a = a.astype(result_type(a.dtype, 1.0), copy=False)
     return pieces.elementwise(xp, functools.partial(gelu_into, xp), a, a,
-                              copies=COPIES['gelu'])
+                              weight=WEIGHTS['gelu'])
 
 
 def gelu_into(xp, y, a):
@@ -230,7 +231,7 @@ def gelu_vjp(xp, g, out, a):
     arrays suffice (1 + t is 2 - (1 - t)); a new array costs more than a pass in place."""
     a = a.astype(result_type(a.dtype, 1.0), copy=False)
     return (pieces.elementwise(xp, functools.partial(gelu_gradient_into, xp), a, g, a,
-                               copies=COPIES['gelu']),)
+                               weight=WEIGHTS['gelu']),)
 
 
 def gelu_gradient_into(xp, d, g, a):
@@ -278,7 +279,7 @@ def causal_softmax(xp, scores):
 
     def block(start, stop):
         softmax_into(xp, out[start:stop], matrices[start:stop], mask)
-    pieces.over_axis(xp, len(matrices), out.nbytes, block, COPIES['causal_softmax'])
+    pieces.over_axis(xp, len(matrices), out.nbytes, block, WEIGHTS['causal_softmax'])
     return out.reshape(scores.shape).astype(scores.dtype, copy=False)
 
 
@@ -309,7 +310,7 @@ def causal_softmax_vjp(xp, g, out, scores):
         xp.subtract(working_precision(rows_g[start:stop]),
                     row_dots(xp, rows_g[start:stop], rows_p[start:stop]), out=d[start:stop])
         d[start:stop] *= p
-    pieces.over_axis(xp, len(d), d.nbytes, block, COPIES['causal_softmax_vjp'])
+    pieces.over_axis(xp, len(d), d.nbytes, block, WEIGHTS['causal_softmax_vjp'])
     return (d.reshape(scores.shape).astype(scores.dtype, copy=False),)
 
 
