@@ -99,6 +99,7 @@ def child_thread_rows(steps=5):
     a child): each d2lperf step and the references, in turns (PyTorch's where installed)."""
     import training
     import d2lperf as d2l
+    from d2lperf import hardware
     from threadpoolctl import threadpool_limits
     x, y = training.batch()
     params = training.initial_params()
@@ -112,7 +113,7 @@ def child_thread_rows(steps=5):
         if torch:
             steps_of[f'GPT {shape}, PyTorch'] = training.torch_module_gpt_step_fn(sizes,
                                                                                   batch)[0]
-    ms = {}
+    ms, before = {}, hardware.cpu_times()
     for threads in (1, 2):
         with threadpool_limits(threads):
             if torch:
@@ -127,7 +128,8 @@ def child_thread_rows(steps=5):
                     seconds[row].append(time.perf_counter() - start)
         ms |= {f'{row}, {threads} thread(s), ms': 1e3 * statistics.median(s)
                for row, s in seconds.items()}
-    return ms
+    return ms | {'cores other programs kept busy': hardware.load_by_others(
+        before, hardware.cpu_times())}
 
 
 CHILDREN = {'split': 'child_rows', 'threads': 'child_thread_rows'}
