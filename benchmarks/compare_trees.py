@@ -13,7 +13,7 @@ tree. Make the trees with `git worktree add --detach /tmp/before REV`.
   PyTorch's LeNet and GPT (as its users write it) where PyTorch is installed.
 
     python benchmarks/compare_trees.py --runs 6 before=/tmp/before after=.
-    python benchmarks/compare_trees.py --rows threads --runs 3 before=/tmp/before after=.
+    python benchmarks/compare_trees.py --rows threads --quiet --runs 3 before=/tmp/before after=.
 
 Benchmark with OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE unset, as a reader's machine has them
 (`env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python ...`); both are printed.
@@ -132,6 +132,27 @@ def child_thread_rows(steps=5):
         before, hardware.cpu_times())}
 
 
+def busy_cores(seconds=2.0):
+    """How many cores were busy over `seconds` (/proc/stat; None where it is missing)."""
+    def times():
+        with open('/proc/stat') as stat:
+            values = [int(v) for v in stat.readline().split()[1:]]
+        return sum(values), values[3] + values[4]            # all, idle + iowait
+    try:
+        (total_a, idle_a), _, (total_b, idle_b) = times(), time.sleep(seconds), times()
+    except OSError:
+        return None
+    return (os.cpu_count() or 1) * (1 - (idle_b - idle_a) / max(1, total_b - total_a))
+
+
+def wait_for_quiet(most=0.2, limit_s=600):
+    """Wait until other programs keep fewer than `most` cores busy (at most `limit_s`): on a
+    shared machine a run while another program holds a core times that program."""
+    deadline = time.time() + limit_s
+    while time.time() < deadline and (busy_cores() or 0) >= most:
+        pass
+
+
 CHILDREN = {'split': 'child_rows', 'threads': 'child_thread_rows'}
 
 
@@ -154,6 +175,8 @@ def main():
                         help='NAME=PATH of each source tree, the reference first')
     parser.add_argument('--runs', type=int, default=4)
     parser.add_argument('--rows', choices=sorted(CHILDREN), default='split')
+    parser.add_argument('--quiet', action='store_true',
+                        help='start each run once other programs leave the cores idle')
     args = parser.parse_args()
     trees = {name: pathlib.Path(path).resolve()
              for name, path in (tree.split('=', 1) for tree in args.trees)}
@@ -161,6 +184,8 @@ def main():
     runs = {name: [] for name in trees}
     for r in range(args.runs):
         for name in (list(trees) if r % 2 == 0 else list(trees)[::-1]):
+            if args.quiet:
+                wait_for_quiet()
             runs[name].append(run_tree(trees[name], args.rows))
             print(name, {k: round(v, 2) for k, v in runs[name][-1].items()}, os.getloadavg(),
                   flush=True)

@@ -853,7 +853,8 @@ def per_kind_ms(step, threads, steps=5):
 def scaling_section(cores):
     """Where the second core goes idle: each kind of operation's time at one thread and at
     every core, from the engine's records, for LeNet and the small GPT. A kind whose time does
-    not fall ran on one core while the others waited (a pass under `pieces.SPLIT_BYTES`)."""
+    not fall ran on one core while the others waited (a pass too small, for its weight, for
+    `pieces.count` to cut)."""
     x, y = batch()
     sizes, gpt_batch = GPT_SHAPES['4×128']
     for name, step in (('LeNet, batch 256', d2lperf_step_fn([d2l.cpu(0)], x, y)),

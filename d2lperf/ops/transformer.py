@@ -306,10 +306,9 @@ def causal_softmax_vjp(xp, g, out, scores):
     d = xp.empty(rows_g.shape, working_dtype(g.dtype, out.dtype))
 
     def block(start, stop):
-        p = working_precision(rows_p[start:stop])
-        xp.subtract(working_precision(rows_g[start:stop]),
-                    row_dots(xp, rows_g[start:stop], rows_p[start:stop]), out=d[start:stop])
-        d[start:stop] *= p
+        g, p = working_precision(rows_g[start:stop]), working_precision(rows_p[start:stop])
+        rows = xp.subtract(g, row_dots(xp, g, p), out=d[start:stop])
+        rows *= p                            # on a name: `d[a:b] *= p` would copy back
     pieces.over_axis(xp, len(d), d.nbytes, block, WEIGHTS['causal_softmax_vjp'])
     return (d.reshape(scores.shape).astype(scores.dtype, copy=False),)
 
