@@ -1,4 +1,4 @@
-"""Is a change slower? The GPT's split rows, or one device's steps, on two source trees, alternated.
+"""Is a change slower? The GPT's split rows, or one device's steps, on two trees, alternated.
 
 A row's time moves by ±20 % between processes on a shared 2-core VM, so one run of each tree
 says little. This runs each tree in a fresh child process per run, the trees in turns, and

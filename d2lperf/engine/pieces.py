@@ -122,10 +122,10 @@ def elementwise(xp, piece, like, *inputs, weight=1):
     axis outermost in memory, every piece a block of whole rows of memory."""
     out = xp.empty_like(like)
     arrays = (out,) + inputs
-    if all(a.flags.c_contiguous for a in arrays):
-        arrays = tuple(a.reshape(-1) for a in arrays)
-    axis = max(range(out.ndim), key=lambda a: (out.shape[a] > 1, abs(out.strides[a])),
-               default=0) if arrays[0].ndim > 1 else 0
+    if all(a.flags.c_contiguous for a in arrays):         # one block each: cut them flat
+        arrays, axis = tuple(a.reshape(-1) for a in arrays), 0
+    else:
+        axis = max(range(out.ndim), key=lambda a: (out.shape[a] > 1, abs(out.strides[a])))
 
     def block(start, stop):
         where = (slice(None),) * axis + (slice(start, stop),)
