@@ -11,6 +11,8 @@ Rows, all measured side by side in this run:
   hand-written NumPy im2col implementation, the floor any NumPy library pays. Each at one
   thread and at every core.
 * Where the time of a d2lperf step goes, per kind of operation (the engine's records).
+* The small GPT's passes (GELU, the causal softmax, layer norm) and steps with their large
+  passes cut into pieces (`engine.pieces`) and whole, in turns in one process (`pieces`).
 * Data parallelism: the same batch split over two virtual CPU devices with one BLAS thread
   each, against one device with every core (with its large operations in pieces, and whole).
 * Past the source ("Data Parallelism at Scale"): one step of LeNet with Adam on four virtual
@@ -38,7 +40,9 @@ Each figure is the best of several interleaved repeats.
 import collections
 import os
 import platform
+import statistics
 import sys
+import time
 
 # d2lperf before NumPy, as the chapters: OpenBLAS then loads with its brief spin
 # (engine/blas.py, spin_briefly), which the rows measured so far ran with.
@@ -47,7 +51,7 @@ import numpy
 from numpy.lib.stride_tricks import sliding_window_view
 from threadpoolctl import threadpool_info, threadpool_limits
 
-from d2lperf import autograd, engine, nn, np, npx
+from d2lperf import autograd, engine, hardware, nn, np, npx
 from d2lperf.device import available_cores
 from d2lperf.engine import pieces
 
@@ -853,7 +857,8 @@ def per_kind_ms(step, threads, steps=5):
 def scaling_section(cores):
     """Where the second core goes idle: each kind of operation's time at one thread and at
     every core, from the engine's records, for LeNet and the small GPT. A kind whose time does
-    not fall ran on one core while the others waited (a pass under `pieces.SPLIT_BYTES`)."""
+    not fall ran on one core while the others waited (a pass too small, for its weight, for
+    `pieces.count` to cut)."""
     x, y = batch()
     sizes, gpt_batch = GPT_SHAPES['4×128']
     for name, step in (('LeNet, batch 256', d2lperf_step_fn([d2l.cpu(0)], x, y)),
@@ -870,6 +875,56 @@ def scaling_section(cores):
         flat = sum(ms for kind, ms in every.items() if one[kind] < 1.15 * ms)
         print(f'| all | {total_one:.1f} | {total_every:.1f} | {total_one / total_every:.2f} | '
               f'kinds sped up less than 1.15×: {flat / total_every:.0%} of the time |')
+
+
+def pieces_rows(threads, steps=8):
+    """(what, ms whole, ms in pieces) at `threads`: each Transformer pass at the small GPT's
+    4×128 sizes, and the GPT steps, with the pieces off (`pieces.SPLIT_BYTES` past every
+    operation) and on in turns in one process; a copy of 4 MB as the floor."""
+    from d2lperf.ops import transformer
+    rng = numpy.random.default_rng(0)
+    f32 = lambda *shape: rng.standard_normal(shape).astype(numpy.float32)   # noqa: E731
+    x, g, s, gs, h, gh, w = (f32(16, 128, 512), f32(16, 128, 512), f32(16, 4, 128, 128),
+                             f32(16, 4, 128, 128), f32(16, 128, 128), f32(16, 128, 128),
+                             f32(128))
+    p = transformer.causal_softmax(numpy, s)
+    work = {'gelu': lambda: transformer.gelu(numpy, x),
+            'gelu gradient': lambda: transformer.gelu_vjp(numpy, g, None, x),
+            'causal softmax': lambda: transformer.causal_softmax(numpy, s),
+            'causal softmax gradient': lambda: transformer.causal_softmax_vjp(numpy, gs, p, s),
+            'layer norm': lambda: transformer.layer_norm(numpy, h, w, w),
+            'layer norm gradient': lambda: transformer.layer_norm_vjp(numpy, gh, None, h, w, w),
+            'a copy of 4 MB (floor)': x.copy}
+    work |= {f'GPT {shape} step': gpt_step_fn(False, None, *GPT_SHAPES[shape])
+             for shape in GPT_SHAPES}
+    split_bytes, rows = pieces.SPLIT_BYTES, []
+    with threadpool_limits(threads):
+        for name, fn in work.items():
+            fn()
+            seconds = {'whole': [], 'cut': []}
+            for _ in range(steps if 'step' in name else 5 * steps):
+                for how in seconds:
+                    pieces.SPLIT_BYTES = split_bytes if how == 'cut' else float('inf')
+                    start = time.perf_counter()
+                    fn()
+                    seconds[how].append(time.perf_counter() - start)
+            pieces.SPLIT_BYTES = split_bytes
+            rows.append((name, 1e3 * statistics.median(seconds['whole']),
+                         1e3 * statistics.median(seconds['cut'])))
+    return rows
+
+
+def pieces_section(cores):
+    print(f'\nThe GPT\'s passes cut into pieces (`engine.pieces`), off and on in turns, median; '
+          f'{load_average()}')
+    before = hardware.cpu_times()
+    for threads in sorted({1, cores}):
+        print(f'| {threads} thread(s) | ms whole | ms in pieces | pieces / whole |\n'
+              '|---|--:|--:|--:|')
+        for name, whole, cut in pieces_rows(threads):
+            print(f'| {name} | {whole:.2f} | {cut:.2f} | {cut / whole:.2f} |')
+    print(f'other programs kept {hardware.load_by_others(before, hardware.cpu_times()):.2f} '
+          'cores busy meanwhile')
 
 
 def data_parallel_section(cores):
@@ -1054,7 +1109,7 @@ def gpu_section(cores):
 SECTIONS = {'lenet': lenet_section, 'data_parallel': data_parallel_section,
             'sharded': sharded_section, 'memory': memory_section, 'gpt': gpt_section,
             'resnet': resnet_section, 'convolutions': convolutions_section,
-            'scaling': scaling_section,
+            'scaling': scaling_section, 'pieces': pieces_section,
             'gpu': gpu_section}
 
 

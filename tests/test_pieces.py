@@ -24,7 +24,7 @@ def cut_into_three(monkeypatch):
     tested, not the speed); returns the list of piece counts used."""
     used, run = [], pieces.run
     monkeypatch.setattr(pieces, 'SPLIT_BYTES', 0)
-    monkeypatch.setattr(pieces, 'count', lambda nbytes: 3)
+    monkeypatch.setattr(pieces, 'count', lambda nbytes, weight=1: 3)
 
     def counted(piece, size, count):
         used.append(len(pieces.spans(size, count)))

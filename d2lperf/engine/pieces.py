@@ -7,31 +7,38 @@ element is computed by the same code from the same inputs, only on another core.
 not cut: BLAS has threads of its own. A device runs one operation at a time, so a product never
 competes with the pieces of another operation of the same device.
 
-How many pieces (`count`): one below `SPLIT_BYTES`, where waking a second thread costs more
-than it saves; else as many as the threads one operation may use
-(`Engine.threads_per_operation`): the cores other programs leave free, divided among the CPU
-devices computing at once with `engine.set_blas_division(True)` (`blas.SharedCores`), so two
-virtual devices on two cores then each run whole; one on the naive engine. The first piece
-runs on the calling thread, the others on the process's `piece_threads`. Taught in "Training
-on Multiple GPUs" ("Sharing the cores well").
+How many pieces (`count`): one for every half `SPLIT_BYTES` of an operation's bytes, times its
+`weight` (how much sooner than a copy it gains from being cut), up to the threads one operation
+may use (`Engine.threads_per_operation`: the cores other programs leave free, divided among the
+CPU devices computing at once with `engine.set_blas_division(True)` (`blas.SharedCores`); one
+on the naive engine). A piece must pay for waking a thread and waiting for it, so an operation
+takes a second core from `SPLIT_BYTES` of weighted bytes, and a core more for every half
+`SPLIT_BYTES` after: a machine with more cores gives them to the larger operations, each
+piece still large enough to pay. The first piece runs on the calling thread, the others on
+the process's `piece_threads`. Taught in "Training on Multiple GPUs" ("Sharing the cores
+well").
 """
 import concurrent.futures
 import os
 import threading
 
-# Measured on the course's 2-core VM (`python benchmarks/parallel.py`, table "Pieces"): a strided
-# copy cut in two took 1.6 times as long as the whole at 1 MB, as long at 2 MB, 0.8 times at 4 MB
-# and 0.55 at 8 MB. Idle, that is: with a core busy elsewhere a piece waits for it, so the
-# threshold stays where the gain is large.
+# Measured on the course's 2-core VM (`python benchmarks/parallel.py`, table "Pieces"): a
+# strided copy cut in two took 1.6 times as long as the whole at 1 MB, as long at 2 MB, 0.8
+# times at 4 MB and 0.55 at 8 MB. Waking a piece thread and waiting for it costs 25-65 µs
+# (RESULTS.md, "Pieces for the GPT's passes"), and each NumPy call of a piece takes the
+# interpreter lock in turn with the other pieces. So a copy is cut from 8 MB, in pieces of
+# 4 MB or more; a pass with more arithmetic a byte gains sooner, by its `weight`.
 SPLIT_BYTES = 8 << 20
 
 
-def count(nbytes):
-    """How many pieces an operation that moves `nbytes` should be cut into (1: run it whole)."""
-    if nbytes < SPLIT_BYTES:
+def count(nbytes, weight=1):
+    """How many pieces an operation over `nbytes` should be cut into (1: run it whole):
+    `weight` is how many times sooner than a copy it gains from being cut (GELU's tanh: 8)."""
+    most = int(nbytes * weight // (SPLIT_BYTES / 2))
+    if most < 2:
         return 1
     from . import current                      # the engine in use (a package import, no cycle)
-    return current().threads_per_operation()
+    return min(most, current().threads_per_operation())
 
 
 def spans(size, pieces):
@@ -101,26 +108,30 @@ def copy(xp, view):
     return out
 
 
-def over_axis(xp, size, nbytes, piece):
+def over_axis(xp, size, nbytes, piece, weight=1):
     """Run `piece(start, stop)` over range(size) (an axis the caller's work is independent
-    along), in pieces where `nbytes` is large enough, else whole."""
-    pieces = count(nbytes) if xp.__name__ == 'numpy' else 1
+    along), in pieces where it is large enough (`count`), else whole."""
+    pieces = count(nbytes, weight) if xp.__name__ == 'numpy' else 1
     run(piece, size, pieces)
 
 
-def elementwise(xp, piece, like, *inputs):
-    """A new array shaped and laid out as `like`, filled by `piece(out, *inputs)` (a NumPy
-    function with `out=`), in pieces along the axis outermost in memory where large: every
-    piece a block of whole rows of memory."""
+def elementwise(xp, piece, like, *inputs, weight=1):
+    """A new array shaped and laid out as `like`, filled by `piece(out, *inputs)` (NumPy
+    functions with `out=`, applied element by element; the inputs shaped as `like`), in pieces
+    where large: flat pieces where every array is one contiguous block, else pieces along the
+    axis outermost in memory, every piece a block of whole rows of memory."""
     out = xp.empty_like(like)
-    axis = max(range(out.ndim), key=lambda a: (out.shape[a] > 1, abs(out.strides[a])),
-               default=0)
+    arrays = (out,) + inputs
+    if all(a.flags.c_contiguous for a in arrays):         # one block each: cut them flat
+        arrays, axis = tuple(a.reshape(-1) for a in arrays), 0
+    else:
+        axis = max(range(out.ndim), key=lambda a: (out.shape[a] > 1, abs(out.strides[a])))
 
     def block(start, stop):
         where = (slice(None),) * axis + (slice(start, stop),)
-        piece(out[where], *[x[where] for x in inputs])
+        piece(*[a[where] for a in arrays])
     if out.ndim:
-        over_axis(xp, out.shape[axis], out.nbytes, block)
+        over_axis(xp, arrays[0].shape[axis], out.nbytes, block, weight)
     else:
         piece(out, *inputs)
     return out

@@ -5,13 +5,25 @@ Taught in "Model Parallelism", whose small GPT is built from them (`d2lperf.nn.t
 Each is one operation with its own gradient, rather than a chain of smaller ones, so that
 the tape keeps one node (and one saved input) per layer instead of five.
 """
+import functools
 import math
 
 import numpy
 
+from ..engine import pieces
 from .nn import ids_in_range, integer_ids
 from .registry import defop
 from .rules import floating, result_type, same
+
+FLOAT32 = numpy.dtype(numpy.float32)
+
+# How much sooner than a copy each pass gains from being cut (`pieces.count`'s weight), measured
+# on the course's 2-core VM (RESULTS.md, "Pieces for the GPT's passes"): cut in two, GELU, its
+# gradient and the softmax ran faster from 1 MB, layer norm and its gradient from 2 MB, the
+# softmax's gradient from 4 MB, where a copy needs 8. Not their time per byte: a pass of many
+# short NumPy calls gains late, each call taking the interpreter lock in turn with the others.
+WEIGHTS = {'gelu': 8, 'causal_softmax': 8, 'causal_softmax_vjp': 2, 'layer_norm': 4,
+           'layer_norm_vjp': 4}
 
 
 # -- embedding: rows of a table, picked by integer ids ----------------------------------------
@@ -85,11 +97,20 @@ def working_precision(a):
     return a.astype(numpy.float32) if a.dtype.itemsize < 4 else a
 
 
+def working_dtype(*dtypes):
+    """The dtype of arithmetic between arrays of `dtypes`, each in working precision."""
+    return result_type(*(FLOAT32 if numpy.dtype(d).itemsize < 4 else numpy.dtype(d)
+                         for d in dtypes))
+
+
 def row_sums(xp, a):
-    """Sums along the last axis (kept, as size 1) as one matrix-vector product: NumPy's own
-    reduction along short rows pays a loop per row, BLAS runs through them at memory speed."""
+    """Sums along the last axis (kept, as size 1) as one einsum, each row summed alone: NumPy's
+    own reduction along short rows pays a loop per row (0.125 ms for 2,048 rows of 128, the
+    einsum 0.048); a product with ones is as fast, but BLAS sums a row by kernels that depend
+    on the rows around it (and a lone row is a dot product), so the values would change with
+    the rows a piece holds (`pieces`)."""
     rows = working_precision(a.reshape(-1, a.shape[-1]))
-    return (rows @ xp.ones(a.shape[-1], rows.dtype)).reshape(a.shape[:-1] + (1,))
+    return xp.einsum('ij->i', rows).reshape(a.shape[:-1] + (1,))
 
 
 def row_dots(xp, a, b):
@@ -99,44 +120,74 @@ def row_dots(xp, a, b):
     return xp.einsum('ij,ij->i', rows_a, rows_b).reshape(a.shape[:-1] + (1,))
 
 
-def normalized(xp, x, eps):
-    """(x - mean) / std along the last axis, and 1 / std (which the gradient needs), in x's
-    working precision: one new array, the other passes in place."""
+def normalized(xp, x, eps, out=None):
+    """(x - mean) / std along the last axis (into `out` if given: it has x's working
+    precision), and 1 / std (which the gradient needs), in x's working precision: one new
+    array, the other passes in place."""
     width = x.shape[-1]
     mean = row_sums(xp, x) / width           # in working precision: float32 for half
-    centred = xp.subtract(x, mean, dtype=mean.dtype)
+    centred = xp.subtract(x, mean, dtype=mean.dtype, out=out)
     inverse_std = 1 / xp.sqrt(row_dots(xp, centred, centred) / width + eps)
     centred *= inverse_std
     return centred, inverse_std
 
 
+def by_rows(xp, x, kernel, *outs, weight):
+    """Run `kernel(start, stop)` over the rows of `x` (its last axis the row), in pieces where
+    large; `outs` are (rows, width) arrays it fills, given back shaped as `x`."""
+    rows = math.prod(x.shape[:-1])
+    pieces.over_axis(xp, rows, x.nbytes, kernel, weight)
+    return tuple(out.reshape(x.shape) for out in outs)
+
+
 def layer_norm(xp, x, gamma, beta, eps=1e-5):
-    """In half precision the whole normalization runs in float32 and rounds once at the
-    end: ml_dtypes cannot subtract float32 statistics into a bfloat16 result, and a float16
-    x - mean would round before the scaling that brings it back to order 1."""
+    """Row by row, in pieces where large. In half precision the whole normalization runs in
+    float32 and rounds once at the end: ml_dtypes cannot subtract float32 statistics into a
+    bfloat16 result, and a float16 x - mean would round before the scaling that brings it
+    back to order 1."""
     dtype = result_type(x.dtype, gamma.dtype, beta.dtype)
-    out, _ = normalized(xp, x, eps)
-    out = out.astype(result_type(out.dtype, dtype), copy=False)
-    out *= gamma
-    out += beta
-    return out.astype(dtype, copy=False)
+    rows = x.reshape(-1, x.shape[-1])
+    out = xp.empty(rows.shape, dtype)
+
+    def block(start, stop):
+        into = out[start:stop] if out.dtype == working_dtype(x.dtype) else None
+        normal, _ = normalized(xp, rows[start:stop], eps, into)
+        normal = normal.astype(result_type(normal.dtype, dtype), copy=False)
+        normal *= gamma
+        normal += beta
+        if into is None:
+            out[start:stop] = normal.astype(dtype, copy=False)
+    return by_rows(xp, x, block, out, weight=WEIGHTS['layer_norm'])[0]
 
 
 def layer_norm_vjp(xp, g, out, x, gamma, beta, eps=1e-5):
     """The statistics are recomputed rather than saved: one more pass over x costs less
     memory than keeping two arrays per layer until backward. Half precision works in
-    float32, as the forward does, and rounds each gradient once."""
-    x_hat, inverse_std = normalized(xp, x, eps)
-    g_wide = working_precision(g)
-    width, rows = x.shape[-1], tuple(range(g.ndim - 1))
-    d_gamma, d_beta = (g_wide * x_hat).sum(axis=rows), g_wide.sum(axis=rows)
-    d_hat = g_wide * working_precision(gamma)
-    x_hat *= row_dots(xp, d_hat, x_hat) / width
-    d_hat -= row_sums(xp, d_hat) / width
-    d_hat -= x_hat
-    d_hat *= inverse_std
-    return tuple(d.astype(result_type(g.dtype, like.dtype), copy=False)
-                 for d, like in ((d_hat, x), (d_gamma, gamma), (d_beta, beta)))
+    float32, as the forward does, and rounds each gradient once. Rows apart, in pieces where
+    large; gamma's and beta's gradients are sums over every row, taken whole after."""
+    width = x.shape[-1]
+    rows_x, rows_g = x.reshape(-1, width), g.reshape(-1, width)
+    d_x = xp.empty(rows_x.shape, result_type(g.dtype, x.dtype))
+    scaled = xp.empty(rows_x.shape, working_dtype(g.dtype, x.dtype))  # g x_hat, for d_gamma
+    in_place = d_x.dtype == working_dtype(g.dtype, gamma.dtype)
+
+    def block(start, stop):
+        x_hat, inverse_std = normalized(xp, rows_x[start:stop], eps)
+        g_wide = working_precision(rows_g[start:stop])
+        xp.multiply(g_wide, x_hat, out=scaled[start:stop])
+        d_hat = xp.multiply(g_wide, working_precision(gamma),
+                            out=d_x[start:stop] if in_place else None)
+        x_hat *= row_dots(xp, d_hat, x_hat) / width
+        d_hat -= row_sums(xp, d_hat) / width
+        d_hat -= x_hat
+        d_hat *= inverse_std
+        if not in_place:
+            d_x[start:stop] = d_hat.astype(d_x.dtype, copy=False)
+    d_x, scaled = by_rows(xp, x, block, d_x, scaled, weight=WEIGHTS['layer_norm_vjp'])
+    sums = tuple(range(g.ndim - 1))
+    d_gamma, d_beta = scaled.sum(axis=sums), working_precision(g).sum(axis=sums)
+    return (d_x,) + tuple(d.astype(result_type(g.dtype, like.dtype), copy=False)
+                          for d, like in ((d_gamma, gamma), (d_beta, beta)))
 
 
 defop('layer_norm', layer_norm, layer_norm_infer, layer_norm_vjp)
@@ -150,20 +201,24 @@ GELU_SCALE, GELU_CUBIC = math.sqrt(2 / math.pi), 0.044715
 def gelu(xp, a):
     """0.5 a (1 + tanh(sqrt(2/pi) (a + 0.044715 a^3))), in the dtype `floating` infers
     (integers become float64; ml_dtypes would widen bfloat16 to float32): one new array,
-    every other pass in place."""
+    every other pass in place, in pieces on the device's cores where large (`pieces`)."""
     a = a.astype(result_type(a.dtype, 1.0), copy=False)
-    y = tanh_argument(xp, a)
+    return pieces.elementwise(xp, functools.partial(gelu_into, xp), a, a,
+                              weight=WEIGHTS['gelu'])
+
+
+def gelu_into(xp, y, a):
+    tanh_argument(xp, a, y)
     xp.tanh(y, out=y)
     y += 1
     y *= a
     y *= 0.5
-    return y
 
 
-def tanh_argument(xp, a):
-    """sqrt(2/pi) (a + 0.044715 a^3), written as a (c a² + s): a new array and three passes
-    (`out=`, so that a 0-d `a` gives an array, not a NumPy scalar)."""
-    y = xp.multiply(a, a, out=xp.empty_like(a))
+def tanh_argument(xp, a, y):
+    """sqrt(2/pi) (a + 0.044715 a^3) into `y`, written as a (c a² + s): three passes after
+    the square (`out=`, so that a 0-d `a` gives an array, not a NumPy scalar)."""
+    xp.multiply(a, a, out=y)
     y *= GELU_SCALE * GELU_CUBIC
     y += GELU_SCALE
     y *= a
@@ -175,10 +230,15 @@ def gelu_vjp(xp, g, out, a):
     sqrt(2/pi) (1 + 3·0.044715 a²): the textbook sum of two terms, factored so that two
     arrays suffice (1 + t is 2 - (1 - t)); a new array costs more than a pass in place."""
     a = a.astype(result_type(a.dtype, 1.0), copy=False)
-    t = tanh_argument(xp, a)
+    return (pieces.elementwise(xp, functools.partial(gelu_gradient_into, xp), a, g, a,
+                               weight=WEIGHTS['gelu']),)
+
+
+def gelu_gradient_into(xp, d, g, a):
+    t = tanh_argument(xp, a, xp.empty_like(a))
     xp.tanh(t, out=t)
     xp.subtract(1, t, out=t)                 # 1 - t
-    d = xp.multiply(a, a, out=xp.empty_like(a))
+    xp.multiply(a, a, out=d)
     d *= 3 * GELU_SCALE * GELU_CUBIC
     d += GELU_SCALE
     d *= a                                   # a · slope
@@ -188,7 +248,6 @@ def gelu_vjp(xp, g, out, a):
     d *= t
     d *= g
     d *= 0.5
-    return (d,)
 
 
 defop('gelu', gelu, floating, gelu_vjp, kind='elementwise',
@@ -212,13 +271,25 @@ def future(xp, queries, keys):
 
 
 def causal_softmax(xp, scores):
-    """One new array, every pass after it in place. The mask is added (0 or -inf from a
-    small table) rather than chosen with `where`, which costs four times as much."""
-    e = working_precision(scores) + future_mask(xp, scores.shape[-2:])
+    """Each attention matrix on its own (a query's row reads only its own scores), so the
+    matrices are cut into pieces for the device's cores where large (`pieces`)."""
+    matrices = scores.reshape(-1, *scores.shape[-2:])
+    out = xp.empty(matrices.shape, working_dtype(scores.dtype, FLOAT32))
+    mask = future_mask(xp, scores.shape[-2:])
+
+    def block(start, stop):
+        softmax_into(xp, out[start:stop], matrices[start:stop], mask)
+    pieces.over_axis(xp, len(matrices), out.nbytes, block, WEIGHTS['causal_softmax'])
+    return out.reshape(scores.shape).astype(scores.dtype, copy=False)
+
+
+def softmax_into(xp, e, scores, mask):
+    """Into `e`, every pass in place. The mask is added (0 or -inf from a small table) rather
+    than chosen with `where`, which costs four times as much."""
+    xp.add(working_precision(scores), mask, out=e)
     e -= e.max(axis=-1, keepdims=True)       # the diagonal is never masked: max finite
     xp.exp(e, out=e)
     e *= 1 / row_sums(xp, e)
-    return e.astype(scores.dtype, copy=False)
 
 
 def future_mask(xp, shape):
@@ -228,11 +299,18 @@ def future_mask(xp, shape):
 
 def causal_softmax_vjp(xp, g, out, scores):
     """Softmax's gradient p (g - sum(g p)); a masked score has probability 0, so it gets
-    none. The row sums of g·p are one einsum, which makes no product array."""
-    g, p = working_precision(g), working_precision(out)
-    d = g - row_dots(xp, g, p)
-    d *= p
-    return (d.astype(scores.dtype, copy=False),)
+    none. The row sums of g·p are one einsum, which makes no product array. Rows apart, in
+    pieces where large."""
+    width = scores.shape[-1]
+    rows_g, rows_p = g.reshape(-1, width), out.reshape(-1, width)
+    d = xp.empty(rows_g.shape, working_dtype(g.dtype, out.dtype))
+
+    def block(start, stop):
+        g, p = working_precision(rows_g[start:stop]), working_precision(rows_p[start:stop])
+        rows = xp.subtract(g, row_dots(xp, g, p), out=d[start:stop])
+        rows *= p                            # on a name: `d[a:b] *= p` would copy back
+    pieces.over_axis(xp, len(d), d.nbytes, block, WEIGHTS['causal_softmax_vjp'])
+    return (d.reshape(scores.shape).astype(scores.dtype, copy=False),)
 
 
 defop('causal_softmax', causal_softmax, causal_softmax_infer, causal_softmax_vjp)
