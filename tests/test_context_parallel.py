@@ -42,7 +42,14 @@ def assert_equals_one_device(shape, group, layout, algorithm, causal, seed=0):
         values, weights)
     for name, a, b in zip(['out', 'dq', 'dk', 'dv'], got, want):
         assert a.dtype == numpy.float32
-        assert relative_error(a, b) < 1e-5, (name, relative_error(a, b))
+        error = relative_error(a, b) * numpy.abs(b).max() / max(numpy.abs(b).max(), CANCELLED)
+        assert error < 1e-5, (name, relative_error(a, b))
+
+
+# A gradient that cancels to almost nothing (two keys of nearly one score: dq ≈ 0) keeps the
+# float32 rounding of its terms, whose size is that of the values (about 1): its error is
+# measured against a tenth of that rather than against its own tiny largest value.
+CANCELLED = 0.1
 
 
 # -- equal to one device, forward and backward -------------------------------------------------

@@ -133,10 +133,10 @@ def test_without_openblas_large_operations_still_run_in_pieces(monkeypatch):
     cores = SharedCores(4, sample=FakeLoad(0.0))
     monkeypatch.setattr(engine.current().workers, 'cores', cores)
     cores.apply()
-    assert pieces.count(pieces.SPLIT_BYTES) == 4
+    assert pieces.count(2 * pieces.SPLIT_BYTES) == 4
     cores.add_device(), cores.add_device(), cores.enable(True)
     cores.enter(), cores.enter()                        # two devices busy: the cores divided
-    assert pieces.count(pieces.SPLIT_BYTES) == 2
+    assert pieces.count(2 * pieces.SPLIT_BYTES) == 2
     cores.leave(), cores.leave()
 
 
