@@ -255,8 +255,8 @@ def test_sampled_tokens_of_the_compiled_step_are_the_contiguous_caches_from_one_
 def test_a_compiled_step_is_one_push_and_stores_its_column_into_the_cache():
     """The step's inputs (ids, positions, bias) are three arrays made on the host; the whole
     step is one engine operation, which reads the cache's own arrays (the ledger's 'kv cache'
-    bytes); then one assignment a layer's keys and one its values store the step's column,
-    as the imperative step does, and no other."""
+    bytes); then one operation stores every layer's new keys and values at the step's
+    column, as the imperative step does, and no other."""
     net, tokens = gpt(), numpy.random.default_rng(1).integers(0, VOCAB, (3, 6))
     pads = numpy.array([0, 2, 1])
     caches = [ContiguousCache(LAYERS, 3, 9, HIDDENS, 'float64', d2l.cpu(), heads=HEADS)
@@ -267,7 +267,7 @@ def test_a_compiled_step_is_one_push_and_stores_its_column_into_the_cache():
     want = forward(net, tokens[:, -1:], 6, pads, caches[0])
     with d2l.profiler.profile() as step:
         got = compiled_forward(net, tokens[:, -1:], 6, pads, caches[1])
-    assert [r.name for r in step] == ['array'] * 3 + ['decode_step'] + ['setitem'] * 2 * LAYERS
+    assert [r.name for r in step] == ['array'] * 3 + ['decode_step', 'store_step']
     numpy.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-15)
     assert [id(held) for held in caches[1].keys + caches[1].values] == arrays
     for imperative, compiled in zip(caches[0].keys + caches[0].values,

@@ -12,7 +12,7 @@ cache do: 2·L·s·b·h numbers, which the memory ledger counts as 'kv cache'. T
 step reads it (`generate.compiled_forward`): at its whole length, so that every step has the
 same shapes and one program serves them all.
 """
-from .. import np
+from .. import engine, np
 from ..device import label
 
 KIND = 'kv cache'          # the ledger's kind for the bytes of every cache
@@ -63,6 +63,24 @@ class ContiguousCache(KVCache):
             if len(held[layer].shape) == 3:
                 held[layer] = held[layer].reshape(batch, heads, self.length, size)
             held[layer][:, :, self.start:self.stop] = new
+
+
+    def store_step(self, new):
+        """Store a decode step's keys and values of every layer (`new`: a layer's keys, then
+        its values, each (batch, heads, count, head width)) as ONE engine operation: at decode
+        sizes, a push a layer's keys and one its values cost more than the copies they make."""
+        held = [array for pair in zip(self.keys, self.values) for array in pair]
+        if not held:
+            return
+        if any(len(array.shape) != 4 for array in held):
+            raise ValueError('store_step needs a cache shaped by heads: make it with heads=')
+        start, stop = self.start, self.stop
+
+        def run():
+            for target, column in zip(held, new):
+                target.data[:, :, start:stop] = column.data
+        engine.push(run, [array.var for array in new], [array.var for array in held],
+                    held[0].device, 'store_step')
 
 
 class Appended(KVCache):

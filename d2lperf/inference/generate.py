@@ -12,9 +12,9 @@ which the tests check token for token in float64.
 
 With `cache='static'` the decode steps run compiled (`decode_step`): the contiguous cache
 read at its whole length, so that a step has the same shapes every time and is one compiled
-program, then one push a layer's keys and one its values to store them: 8 pushes for a
-2-layer GPT instead of 67, one per operation, whose Python costs more than their arithmetic
-at batch 1.
+program, then one push that stores every layer's keys and values: 5 pushes a step (its
+three inputs, the program, the store) instead of 67 for a 2-layer GPT, one per operation,
+whose Python costs more than their arithmetic at batch 1.
 """
 import numbers
 import weakref
@@ -113,7 +113,7 @@ def column_logits(net, tokens, start, pads, cache, last):
 
 def compiled_forward(net, tokens, start, pads, cache):
     """`forward` of one new column through a `ContiguousCache`, as one compiled program (then
-    one push a layer's keys and a layer's values to store the column into the cache): the
+    one push that stores every layer's new keys and values into the cache): the
     step sees the cache at its whole length and its own column after it, and the bias hides,
     besides the padding, the cache's columns from `start` on, not written yet."""
     device, dtype = parameter_of(net).device, parameter_of(net).dtype
@@ -125,8 +125,7 @@ def compiled_forward(net, tokens, start, pads, cache):
     step = STEPS.get(net) or STEPS.setdefault(net, decode_step(net))
     logits, *new = step.run((*inputs, *held))
     cache.begin(start, 1)
-    for layer in range(len(cache.keys)):
-        cache.store(layer, new[2 * layer], new[2 * layer + 1])
+    cache.store_step(new)
     return logits.asnumpy()[:, 0]
 
 
