@@ -1,4 +1,6 @@
 """SGD with momentum and weight decay, and Adam, against the same rules written in NumPy."""
+import sys
+
 import numpy
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -240,3 +242,73 @@ def test_rescaled_is_a_fresh_optimizer_with_the_same_settings_and_its_own_scale(
     assert original.rescale_grad == 1.0 and copy.states == {} and copy is not original
     for name in original.setting_names + ('multi_precision',):
         assert getattr(copy, name) == getattr(original, name), name
+
+
+# -- on a GPU: one kernel a parameter --------------------------------------------------------
+
+UPDATES = [('sgd', {'learning_rate': 0.1}),
+           ('sgd', {'learning_rate': 0.1, 'momentum': 0.9, 'wd': 1e-3}),
+           ('adam', {'learning_rate': 0.1, 'wd': 1e-3})]
+
+
+def trained_weights(name, params, device, dtype, steps=3):
+    """A Dense layer's weights after `steps` Trainer steps on `device`, from the same start."""
+    net = d2l.nn.Dense(3, in_units=4)
+    net.initialize(device=device)
+    net.cast(dtype)
+    rng = numpy.random.default_rng(1)
+    for param in net.collect_params().values():
+        param.set_data(np.array(rng.normal(size=param.shape), dtype=dtype, device=device))
+    trainer = d2l.Trainer(net.collect_params(), name, dict(params), kvstore=None)
+    x = np.array(numpy.random.default_rng(0).normal(size=(5, 4)), dtype=dtype, device=device)
+    for _ in range(steps):
+        with d2l.autograd.record():
+            loss = (net(x) ** 2).sum()
+        loss.backward()
+        trainer.step(5)
+    return [p.data(device).asnumpy() for p in net.collect_params().values()]
+
+
+@pytest.mark.parametrize('dtype, rtol', [('float32', 1e-5), ('float64', 1e-12)])
+@pytest.mark.parametrize('name, params', UPDATES)
+def test_on_a_gpu_each_update_is_one_kernel_with_the_numpy_rules_values(
+        fake_gpus, monkeypatch, name, params, dtype, rtol):
+    """MXNet's fused update kernels: one launch a parameter reads the gradient, the weight and
+    its states once and writes them once, where the array operations launch a dozen kernels
+    (Adam) and allocate temporaries; the weights agree with the NumPy rule's on the CPU."""
+    want = trained_weights(name, params, d2l.cpu(), dtype)
+    launched = []
+    cupy = sys.modules['cupy']
+    launch = cupy.launch
+
+    def counted(function, *args, **kwargs):
+        launched.append(function)
+        return launch(function, *args, **kwargs)
+    monkeypatch.setattr(cupy, 'launch', counted)
+    got = trained_weights(name, params, d2l.gpu(0), dtype)
+    for g, w in zip(got, want):
+        numpy.testing.assert_allclose(g, w, rtol=rtol, atol=rtol)
+    kernels_run = [getattr(f, '__self__', None) for f in launched]
+    updates = [k for k in kernels_run if k is not None and 'update' in k.name]
+    assert len(updates) == 3 * 2                    # 3 steps, the weight's and the bias's
+
+
+def test_float16_weights_on_a_gpu_keep_the_array_operations(fake_gpus):
+    """The kernels are written for float32 and float64; other dtypes keep the rule as array
+    operations, which CuPy runs in their own type."""
+    from d2lperf.optimizer import kernels
+    cupy = sys.modules['cupy']
+    assert kernels.fits(cupy, cupy.zeros(2, 'float32'))
+    assert not kernels.fits(cupy, cupy.zeros(2, 'float16'))
+    assert not kernels.fits(numpy, numpy.zeros(2, 'float32'))
+
+
+@pytest.mark.skipif(not d2l.num_gpus(), reason='needs a GPU and CuPy')
+@pytest.mark.parametrize('dtype, rtol', [('float32', 1e-5), ('float64', 1e-12)])
+@pytest.mark.parametrize('name, params', UPDATES)
+def test_on_a_real_gpu_the_kernels_give_the_numpy_rules_values(name, params, dtype, rtol):
+    """The kernels compiled by CUDA, not read by the fake: the same weights as on the CPU."""
+    want = trained_weights(name, params, d2l.cpu(), dtype)
+    got = trained_weights(name, params, d2l.gpu(0), dtype)
+    for g, w in zip(got, want):
+        numpy.testing.assert_allclose(g, w, rtol=rtol, atol=rtol)

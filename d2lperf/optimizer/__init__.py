@@ -4,6 +4,8 @@
             key-value store applies, with their states as plain arrays; `multi_precision`
             keeps float32 master weights for float16 and bfloat16 ones ("Parameter Servers",
             "Memory").
+    kernels  the same rules as one CUDA kernel a parameter, on a GPU (MXNet's fused
+            `sgd_mom_update` and `adam_update`).
     by_hand  minibatch SGD on a plain list of arrays, as "Training on Multiple GPUs" writes it
             (`d2l.sgd`), before the Trainer applies `rules.SGD`.
     amp     the dynamic loss scaler that float16 gradients need, and MXNet AMP's names for it

@@ -19,6 +19,7 @@ import numpy
 
 from .. import engine, np
 from ..device import label
+from . import kernels
 
 LOW_PRECISION = (numpy.dtype(numpy.float16), numpy.dtype(ml_dtypes.bfloat16))
 FLOAT32 = numpy.dtype(numpy.float32)
@@ -301,7 +302,10 @@ def run_rule(rule, xp, settings, grad, states, weight):
 
 
 def sgd_rule(xp, learning_rate, momentum, wd, rescale_grad, grad, weight, velocity):
-    """MXNet's SGD on NumPy or CuPy arrays, in place, in the order the text writes it."""
+    """MXNet's SGD on NumPy or CuPy arrays, in place, in the order the text writes it; on a
+    GPU one kernel (`kernels.sgd`)."""
+    if kernels.fits(xp, weight):
+        return kernels.sgd(xp, learning_rate, momentum, wd, rescale_grad, grad, weight, velocity)
     if velocity is None and not wd:                    # the common case: one product
         weight -= (learning_rate * rescale_grad) * grad
         return
@@ -318,8 +322,11 @@ def sgd_rule(xp, learning_rate, momentum, wd, rescale_grad, grad, weight, veloci
 
 def adam_rule(xp, rate, beta1, beta2, epsilon, wd, rescale_grad, grad, weight, mean, var):
     """MXNet's Adam on NumPy or CuPy arrays, in place; `rate()` counts the update and gives
-    its bias-corrected rate (`Adam.counted_rate`)."""
+    its bias-corrected rate (`Adam.counted_rate`); on a GPU one kernel (`kernels.adam`)."""
     rate = rate()
+    if kernels.fits(xp, weight):
+        return kernels.adam(xp, rate, beta1, beta2, epsilon, wd, rescale_grad, grad, weight,
+                            mean, var)
     g = grad * rescale_grad if rescale_grad != 1 else grad
     if wd:
         g = g + wd * weight

@@ -161,16 +161,22 @@ def run_c_statements(text, names):
 def elementwise_kernel(cupy):
     class FakeElementwiseKernel:
         def __init__(self, in_params, out_params, operation, name):
-            self.inputs = [p.split()[1] for p in in_params.split(',') if p.strip()]
-            self.operation = operation
+            self.inputs, self.outputs = ([p.split()[1] for p in params.split(',') if p.strip()]
+                                         for params in (in_params, out_params))
+            self.operation, self.name = operation, name
 
         def __call__(self, *args):
             cupy.launch(self.run, *args)
 
         def run(self, *args):
-            *inputs, y = args
-            scope = run_c_statements(self.operation, dict(zip(self.inputs, inputs), y=y.copy()))
-            y[...] = numpy.broadcast_to(scope['y'], y.shape)
+            """Outputs are read as they were before the launch and written after it, each
+            element at once, as every CUDA thread reads and writes only its own."""
+            inputs, outputs = args[:len(self.inputs)], args[len(self.inputs):]
+            names = dict(zip(self.inputs, inputs))
+            names.update((name, out.copy()) for name, out in zip(self.outputs, outputs))
+            scope = run_c_statements(self.operation, names)
+            for name, out in zip(self.outputs, outputs):
+                out[...] = numpy.broadcast_to(scope[name], out.shape)
     return FakeElementwiseKernel
 
 
