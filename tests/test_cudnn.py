@@ -6,8 +6,11 @@ The forward pass and both gradients equal the NumPy path's; a graph is built onc
 and reused; the tensors, the workspace and the stream reach execute; TF32 follows CUPY_TF32
 and NVIDIA_TF32_OVERRIDE; `off()` gives im2col; without the frontend, or where cuDNN refuses
 a graph, im2col gives the values and a warning says so once."""
+import importlib.util
+import platform
 import sys
 import warnings
+import zipfile
 
 import numpy
 import pytest
@@ -16,6 +19,8 @@ from hypothesis import assume, given, strategies as st
 import d2lperf as d2l
 from d2lperf import autograd, np, npx
 from d2lperf.ops import convolution, cudnn
+import cudnn_check
+import gpu_check
 from fakes import cudnn as fake_cudnn, cupy as fake_cupy
 from strategies import checks
 
@@ -131,14 +136,16 @@ def test_execute_gets_the_tensors_a_workspace_and_the_streams_of_each_gpu(fronte
     cupy.cuda.Device(0).use()
 
 
-def test_a_convolution_net_on_a_gpu_runs_through_cudnn_on_its_lane_stream(frontend):
-    """Through the engine: each graph runs on the stream of gpu(0)'s compute lane, and the
-    loss and gradients equal cpu(0)'s."""
+@pytest.mark.parametrize('hybridize', [False, True], ids=['imperative', 'hybridized'])
+def test_a_convolution_net_on_a_gpu_runs_through_cudnn_on_its_lane_stream(frontend, hybridize):
+    """Through the engine, imperative or compiled: each graph runs on the stream of gpu(0)'s
+    compute lane, and the loss and gradients equal cpu(0)'s."""
     x = numpy.random.default_rng(2).uniform(size=(4, 1, 8, 8)).astype('float32')
     net = d2l.nn.HybridSequential()
     net.add(d2l.nn.Conv2D(3, kernel_size=3, padding=1, activation='relu'), d2l.nn.MaxPool2D(2),
             d2l.nn.Conv2D(4, kernel_size=2, strides=2), d2l.nn.Flatten(), d2l.nn.Dense(3))
     net.initialize(d2l.nn.init.Normal(0.5), device=[d2l.cpu(0), d2l.gpu(0)])
+    net.hybridize(hybridize)
     results = []
     for device in (d2l.cpu(0), d2l.gpu(0)):
         with autograd.record():
@@ -296,3 +303,44 @@ def test_the_fake_computes_cudnns_convolutions_through_the_strides_it_is_given(c
     numpy.testing.assert_allclose(
         (fake_cudnn.conv_wgrad(x, r, w.shape, *geometry) * other_w).sum(),
         (r * loop_convolution(x, other_w, *geometry)).sum(), rtol=1e-9, atol=1e-9)
+
+
+def test_the_gpu_check_compares_cudnn_with_im2col_and_fails_where_cudnn_is_not_used(frontend):
+    """tests/cudnn_check.py, as a GPU lease runs it, on the fake GPU and frontend."""
+    cases = cudnn_check.ODD + [('small 3x3', 2, 4, 6, 3, 3, 1, 1)]
+    rows = cudnn_check.compare(d2l.gpu(0), cases, repeats=2)
+    assert [(r['case'], r['dtype'], r['tf32']) for r in rows] == [
+        (name, dtype, tf32 == '1') for name, *_ in cases for dtype, tf32, _ in cudnn_check.MODES]
+    assert all(r['ok'] for r in rows), cudnn_check.table(rows)
+    strict, tf32, half = (max(r['errors']) for r in rows[:3])
+    assert strict < 1e-6 < 1e-4 < tf32 and half < 1e-2
+    assert len(frontend.built) == 3 * len(rows)
+    with cudnn.off():
+        rows = cudnn_check.compare(d2l.gpu(0), cases[:1], repeats=1)
+    assert not any(r['ok'] for r in rows) and 'FAILED' in cudnn_check.table(rows)
+
+
+def test_a_carried_frontend_wheel_is_unpacked_onto_every_steps_path(tmp_path, monkeypatch):
+    """tests/gpu_check.py on a machine with no package index: the wheel for this Python,
+    carried in .gpu-wheels/, is unpacked under _build/ and put on each step's PYTHONPATH."""
+    assert gpu_check.frontend_requirement() == 'nvidia-cudnn-frontend==1.28.0'
+    tag = f'cp{sys.version_info.major}{sys.version_info.minor}'
+    monkeypatch.setattr(gpu_check, 'ROOT', tmp_path)
+    monkeypatch.setattr(gpu_check, 'WHEELS', tmp_path / '.gpu-wheels')
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, 'find_spec',
+                        lambda name: None if name == 'cudnn' else real_find_spec(name))
+    assert gpu_check.carried_frontend() is None                  # nothing carried
+    gpu_check.WHEELS.mkdir()
+    for python in (tag, 'cp39'):
+        name = f'nvidia_cudnn_frontend-1.28.0-{python}-{python}-manylinux_2_28_{platform.machine()}'
+        with zipfile.ZipFile(gpu_check.WHEELS / f'{name}.whl', 'w') as wheel:
+            wheel.writestr('cudnn/__init__.py', f'python = {python!r}\n')
+    where = gpu_check.carried_frontend()
+    assert (where / 'cudnn' / '__init__.py').read_text() == f'python = {tag!r}\n'
+    assert where.parent == tmp_path / '_build' / 'gpu-wheels'
+    status, output, _ = gpu_check.run(
+        [sys.executable, '-c', 'import cudnn; print(cudnn.python)'], 60, True, 'probe')
+    assert status == 0 and output.strip() == tag
+    assert f'| `cudnn` | `nvidia-cudnn-frontend' in '\n'.join(gpu_check.requirements_table())
+    assert f'carried ({where.name})' in '\n'.join(gpu_check.requirements_table())
