@@ -141,7 +141,7 @@ def by_columns_vjp(xp, g_image, data, weight, kernel, stride, pad, needs_data):
 def convolution(xp, data, weight, bias, kernel, stride, pad, num_filter):
     """On a GPU by a cuDNN graph where it can; else a 3×3 layer at stride 1 by Winograd's
     F(2×2, 3×3) where it pays, else by im2col."""
-    out = cudnn.forward(xp, data, weight, stride, pad) if xp is not numpy else None
+    out = None if xp is numpy else cudnn.forward(xp, data, weight, stride, pad)
     if out is not None:                                     # (N, F, OH, OW), NCHW
         if hasattr(bias, 'shape'):
             out += bias[:, None, None]
@@ -160,8 +160,7 @@ def convolution_vjp(xp, g, out, data, weight, bias, kernel, stride, pad, num_fil
                     needs=(True, True, True)):
     """The input's gradient only where it is needed: not for a first layer, whose input is
     the data."""
-    grads = cudnn.gradients(xp, g, data, weight, stride, pad, needs[:2]) if xp is not numpy \
-        else None
+    grads = None if xp is numpy else cudnn.gradients(xp, g, data, weight, stride, pad, needs[:2])
     if grads is not None:
         return grads + (g.sum(axis=(0, 2, 3)) if hasattr(bias, 'shape') else None,)
     g_image = batch_last(xp, g)                             # (F, OH, OW, N), as the product

@@ -210,24 +210,27 @@ def graph_for(xp, kind, inputs, out_shape, stride, pad):
     if built is not None or key in state.refused:
         return built
     with state.lock:
-        module = state.frontend
+        if key in state.graphs or key in state.refused:      # built while this thread waited
+            return state.graphs.get(key)
         try:
-            built = state.graphs[key] = build(module, handle(xp), kind, tensors, dtype,
+            built = state.graphs[key] = build(state.frontend, handle(xp), kind, tensors, dtype,
                                               stride, pad, tf32)
-        except (module.cudnnGraphNotSupportedError, RuntimeError) as err:
-            state.refused[key] = str(err)
+        except Exception as err:  # cudnnGraphNotSupportedError, or any failure to build:
+            # a training step goes on by im2col rather than stop on a graph
+            state.refused[key] = f'{type(err).__name__}: {err}'
             warn_once('refused', f'cuDNN refused a convolution graph ({kind}, {dtype}, '
                                  f'shapes {[t[0] for t in tensors]}, stride {tuple(stride)}, '
-                                 f'pad {tuple(pad)}): {err}. That key runs by im2col from now '
-                                 'on; later refusals are counted in cudnn.settings(), not said.')
+                                 f'pad {tuple(pad)}): {state.refused[key]}. That key runs by '
+                                 'im2col from now on; later refusals are counted in '
+                                 'cudnn.settings(), not said.')
     return built
 
 
-def build(module, handle, kind, tensors, dtype, stride, pad, tf32):
+def build(module, gpu_handle, kind, tensors, dtype, stride, pad, tf32):
     """Describe one convolution graph, let cuDNN's heuristics choose its engine, build it."""
     io, compute = (getattr(module.data_type, name) for name in DATA_TYPES[dtype])
     graph = module.pygraph(io_data_type=io, intermediate_data_type=compute,
-                           compute_data_type=compute, handle=handle)
+                           compute_data_type=compute, handle=gpu_handle)
     method, first, second = METHODS[kind]
     a, b = (graph.tensor(dim=list(dims), stride=list(strides), data_type=io, name=name)
             for (dims, strides), name in zip(tensors, (first, second)))
@@ -268,9 +271,9 @@ def execute(xp, built, inputs, out_shape):
     space = workspace(xp, device, stream, built.workspace_size)
     pointers = {tensor: array.data.ptr for tensor, array in zip(built.tensors, inputs + (out,))}
     with state.lock:          # the GPU's one handle: its stream set and used in one step
-        handle = state.handles[device]
-        state.frontend.set_stream(handle=handle, stream=stream)
-        built.graph.execute(pointers, space.data.ptr, handle=handle)
+        gpu_handle = state.handles[device]
+        state.frontend.set_stream(handle=gpu_handle, stream=stream)
+        built.graph.execute(pointers, space.data.ptr, handle=gpu_handle)
     return out
 
 
