@@ -108,9 +108,9 @@ def say(line):
 def run(command, timeout, quick, log_name):
     """Run a command from the checkout's root; returns (exit status, output, seconds)."""
     carried = [str(carried_frontend())] if carried_frontend() else []
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(ROOT)] + carried + [p for p in os.environ.get('PYTHONPATH', '').split(os.pathsep) if p]),
-        MPLBACKEND='Agg', PYTHONUNBUFFERED='1')
+    paths = [p for p in os.environ.get('PYTHONPATH', '').split(os.pathsep) if p]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT)] + carried + paths),
+               MPLBACKEND='Agg', PYTHONUNBUFFERED='1')
     env.pop('D2LPERF_QUICK', None)
     if quick:
         env['D2LPERF_QUICK'] = '1'
