@@ -40,6 +40,7 @@ import platform
 import re
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 import zipfile
@@ -111,6 +112,10 @@ def run(command, timeout, quick, log_name):
     paths = [p for p in os.environ.get('PYTHONPATH', '').split(os.pathsep) if p]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT)] + carried + paths),
                MPLBACKEND='Agg', PYTHONUNBUFFERED='1')
+    libraries = cudnn_runtime_dirs() + [p for p in env.get('LD_LIBRARY_PATH', '').split(
+        os.pathsep) if p]
+    if libraries:
+        env['LD_LIBRARY_PATH'] = os.pathsep.join(dict.fromkeys(libraries))
     env.pop('D2LPERF_QUICK', None)
     if quick:
         env['D2LPERF_QUICK'] = '1'
@@ -164,6 +169,17 @@ def carried_frontend():
         with zipfile.ZipFile(wheels[-1]) as wheel:
             wheel.extractall(target)
     return target
+
+
+def cudnn_runtime_dirs():
+    """The folders of cuDNN's runtime (libcudnn.so.9) among this Python's packages, where
+    pip put it for PyTorch (nvidia-cudnn-cu12 or -cu13): the frontend reads LD_LIBRARY_PATH
+    first, so a layout its own search misses is still found."""
+    found = []
+    for root in dict.fromkeys([sysconfig.get_path('purelib'), sysconfig.get_path('platlib')]):
+        for pattern in ('nvidia/*/lib/libcudnn.so.9', 'nvidia/*/*/lib/libcudnn.so.9'):
+            found += [str(path.parent) for path in sorted(pathlib.Path(root).glob(pattern))]
+    return list(dict.fromkeys(found))
 
 
 def unit_command(ignored=()):

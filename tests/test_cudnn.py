@@ -7,6 +7,7 @@ and reused; the tensors, the workspace and the stream reach execute; TF32 follow
 and NVIDIA_TF32_OVERRIDE; `off()` gives im2col; without the frontend, or where cuDNN refuses
 a graph, im2col gives the values and a warning says so once."""
 import importlib.util
+import os
 import platform
 import sys
 import warnings
@@ -344,3 +345,15 @@ def test_a_carried_frontend_wheel_is_unpacked_onto_every_steps_path(tmp_path, mo
     assert status == 0 and output.strip() == tag
     assert f'| `cudnn` | `nvidia-cudnn-frontend' in '\n'.join(gpu_check.requirements_table())
     assert f'carried ({where.name})' in '\n'.join(gpu_check.requirements_table())
+
+
+def test_each_step_finds_the_cudnn_runtime_pip_installed_for_pytorch(tmp_path, monkeypatch):
+    library = tmp_path / 'nvidia' / 'cudnn' / 'lib'
+    library.mkdir(parents=True)
+    (library / 'libcudnn.so.9').write_bytes(b'')
+    monkeypatch.setattr(gpu_check.sysconfig, 'get_path', lambda name: str(tmp_path))
+    monkeypatch.setenv('LD_LIBRARY_PATH', '/opt/elsewhere')
+    assert gpu_check.cudnn_runtime_dirs() == [str(library)]
+    status, output, _ = gpu_check.run(
+        [sys.executable, '-c', 'import os; print(os.environ["LD_LIBRARY_PATH"])'], 60, True, 'p')
+    assert status == 0 and output.strip() == f'{library}{os.pathsep}/opt/elsewhere'

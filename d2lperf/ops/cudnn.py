@@ -28,8 +28,8 @@ import warnings
 from .. import engine
 from ..device import num_gpus
 
-INSTALL = ("pip install 'd2lperf[gpu]' (the cuDNN frontend, nvidia-cudnn-frontend, with "
-           "cuDNN's runtime), or carry the wheel: python tests/gpu_check.py --fetch-wheels")
+INSTALL = ("pip install 'd2lperf[gpu]' installs both the frontend and cuDNN's runtime "
+           "(nvidia-cudnn-frontend, nvidia-cudnn-cu12; '[gpu-cuda13]' for CUDA 13)")
 # cuDNN's name for each dtype its graphs take, and the type they accumulate in: float32 for
 # the 16-bit types too, as the frameworks do.
 DATA_TYPES = {'float16': ('HALF', 'FLOAT'), 'bfloat16': ('BFLOAT16', 'FLOAT'),
