@@ -5,7 +5,9 @@ graph with NumPy from the dims, strides and geometry it was given.
 The forward pass and both gradients equal the NumPy path's; a graph is built once per key
 and reused; the tensors, the workspace and the stream reach execute; TF32 follows CUPY_TF32
 and NVIDIA_TF32_OVERRIDE; `off()` gives im2col; without the frontend, or where cuDNN refuses
-a graph, im2col gives the values and a warning says so once."""
+a graph, im2col gives the values and a warning says so once. The GPU lease's side is checked
+here too: tests/cudnn_check.py on the fakes, and tests/gpu_check.py's carried wheel and the
+cuDNN runtime it puts on each step's library path."""
 import importlib.util
 import os
 import platform

@@ -16,7 +16,8 @@ missing (said once), or where cuDNN refuses a graph (remembered, so never built 
     with off(): ...  im2col on the GPU meanwhile, so the two can be timed side by side
     forward(...), gradients(...)    the graphs, as convolution.py calls them
 
-Taught beside im2col in "Training on Multiple GPUs"; timed in benchmarks/.
+The convolutions of "Training on Multiple GPUs" run here on a GPU; tests/cudnn_check.py
+checks and times them against im2col on a GPU lease.
 """
 import collections
 import contextlib
