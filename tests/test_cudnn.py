@@ -359,3 +359,10 @@ def test_each_step_finds_the_cudnn_runtime_pip_installed_for_pytorch(tmp_path, m
     status, output, _ = gpu_check.run(
         [sys.executable, '-c', 'import os; print(os.environ["LD_LIBRARY_PATH"])'], 60, True, 'p')
     assert status == 0 and output.strip() == f'{library}{os.pathsep}/opt/elsewhere'
+
+
+@pytest.mark.skipif(not d2l.num_gpus() or not cudnn.available(),
+                    reason='runs where a GPU is here and the cuDNN frontend imports')
+def test_on_a_real_gpu_cudnn_agrees_with_im2col():
+    rows = cudnn_check.compare(d2l.gpu(0), cudnn_check.ODD, repeats=1)
+    assert all(r['ok'] for r in rows), cudnn_check.table(rows)
