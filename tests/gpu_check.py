@@ -2,12 +2,15 @@
 
     python3 tests/gpu_check.py [--quick] [--report gpu-check-report.md] [--steps unit ...]
                                [--jobs 4]
+    python3 tests/gpu_check.py --fetch-wheels    # beforehand, on a machine with an index
 
 Made for a bare GPU machine: Python >= 3.10 with NumPy and CuPy (cupy-cuda12x or
 cupy-cuda13x), and no Jupyter, no notebook server, no network, no package index. The checkout
 is all it needs besides those; what else it can use is listed in the report (`REQUIREMENTS`).
 Each step runs in a fresh interpreter with the checkout first on the path:
 
+* cudnn: cuDNN's convolutions against im2col on gpu(0), errors and times
+  (tests/cudnn_check.py); fails where convolutions did not run through cuDNN graphs;
 * unit: the whole unit suite under pytest, so that every CuPy-guarded test runs on the GPU
   (the guards open) next to the rest; needs pytest and hypothesis;
 * chapters: every chapters/*.md, cell by cell, with tests/run_chapter.py: `d2l.try_gpu()`
@@ -17,6 +20,13 @@ Each step runs in a fresh interpreter with the checkout first on the path:
   run them so: `GPU_ONLY_ARGUMENTS`); the report shows those rows.
 
 Without a GPU it runs nothing and says so, and what it would have run.
+
+The cuDNN frontend (nvidia-cudnn-frontend, pinned in pyproject.toml) travels as wheels, for
+a machine with no package index: `--fetch-wheels` downloads them into .gpu-wheels/ (git
+ignores it; carry it with the checkout), one for each Python the machine may have. Where
+the frontend does not import, the wheel for this Python is unpacked under _build/ and put on
+every step's path: nothing is installed into the machine's Python. cuDNN's runtime is not
+carried (it is about 1 GB): the machines we measure on have it, installed with PyTorch.
 """
 import argparse
 import ast
@@ -30,11 +40,15 @@ import platform
 import re
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
+import zipfile
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-STEPS = ('unit', 'chapters', 'benchmarks')
+STEPS = ('cudnn', 'unit', 'chapters', 'benchmarks')
+WHEELS = ROOT / '.gpu-wheels'
+WHEEL_PYTHONS = ('3.10', '3.11', '3.12', '3.13')
 # module: (what to install, which steps need it)
 REQUIREMENTS = {
     'numpy': ('numpy', 'all'),
@@ -47,10 +61,13 @@ REQUIREMENTS = {
     'hypothesis': ('hypothesis', 'unit'),
     'sklearn': ('scikit-learn', 'chapters that train on images, offline (the data fallback)'),
     'torch': ('torch', 'optional: the PyTorch rows of the benchmarks'),
+    'cudnn': ('nvidia-cudnn-frontend (pyproject.toml pins it; or --fetch-wheels to carry it)',
+              'optional: convolutions as cuDNN graphs (else im2col); the cudnn step'),
     'jupytext': ('jupytext', 'optional: tests/test_chapters.py (Markdown/notebook pairing)'),
     'yaml': ('pyyaml', 'optional: tests/test_chapters.py'),
 }
-NEEDED = {'unit': ['numpy', 'cupy', 'matplotlib', 'psutil', 'threadpoolctl', 'ml_dtypes',
+NEEDED = {'cudnn': ['numpy', 'cupy', 'matplotlib', 'psutil', 'threadpoolctl', 'ml_dtypes'],
+          'unit': ['numpy', 'cupy', 'matplotlib', 'psutil', 'threadpoolctl', 'ml_dtypes',
                    'pytest', 'hypothesis'],
           'chapters': ['numpy', 'cupy', 'matplotlib', 'psutil', 'threadpoolctl', 'ml_dtypes'],
           'benchmarks': ['numpy', 'cupy', 'matplotlib', 'psutil', 'threadpoolctl', 'ml_dtypes']}
@@ -91,9 +108,14 @@ def say(line):
 
 def run(command, timeout, quick, log_name):
     """Run a command from the checkout's root; returns (exit status, output, seconds)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(ROOT)] + [p for p in os.environ.get('PYTHONPATH', '').split(os.pathsep) if p]),
-        MPLBACKEND='Agg', PYTHONUNBUFFERED='1')
+    carried = [str(carried_frontend())] if carried_frontend() else []
+    paths = [p for p in os.environ.get('PYTHONPATH', '').split(os.pathsep) if p]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT)] + carried + paths),
+               MPLBACKEND='Agg', PYTHONUNBUFFERED='1')
+    libraries = cudnn_runtime_dirs() + [p for p in env.get('LD_LIBRARY_PATH', '').split(
+        os.pathsep) if p]
+    if libraries:
+        env['LD_LIBRARY_PATH'] = os.pathsep.join(dict.fromkeys(libraries))
     env.pop('D2LPERF_QUICK', None)
     if quick:
         env['D2LPERF_QUICK'] = '1'
@@ -110,6 +132,54 @@ def run(command, timeout, quick, log_name):
     seconds = time.perf_counter() - start
     say(f'[gpu-check] {log_name}: {"ok" if status == 0 else status} in {seconds:.0f} s')
     return status, output, seconds
+
+
+def frontend_requirement():
+    """The pinned frontend, as pyproject.toml's gpu extra names it: one place for the pin."""
+    text = (ROOT / 'pyproject.toml').read_text()
+    return re.search(r'"(nvidia-cudnn-frontend==[^"]+)"', text).group(1)
+
+
+def fetch_wheels():
+    """Download the pinned frontend's wheel for each Python in WHEEL_PYTHONS into WHEELS."""
+    for version in WHEEL_PYTHONS:
+        status = subprocess.run(
+            [sys.executable, '-m', 'pip', 'download', frontend_requirement(), '--no-deps',
+             '--only-binary=:all:', '--python-version', version,
+             '--platform', f'manylinux_2_28_{platform.machine()}', '-d', str(WHEELS)]).returncode
+        if status:
+            return status
+    print(f'[gpu-check] wheels in {WHEELS}: '
+          + ', '.join(sorted(p.name for p in WHEELS.glob('*.whl'))))
+    return 0
+
+
+def carried_frontend():
+    """Where the carried wheel for this Python is unpacked, or None: the frontend imports
+    already, or no wheel for this Python and machine was carried."""
+    if importlib.util.find_spec('cudnn') is not None:
+        return None
+    tag = f'cp{sys.version_info.major}{sys.version_info.minor}'
+    pattern = f'nvidia_cudnn_frontend-*-{tag}-{tag}-*{platform.machine()}.whl'
+    wheels = sorted(WHEELS.glob(pattern))
+    if not wheels:
+        return None
+    target = ROOT / '_build' / 'gpu-wheels' / wheels[-1].stem
+    if not (target / 'cudnn').is_dir():
+        with zipfile.ZipFile(wheels[-1]) as wheel:
+            wheel.extractall(target)
+    return target
+
+
+def cudnn_runtime_dirs():
+    """The folders of cuDNN's runtime (libcudnn.so.9) among this Python's packages, where
+    pip put it for PyTorch (nvidia-cudnn-cu12 or -cu13): the frontend reads LD_LIBRARY_PATH
+    first, so a layout its own search misses is still found."""
+    found = []
+    for root in dict.fromkeys([sysconfig.get_path('purelib'), sysconfig.get_path('platlib')]):
+        for pattern in ('nvidia/*/lib/libcudnn.so.9', 'nvidia/*/*/lib/libcudnn.so.9'):
+            found += [str(path.parent) for path in sorted(pathlib.Path(root).glob(pattern))]
+    return list(dict.fromkeys(found))
 
 
 def unit_command(ignored=()):
@@ -170,6 +240,16 @@ def check_unit(args):
         notes.append(f'{len(gpu_skips)} GPU test(s) were skipped: the tests saw no GPU')
     return {'step': 'unit tests', 'ok': status == 0 and not gpu_skips, 'seconds': seconds,
             'notes': notes, 'output': output}
+
+
+def check_cudnn(args):
+    status, output, seconds = run([sys.executable, str(ROOT / 'tests' / 'cudnn_check.py')],
+                                  args.timeout, args.quick, 'cuDNN against im2col')
+    table = [line for line in output.splitlines() if line.startswith('|')]
+    notes = [f'{max(len(table) - 2, 0)} case(s), {sum("FAILED" in r for r in table)} failed']
+    notes += [line for line in output.splitlines() if line.startswith('cuDNN settings')]
+    return {'step': 'cuDNN against im2col', 'ok': status == 0, 'seconds': seconds,
+            'notes': notes, 'tables': [table] if table else [], 'output': output}
 
 
 def check_chapter(path, args):
@@ -242,6 +322,8 @@ def requirements_table():
     lines = ['| module | install | needed for | here |', '|---|---|---|---|']
     for module, (package, why) in REQUIREMENTS.items():
         here = 'missing' if importlib.util.find_spec(module) is None else 'found'
+        if module == 'cudnn' and carried_frontend():
+            here = f'carried ({carried_frontend().name})'
         lines.append(f'| `{module}` | `{package}` | {why} | {here} |')
     return lines
 
@@ -279,10 +361,11 @@ def report_lines(gpu, reason, sections, args):
         return ['# d2lperf GPU check: not run', '', f'No GPU was found: {reason}.',
                 'Nothing was run.', ''] + machine_lines(gpu, args) + [
                 '', 'On a machine with an NVIDIA GPU and CuPy, this check runs:', '',
-                f'1. the unit tests: `{" ".join(["python"] + unit_command()[1:])}`',
-                '2. every chapter, cell by cell, on gpu(0): ' +
+                '1. cuDNN\'s convolutions against im2col: `python tests/cudnn_check.py`',
+                f'2. the unit tests: `{" ".join(["python"] + unit_command()[1:])}`',
+                '3. every chapter, cell by cell, on gpu(0): ' +
                 ', '.join(p.name for p in chapter_paths()),
-                '3. the GPU rows of the benchmarks: ' +
+                '4. the GPU rows of the benchmarks: ' +
                 ', '.join(' '.join([p.name] + GPU_ONLY_ARGUMENTS.get(p.name, []))
                           for p in gpu_benchmarks()), '',
                 '## What it needs', ''] + requirements_table()
@@ -307,8 +390,8 @@ def write_atomically(path, text):
 
 def run_steps(args):
     sections = []
-    for step, check in (('unit', check_unit), ('chapters', check_chapters),
-                        ('benchmarks', check_benchmarks)):
+    for step, check in (('cudnn', check_cudnn), ('unit', check_unit),
+                        ('chapters', check_chapters), ('benchmarks', check_benchmarks)):
         if step not in args.steps:
             continue
         missing = missing_modules(NEEDED[step])
@@ -328,13 +411,18 @@ def main(argv=None):
     parser.add_argument('--report', type=pathlib.Path, default=ROOT / '_build' / 'gpu-check.md',
                         help='where to write the report (default: _build/gpu-check.md)')
     parser.add_argument('--steps', nargs='+', choices=STEPS, default=list(STEPS),
-                        help='which steps to run (default: all three)')
+                        help='which steps to run (default: all four)')
     parser.add_argument('--jobs', type=int, default=1,
                         help='chapters run at a time (default 1: timings in their output '
                              'are then not disturbed by one another)')
     parser.add_argument('--timeout', type=int, default=3600,
                         help='seconds allowed to each test run, chapter and benchmark')
+    parser.add_argument('--fetch-wheels', action='store_true',
+                        help='download the pinned cuDNN frontend\'s wheels into .gpu-wheels/ '
+                             'for a machine with no package index, and stop')
     args = parser.parse_args(argv)
+    if args.fetch_wheels:
+        return fetch_wheels()
     gpu, reason = probe_gpu()
     sections = run_steps(args) if gpu else []
     write_atomically(args.report, '\n'.join(report_lines(gpu, reason, sections, args)) + '\n')

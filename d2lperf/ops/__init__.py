@@ -15,6 +15,7 @@ means. Ops are registered with `defop` by family, one module each:
     attention.py    attention in tiles (FlashAttention): online softmax, the bytes it moves
     random.py       one generator per device; dropout_mask
     convolution.py  convolution (im2col and one product), pooling, batch normalization
+    cudnn.py        on a GPU, convolutions and their gradients as cuDNN graphs, beside im2col
     winograd.py     3×3 convolutions by Winograd's F(2×2, 3×3): fewer multiplications
 
 Adding an op is one `defop` call in its family's module: every frontend (`np`, `npx`),

@@ -7,6 +7,8 @@ the work; Python never loops over pixels or examples. The backward pass runs the
 products transposed, and `col2im` adds the patches' gradients back into place with one loop
 over the kh·kw kernel offsets. A 3×3 layer at stride 1 whose output has even sides takes
 another road with 2.25 times fewer multiplications, Winograd's F(2×2, 3×3) (`winograd.py`).
+On a GPU, a convolution and its gradients run as cuDNN graphs where NVIDIA's cuDNN frontend
+is installed (`cudnn.py`); im2col stays there as the version to read and to time against.
 Pooling reads the same windows, as a strided view that copies nothing.
 
 Layout matters as much as arithmetic. The columns are (C·kh·kw, OH·OW·N), the batch axis
@@ -23,7 +25,7 @@ every other use of those arrays. Taught in "Training on Multiple GPUs".
 import numpy
 
 from ..engine import pieces
-from . import winograd
+from . import cudnn, winograd
 from .registry import defop
 
 
@@ -137,7 +139,13 @@ def by_columns_vjp(xp, g_image, data, weight, kernel, stride, pad, needs_data):
 
 
 def convolution(xp, data, weight, bias, kernel, stride, pad, num_filter):
-    """A 3×3 layer at stride 1 by Winograd's F(2×2, 3×3) where it pays, else by im2col."""
+    """On a GPU by a cuDNN graph where it can; else a 3×3 layer at stride 1 by Winograd's
+    F(2×2, 3×3) where it pays, else by im2col."""
+    out = None if xp is numpy else cudnn.forward(xp, data, weight, stride, pad)
+    if out is not None:                                     # (N, F, OH, OW), NCHW
+        if hasattr(bias, 'shape'):
+            out += bias[:, None, None]
+        return out
     grid = tuple(out_size(n, k, s, p) for n, k, s, p in zip(data.shape[2:], kernel, stride, pad))
     if winograd.applies(xp, weight.shape, stride, pad, grid):
         out = winograd.convolution(xp, data, weight, pad)
@@ -152,6 +160,9 @@ def convolution_vjp(xp, g, out, data, weight, bias, kernel, stride, pad, num_fil
                     needs=(True, True, True)):
     """The input's gradient only where it is needed: not for a first layer, whose input is
     the data."""
+    grads = None if xp is numpy else cudnn.gradients(xp, g, data, weight, stride, pad, needs[:2])
+    if grads is not None:
+        return grads + (g.sum(axis=(0, 2, 3)) if hasattr(bias, 'shape') else None,)
     g_image = batch_last(xp, g)                             # (F, OH, OW, N), as the product
     if winograd.applies(xp, weight.shape, stride, pad, g.shape[2:]):
         d_data, d_weight = winograd.convolution_vjp(xp, g_image, data, weight, pad, needs[0])

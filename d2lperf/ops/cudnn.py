@@ -1,0 +1,289 @@
+"""Convolutions through cuDNN graphs on a GPU: the library the frameworks call, beside im2col.
+
+im2col (convolution.py) teaches the idea: every patch a column, one product. On a GPU it
+writes those columns to device memory and reads them back; cuDNN's implicit GEMM forms them
+on chip and never stores them. With NVIDIA's cuDNN frontend (`import cudnn`, the package
+`nvidia-cudnn-frontend` of the `gpu` extra), a convolution's forward pass, its data gradient
+and its weight gradient each run as a cuDNN graph: described once per key (the op, each
+tensor's dims and strides, the dtype, the stride, padding and dilation, the math mode),
+built once (cuDNN's heuristics pick an engine), kept with the workspace it needs, and
+executed on the CUDA stream the op runs on. `convolution.py` asks here first and takes
+im2col where the answer is None: inside `off()`, where the frontend or cuDNN's runtime is
+missing (said once), or where cuDNN refuses a graph (remembered, so never built again).
+
+    available()      whether convolutions on a GPU can go through cuDNN here
+    settings()       the frontend's and cuDNN's versions, TF32 or not: benchmarks print it
+    with off(): ...  im2col on the GPU meanwhile, so the two can be timed side by side
+    forward(...), gradients(...)    the graphs, as convolution.py calls them
+
+The convolutions of "Training on Multiple GPUs" run here on a GPU; tests/cudnn_check.py
+checks and times them against im2col on a GPU lease.
+"""
+import collections
+import contextlib
+import importlib
+import os
+import threading
+import warnings
+
+from .. import engine
+from ..device import num_gpus
+
+INSTALL = ("pip install 'd2lperf[gpu]' installs both the frontend and cuDNN's runtime "
+           "(nvidia-cudnn-frontend, nvidia-cudnn-cu12; '[gpu-cuda13]' for CUDA 13)")
+# cuDNN's name for each dtype its graphs take, and the type they accumulate in: float32 for
+# the 16-bit types too, as the frameworks do.
+DATA_TYPES = {'float16': ('HALF', 'FLOAT'), 'bfloat16': ('BFLOAT16', 'FLOAT'),
+              'float32': ('FLOAT', 'FLOAT'), 'float64': ('DOUBLE', 'DOUBLE')}
+DILATION = (1, 1)              # d2lperf's convolutions are not dilated; the graphs are told
+# Each graph: the frontend's method, and the names of its two inputs.
+METHODS = {'fprop': ('conv_fprop', 'image', 'weight'), 'dgrad': ('conv_dgrad', 'loss', 'filter'),
+           'wgrad': ('conv_wgrad', 'image', 'loss')}
+
+Graph = collections.namedtuple('Graph', 'graph tensors workspace_size')
+
+
+class State:
+    """What this process knows of cuDNN: the frontend (None where it does not import, with
+    why), the graphs built and the keys refused, a handle per GPU, a workspace per stream."""
+
+    def __init__(self):
+        self.tried, self.frontend, self.missing = False, None, None
+        self.graphs, self.refused = {}, {}          # key -> Graph; key -> cuDNN's message
+        self.handles, self.workspaces = {}, {}      # GPU -> handle; (GPU, stream) -> bytes
+        self.off, self.warned = 0, set()
+        self.lock = threading.RLock()
+
+
+state = State()
+
+
+def frontend():
+    """The `cudnn` module, imported on first use; None where it does not import."""
+    with state.lock:
+        if not state.tried:
+            state.tried = True
+            try:
+                state.frontend = importlib.import_module('cudnn')
+            except Exception as err:      # not installed, or its library failed as it loaded
+                state.missing = (f'the cuDNN frontend does not import '
+                                 f'({type(err).__name__}: {err})')
+    return state.frontend
+
+
+def available():
+    """Whether a convolution on a GPU can run through cuDNN here: the frontend imports and
+    a GPU is visible (cuDNN's runtime itself is looked for when the first handle is made)."""
+    return frontend() is not None and not state.missing and num_gpus() > 0
+
+
+def tf32_allowed():
+    """TF32 for float32 convolutions, only where CuPy's products take it too: CUPY_TF32=1,
+    and never under NVIDIA_TF32_OVERRIDE=0 (which cuDNN obeys by itself as well). Read as a
+    graph is built, and part of its key: strict FP32 is the default."""
+    return (os.environ.get('CUPY_TF32', '0') == '1'
+            and os.environ.get('NVIDIA_TF32_OVERRIDE') != '0')
+
+
+def settings():
+    """What a GPU benchmark prints beside its rows: which road convolutions take, the
+    frontend's and cuDNN's versions, TF32 or not, graphs built and graphs refused."""
+    module = frontend()
+    return {'convolutions': 'cudnn' if available() and not state.off else 'im2col',
+            'frontend': getattr(module, '__version__', None), 'backend': backend_version(),
+            'tf32': tf32_allowed(), 'graphs': len(state.graphs), 'refused': len(state.refused)}
+
+
+def backend_version():
+    try:
+        return state.frontend.backend_version_string()
+    except Exception:      # no frontend, or no cuDNN runtime for it to ask
+        return None
+
+
+@contextlib.contextmanager
+def off():
+    """Convolutions on the GPU by im2col meanwhile: exactly those pushed inside the block,
+    since the work pushed before it and inside it is waited for."""
+    engine.wait_all()
+    with state.lock:
+        state.off += 1
+    try:
+        yield
+        engine.wait_all()
+    finally:
+        with state.lock:
+            state.off -= 1
+
+
+def warn_once(topic, message):
+    with state.lock:
+        if topic in state.warned:
+            return
+        state.warned.add(topic)
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+# -- the three graphs, as convolution.py calls them ------------------------------------------
+# cuDNN's engines take packed NCHW tensors (and NHWC), not the batch-last views im2col's
+# results are: such an input is copied to NCHW first (`ascontiguousarray`: one read and one
+# write of it, nothing where it is NCHW already, as cuDNN's own results are). That copy is
+# 1/(kh·kw) of the columns im2col would write; batch norm and pooling then read these NCHW
+# results through their own batch-last copy.
+
+def forward(xp, data, weight, stride, pad):
+    """The convolution (N, F, OH, OW) by a cuDNN graph, or None where im2col must do it."""
+    if not usable(xp, data, weight):
+        return None
+    x, w = xp.ascontiguousarray(data), xp.ascontiguousarray(weight)
+    shape = x.shape[:1] + w.shape[:1] + tuple(
+        (n + 2 * p - k) // s + 1 for n, k, s, p in zip(x.shape[2:], w.shape[2:], stride, pad))
+    graph = graph_for(xp, 'fprop', (x, w), shape, stride, pad)
+    return None if graph is None else execute(xp, graph, (x, w), shape)
+
+
+def gradients(xp, g, data, weight, stride, pad, needs=(True, True)):
+    """(d_data, d_weight) by cuDNN graphs, None for one not needed; None where im2col must
+    give both (one graph refused means both come from im2col's shared columns)."""
+    if not usable(xp, g, data, weight):
+        return None
+    g = xp.ascontiguousarray(g)
+    wanted = [('dgrad', lambda: (g, xp.ascontiguousarray(weight)), data.shape, needs[0]),
+              ('wgrad', lambda: (xp.ascontiguousarray(data), g), weight.shape, needs[1])]
+    runs = [(kind, inputs(), shape) for kind, inputs, shape, needed in wanted if needed]
+    graphs = [graph_for(xp, kind, inputs, shape, stride, pad) for kind, inputs, shape in runs]
+    if None in graphs:
+        return None
+    done = {kind: execute(xp, graph, inputs, shape)
+            for (kind, inputs, shape), graph in zip(runs, graphs)}
+    return done.get('dgrad'), done.get('wgrad')
+
+
+def usable(xp, *arrays):
+    """Whether these arrays' convolution may go through cuDNN: not inside `off()`, one
+    dtype that cuDNN's graphs take, and a handle for this GPU (the first try warns once
+    where the frontend or cuDNN's runtime is missing)."""
+    dtype = arrays[0].dtype
+    if state.off or dtype.name not in DATA_TYPES or any(a.dtype != dtype for a in arrays):
+        return False
+    return handle(xp) is not None
+
+
+def handle(xp):
+    """This GPU's cuDNN handle, made on first use with the GPU current; None (said once)
+    where the frontend or cuDNN's runtime is missing."""
+    made = None
+    if frontend() is not None and not state.missing:
+        device = xp.cuda.runtime.getDevice()
+        made = state.handles.get(device)
+        if made is None:
+            with state.lock:
+                try:
+                    if device not in state.handles:
+                        state.handles[device] = state.frontend.create_handle()
+                except Exception as err:   # the frontend loads, but finds no cuDNN library
+                    state.missing = f'the cuDNN frontend finds no cuDNN runtime ({err})'
+                made = state.handles.get(device)
+    if made is None:
+        warn_once('missing', f'convolutions on the GPU run by im2col, not cuDNN: '
+                             f'{state.missing}. {INSTALL}')
+    return made
+
+
+def packed_strides(shape):
+    """The strides (in elements) of a C-contiguous array: NCHW for images, KCRS for filters."""
+    strides, step = [], 1
+    for side in reversed(shape):
+        strides.insert(0, step)
+        step *= side
+    return tuple(strides)
+
+
+def graph_for(xp, kind, inputs, out_shape, stride, pad):
+    """The built graph of this key, built on first use; None where cuDNN refuses it (said
+    the first time, and remembered so that it is never built again)."""
+    dtype, tf32 = inputs[0].dtype.name, tf32_allowed()
+    tensors = tuple((tuple(shape), packed_strides(shape))
+                    for shape in (inputs[0].shape, inputs[1].shape, out_shape))
+    key = (kind, xp.cuda.runtime.getDevice(), dtype, tensors, tuple(stride), tuple(pad),
+           DILATION, tf32)
+    built = state.graphs.get(key)
+    if built is not None or key in state.refused:
+        return built
+    with state.lock:
+        if key in state.graphs or key in state.refused:      # built while this thread waited
+            return state.graphs.get(key)
+        try:
+            built = state.graphs[key] = build(state.frontend, handle(xp), kind, tensors, dtype,
+                                              stride, pad, tf32)
+        except Exception as err:  # cudnnGraphNotSupportedError, or any failure to build:
+            # a training step goes on by im2col rather than stop on a graph
+            state.refused[key] = f'{type(err).__name__}: {err}'
+            warn_once('refused', f'cuDNN refused a convolution graph ({kind}, {dtype}, '
+                                 f'shapes {[t[0] for t in tensors]}, stride {tuple(stride)}, '
+                                 f'pad {tuple(pad)}): {state.refused[key]}. That key runs by '
+                                 'im2col from now on; later refusals are counted in '
+                                 'cudnn.settings(), not said.')
+    return built
+
+
+def build(module, gpu_handle, kind, tensors, dtype, stride, pad, tf32):
+    """Describe one convolution graph, let cuDNN's heuristics choose its engine, build it."""
+    io, compute = (getattr(module.data_type, name) for name in DATA_TYPES[dtype])
+    graph = module.pygraph(io_data_type=io, intermediate_data_type=compute,
+                           compute_data_type=compute, handle=gpu_handle)
+    method, first, second = METHODS[kind]
+    a, b = (graph.tensor(dim=list(dims), stride=list(strides), data_type=io, name=name)
+            for (dims, strides), name in zip(tensors, (first, second)))
+    y = getattr(graph, method)(**{first: a, second: b}, padding=list(pad), stride=list(stride),
+                               dilation=list(DILATION), compute_data_type=compute)
+    # One setter a line: some frontends return a copy from a setter, so chaining would set
+    # the copy. A gradient's dims cannot be inferred (a strided forward maps several input
+    # sizes onto one output size), so every output's dims and strides are given.
+    y.set_output(True)
+    y.set_dim(list(tensors[2][0]))
+    y.set_stride(list(tensors[2][1]))
+    y.set_data_type(io)
+    graph.validate()
+    graph.build_operation_graph()
+    graph.create_execution_plans([module.heur_mode.A, module.heur_mode.FALLBACK])
+    excluded = excluded_notes(module, dtype, tf32)
+    if excluded:                  # after the plans exist: older frontends filter only those
+        graph.deselect_numeric_notes(excluded)
+    graph.check_support()
+    graph.build_plans()
+    return Graph(graph, (a, b, y), graph.get_workspace_size())
+
+
+def excluded_notes(module, dtype, tf32):
+    """Strict float32 leaves out the engines that compute on tensor cores (TF32 there) or
+    convert their inputs down to 16 bits, as PyTorch does where TF32 is off; TF32 allows the
+    first. The 16-bit types keep every engine."""
+    if dtype != 'float32':
+        return []
+    notes = module.numerical_note
+    return [notes.DOWN_CONVERT_INPUTS] + ([] if tf32 else [notes.TENSOR_CORE])
+
+
+def execute(xp, built, inputs, out_shape):
+    """Run a built graph on this thread's stream, into a new output array."""
+    out = xp.empty(out_shape, inputs[0].dtype)
+    device, stream = xp.cuda.runtime.getDevice(), xp.cuda.get_current_stream().ptr
+    space = workspace(xp, device, stream, built.workspace_size)
+    pointers = {tensor: array.data.ptr for tensor, array in zip(built.tensors, inputs + (out,))}
+    with state.lock:          # the GPU's one handle: its stream set and used in one step
+        gpu_handle = state.handles[device]
+        state.frontend.set_stream(handle=gpu_handle, stream=stream)
+        built.graph.execute(pointers, space.data.ptr, handle=gpu_handle)
+    return out
+
+
+def workspace(xp, device, stream, size):
+    """One workspace per stream, grown to the largest graph's need. The buffer it replaces
+    goes back to CuPy's pool for that stream, whose later allocations run after the kernels
+    already queued there, as every temporary of a CuPy operation does."""
+    key = (device, stream)
+    space = state.workspaces.get(key)
+    if space is None or space.nbytes < size:
+        space = state.workspaces[key] = xp.empty(max(size, 1), xp.uint8)
+    return space
