@@ -34,9 +34,6 @@ def frontend(fake_gpus, monkeypatch):
     fake = fake_cudnn.make_module()
     monkeypatch.setitem(sys.modules, 'cudnn', fake)
     monkeypatch.setattr(cudnn, 'state', cudnn.State())
-    cupy = sys.modules['cupy']               # which GPU is current on this thread
-    monkeypatch.setattr(cupy.cuda.runtime, 'getDevice',
-                        lambda: cupy.local.__dict__.get('device', 0), raising=False)
     monkeypatch.delenv('CUPY_TF32', raising=False)
     monkeypatch.delenv('NVIDIA_TF32_OVERRIDE', raising=False)
     return fake

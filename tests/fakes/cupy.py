@@ -68,6 +68,9 @@ class FakeEvent:
     def synchronize(self):
         assert self.time is not None, 'synchronized an event never recorded'
 
+    def record(self, stream=None):
+        self.time = time.perf_counter()
+
 
 class FakeGraph:
     def __init__(self, calls):
@@ -134,6 +137,9 @@ class FakeRandom:
 
     def standard_normal(self, shape, dtype=numpy.float64):
         return on_device(self.rng.standard_normal(shape, dtype=dtype))
+
+    def uniform(self, low=0.0, high=1.0, size=None, dtype=numpy.float64):
+        return on_device(self.rng.uniform(low, high, size).astype(dtype))
 
 
 # -- kernels: their C source run by NumPy -------------------------------------------------------
@@ -234,6 +240,9 @@ class FakeCublas:
 # -- the module ----------------------------------------------------------------------------
 
 CUBLAS_CALLS = ('matmul', 'dot')
+FREE_BYTES = 2**30                  # what memGetInfo says is free, of as much in all
+PROPERTIES = {'major': 0, 'minor': 0, 'totalGlobalMem': FREE_BYTES, 'multiProcessorCount': 1,
+              'clockRate': 0, 'memoryClockRate': 0, 'memoryBusWidth': 0, 'l2CacheSize': 0}
 
 
 class FakeCupy(types.ModuleType):
@@ -246,7 +255,7 @@ class FakeCupy(types.ModuleType):
         self.ndarray = FakeArray
         self.ElementwiseKernel = elementwise_kernel(self)
         self.RawKernel = raw_kernel(self)
-        self.random = types.SimpleNamespace(default_rng=FakeRandom)
+        self.random = types.SimpleNamespace(default_rng=FakeRandom, RandomState=FakeRandom)
         null = FakeStream(self, null=True)
         self.cuda = types.SimpleNamespace(
             Device=lambda index=0: FakeDevice(self, index),
@@ -254,7 +263,10 @@ class FakeCupy(types.ModuleType):
             Event=FakeEvent,
             get_current_stream=lambda: self.local.__dict__.get('stream', null),
             get_elapsed_time=lambda first, second: (second.time - first.time) * 1e3,
-            runtime=types.SimpleNamespace(getDeviceCount=lambda: gpus),
+            runtime=types.SimpleNamespace(
+                getDeviceCount=lambda: gpus, memGetInfo=lambda: (FREE_BYTES, FREE_BYTES),
+                getDevice=lambda: self.local.__dict__.get('device', 0),
+                getDeviceProperties=lambda index: dict(PROPERTIES, name=f'fake GPU {index}')),
             cublas=FakeCublas(), device=types.SimpleNamespace(get_cublas_handle=lambda: 1))
 
     def launch(self, function, *args, **kwargs):
