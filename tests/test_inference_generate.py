@@ -111,8 +111,7 @@ def test_the_sampler_draws_each_token_with_its_softmax_probability_among_the_top
 def test_the_cache_holds_two_l_s_b_h_bytes_on_the_ledger_as_kv_cache():
     device = d2l.cpu()
     before = held(device).by_kind['kv cache']
-    for (dtype, itemsize), heads in zip((('float32', 4), ('float64', 8)) * 2,
-                                        (None, None, 4, 4)):
+    for (dtype, itemsize), heads in zip((('float32', 4), ('float64', 8)) * 2, (1, 1, 4, 4)):
         cache = ContiguousCache(num_layers=3, batch=5, length=11, width=16, dtype=dtype,
                                 device=device, heads=heads)
         kept = held(device).by_kind['kv cache'] - before
@@ -126,7 +125,7 @@ def test_the_cache_keeps_heads_as_the_attention_reads_them_and_a_step_writes_its
     step writes only its own column and reads the earlier ones where they lie."""
     net, tokens = gpt(), numpy.random.default_rng(1).integers(0, VOCAB, (3, 6))
     pads = numpy.zeros(3, int)
-    cache = ContiguousCache(LAYERS, 3, 8, HIDDENS, 'float64', d2l.cpu())
+    cache = ContiguousCache(LAYERS, 3, 8, HIDDENS, 'float64', d2l.cpu(), HEADS)
     forward(net, tokens, 0, pads, cache)
     before = [held.asnumpy() for held in cache.keys + cache.values]
     assert all(held.shape == (3, HEADS, 8, HIDDENS // HEADS) for held in before)

@@ -48,7 +48,7 @@ def test_the_attention_reads_through_the_tables_what_a_contiguous_cache_holds(
     pads = longest - rng.integers(1, longest + 1, batch)
     length, heads, size = longest + sum(steps), 2, 3
     sizes = dict(num_layers=2, width=heads * size, dtype='float64', device=d2l.cpu())
-    contiguous = ContiguousCache(batch=batch, length=length, **sizes)
+    contiguous = ContiguousCache(batch=batch, length=length, heads=heads, **sizes)
     tables = BlockTables(paged.blocks_for(length - pads, block_size), block_size)
     pages = PagedCache(tables, range(batch), pads, **sizes)
     start = 0

@@ -34,13 +34,10 @@ class ContiguousCache(KVCache):
     """Per layer, keys and values (batch, heads, length, head width), the layout the attention
     reads (as vLLM's and Hugging Face's caches keep them): a step writes only its own columns,
     split into heads once, and the attention reads columns 0 .. stop in place, a view. The
-    memory is allocated whole at construction; `heads` (generation passes the GPT's) shapes
-    it there, else the first keys a layer stores do (a reshape of the same bytes, pushed in
-    that step)."""
+    memory is allocated whole at construction, for the GPT's `heads`."""
 
-    def __init__(self, num_layers, batch, length, width, dtype, device, heads=None):
-        shape = (batch, length, width) if heads is None else (
-            batch, heads, length, width // heads)
+    def __init__(self, num_layers, batch, length, width, dtype, device, heads):
+        shape = (batch, heads, length, width // heads)
         self.keys, self.values = ([label(np.zeros(shape, dtype, device), KIND)
                                    for _ in range(num_layers)] for _ in range(2))
         self.length, self.start, self.stop = length, 0, 0      # length: also with 0 layers
@@ -58,11 +55,8 @@ class ContiguousCache(KVCache):
 
     def store(self, layer, keys, values):
         """Write a step's keys and values at its columns, start .. stop."""
-        batch, heads, _, size = keys.shape
-        for held, new in ((self.keys, keys), (self.values, values)):
-            if len(held[layer].shape) == 3:
-                held[layer] = held[layer].reshape(batch, heads, self.length, size)
-            held[layer][:, :, self.start:self.stop] = new
+        self.keys[layer][:, :, self.start:self.stop] = keys
+        self.values[layer][:, :, self.start:self.stop] = values
 
 
     def store_step(self, new):
@@ -72,8 +66,6 @@ class ContiguousCache(KVCache):
         held = [array for pair in zip(self.keys, self.values) for array in pair]
         if not held:
             return
-        if any(len(array.shape) != 4 for array in held):
-            raise ValueError('store_step needs a cache shaped by heads: make it with heads=')
         start, stop = self.start, self.stop
 
         def run():

@@ -120,7 +120,8 @@ def step(net, batch, start, count, seed=0):
     are zeros: the step reads them all the same."""
     vocab, layers, h = sizes(net)
     weight = a_weight(net)
-    cache = ContiguousCache(layers, batch, start + count, h, weight.dtype, weight.device)
+    cache = ContiguousCache(layers, batch, start + count, h, weight.dtype, weight.device,
+                            heads=net.config[3])
     tokens = numpy.random.default_rng(seed).integers(0, vocab, (batch, count))
     pads = numpy.zeros(batch, numpy.int64)
     return lambda: forward(net, tokens, start, pads, cache)
