@@ -5,7 +5,7 @@
 #
 # Each part runs under its own time limit, in the order the targets matter, and writes
 # $OUT/<part>.txt (the device tool brings back what is under $OUT: at most 8 files); the
-# whole run stops starting parts once GPU_SESSION_SECONDS (default 450) have passed, so it ends
+# whole run stops starting parts once GPU_SESSION_SECONDS (default 460) have passed, so it ends
 # inside an 8-minute lease. The last lines printed are every part's `target:` lines and exit
 # status, also in $OUT/summary.txt. Without a GPU every part says its rows were left out, in
 # seconds: run it here before a lease, and anything that does not need a GPU fails here.
@@ -19,7 +19,7 @@
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_session}
-BUDGET=${GPU_SESSION_SECONDS:-450}
+BUDGET=${GPU_SESSION_SECONDS:-460}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PYTHON=${PYTHON:-python3}
@@ -61,7 +61,7 @@ for name in (\"cupy\", \"torch\"):
 part dispatch 45 "$PYTHON" benchmarks/engine.py --gpu
 part resnet_strict 110 "$PYTHON" benchmarks/training.py gpu_resnet --precision strict
 part gpt_bf16 100 "$PYTHON" benchmarks/training.py gpu_gpt
-part replay 50 "$PYTHON" benchmarks/hybridize.py --gpu --calls 200 --repeats 5 --batches 1 64
+part replay 70 "$PYTHON" benchmarks/hybridize.py --gpu --calls 100 --repeats 5 --batches 1 64
 part memory 45 "$PYTHON" benchmarks/training.py gpu_memory
 part resnet_tf32 90 "$PYTHON" benchmarks/training.py gpu_resnet --precision tf32
 

@@ -17,6 +17,7 @@ BENCH_PRECISION, sets PyTorch's switches to match (`set_torch_precision`).
 import os
 import subprocess
 import sys
+import warnings
 
 try:
     from d2lperf.ops import cudnn
@@ -68,18 +69,22 @@ def run_in_each_mode(modes, argv=None, run=subprocess.run):
 
 def set_torch_precision(torch, mode):
     """PyTorch's TF32 switches for products and cuDNN as `mode` says; None leaves its
-    defaults. The newer `fp32_precision` names where they exist: PyTorch refuses to read its
-    flags once the two APIs were mixed."""
+    defaults. Through the `allow_tf32` flags, which set both of PyTorch's views (from 2.9 on
+    they also set `fp32_precision`, with a deprecation warning), where they can be set: a
+    PyTorch that mixed the two APIs refuses to compute ("you have used mix of the legacy and
+    new APIs"). Where they cannot, the newer names for products and cuDNN's operations."""
     if mode is None:
         return
     allowed = MODES[mode][1] == 'tf32'
-    if hasattr(torch.backends.cuda.matmul, 'fp32_precision'):
-        for owner in (torch.backends, torch.backends.cuda.matmul, torch.backends.cudnn,
-                      torch.backends.cudnn.conv, torch.backends.cudnn.rnn):
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter('ignore')
+            torch.backends.cuda.matmul.allow_tf32 = allowed
+            torch.backends.cudnn.allow_tf32 = allowed
+    except (AttributeError, RuntimeError):
+        for owner in (torch.backends.cuda.matmul, torch.backends.cudnn.conv,
+                      torch.backends.cudnn.rnn):
             owner.fp32_precision = MODES[mode][1]
-    else:
-        torch.backends.cuda.matmul.allow_tf32 = allowed
-        torch.backends.cudnn.allow_tf32 = allowed
 
 
 def read(owner, name):

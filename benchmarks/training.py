@@ -499,7 +499,7 @@ def gpt_step_fn(hybridize, device=None, sizes=GPT_SIZES, batch=GPT_BATCH, dtype=
     if hybridize:
         net.hybridize()
     trainer = d2l.Trainer(net.collect_params(), 'adam',
-                          {'learning_rate': 1e-3, 'multi_precision': bool(dtype)})
+                          {'learning_rate': 1e-3} | ({'multi_precision': True} if dtype else {}))
     tokens, labels = (np.array(a, device=device) for a in gpt_data(sizes, batch))
     loss = d2l.SoftmaxCrossEntropyLoss()
     as_float32 = (lambda logits: logits.astype('float32')) if dtype else (lambda logits: logits)
@@ -1092,7 +1092,8 @@ GPU_RESNET_BATCHES = (RESNET_BATCH, 128)
 GPU_GPT_SIZES = dict(vocab_size=96, num_layers=12, num_hiddens=768, num_heads=12, max_len=1024)
 GPU_GPT_BATCH = 8
 SLOW_FIRST_STEP = 60.0          # seconds to build a row and take its first step (compiling
-                                # every kernel): a slower row is left out of the rounds
+                                # every kernel): a slower row is left out
+SLOW_STEP = 3.0                 # seconds a step: a slower row is timed by one step, not rounds
 
 
 def left_out_without_gpu(what):
@@ -1118,28 +1119,47 @@ def round_robin(steps, steps_per_round=GPU_STEPS, rounds=GPU_ROUNDS):
     return seconds
 
 
-def first_step(name, make_step, notes):
-    """`make_step()`, its first step and a second one, timed and printed as they go (should a
-    time limit stop the run, its output still has a figure for each row built); None, with
-    the reason in `notes`, where either fails or is too slow to time in rounds."""
+def first_steps(name, make_step, notes):
+    """(step, seconds of its second step): `make_step()`, a first step and a second one,
+    timed and printed as they go (should a time limit stop the run, its output still has a
+    figure for each row built); None, with the reason in `notes`, where a step fails or the
+    first (which compiles every kernel) takes over SLOW_FIRST_STEP."""
     start = time.perf_counter()
     try:
         step = make_step()
         step()
-        seconds = time.perf_counter() - start
-        if seconds <= SLOW_FIRST_STEP:
-            second = time.perf_counter()
-            step()
-            print(f'  {name}: built and first step in {seconds:.1f} s, a second step '
-                  f'{(time.perf_counter() - second) * 1e3:.1f} ms', flush=True)
+        first = time.perf_counter() - start
+        if first > SLOW_FIRST_STEP:
+            notes[name] = f'left out: its first step took {first:.0f} s'
+            return None
+        start = time.perf_counter()
+        step()
+        second = time.perf_counter() - start
     except Exception as error:                  # noqa: BLE001 - the row says why, the run goes on
         notes[name] = f'left out: {type(error).__name__}: {error}'.replace('\n', ' ')[:400]
         engine_settled()
         return None
-    if seconds > SLOW_FIRST_STEP:
-        notes[name] = f'left out of the rounds: its first step took {seconds:.0f} s'
-        return None
-    return step
+    print(f'  {name}: built and first step in {first:.1f} s, a second step '
+          f'{second * 1e3:.1f} ms', flush=True)
+    return step, second
+
+
+def timed_rows(ways, batch_size, steps, rounds, notes):
+    """[(name, batch, [seconds a step, one a round])] of each way {name: make_step} that
+    builds and steps: in rounds, in turns, but for a way slower than SLOW_STEP a step, which
+    its second step times alone (so noted)."""
+    built = {}
+    for name, make_step in ways.items():
+        found = first_steps(f'{name}, batch {batch_size}', make_step, notes)
+        if found is not None:
+            built[name] = found
+    slow = {name: [second] for name, (step, second) in built.items() if second > SLOW_STEP}
+    for name in slow:
+        notes[f'{name}, batch {batch_size}'] = (f'timed by one step: slower than {SLOW_STEP:.0f} '
+                                                's a step')
+    timed = round_robin({name: step for name, (step, _) in built.items() if name not in slow},
+                        steps, rounds)
+    return [(name, batch_size, timed.get(name) or slow[name]) for name in built]
 
 
 def engine_settled():
@@ -1250,10 +1270,7 @@ def gpu_resnet_rows(batch_sizes=GPU_RESNET_BATCHES, rounds=GPU_ROUNDS, steps=GPU
             ways['PyTorch eager (cuDNN)'] = lambda: torch_resnet_step_fn('cuda', batch_size)[0]
         else:
             notes[f'PyTorch eager, batch {batch_size}'] = why
-        built = {name: first_step(f'{name}, batch {batch_size}', make, notes)
-                 for name, make in ways.items()}
-        timed = round_robin({n: s for n, s in built.items() if s is not None}, steps, rounds)
-        rows += [(name, batch_size, seconds) for name, seconds in timed.items()]
+        rows += timed_rows(ways, batch_size, steps, rounds, notes)
     return rows, notes
 
 
@@ -1303,9 +1320,7 @@ def gpu_gpt_rows(sizes, batch, rounds=2, steps=2):
     for name, hybridize in (('imperative', False), ('hybridized', True)):
         ways[f'd2lperf, {name}, bfloat16, multi_precision'] = functools.partial(
             gpt_step_fn, hybridize, device, sizes, batch, 'bfloat16')
-    built = {name: first_step(name, make, notes) for name, make in ways.items()}
-    timed = round_robin({n: s for n, s in built.items() if s is not None}, steps, rounds)
-    return [(name, batch, seconds) for name, seconds in timed.items()], notes
+    return timed_rows(ways, batch, steps, rounds, notes), notes
 
 
 def gpu_gpt_section(cores):

@@ -7,6 +7,7 @@ import pathlib
 import shutil
 import subprocess
 import sys
+import time
 import types
 
 import pytest
@@ -69,26 +70,29 @@ def test_an_unknown_mode_in_the_environment_is_refused(monkeypatch):
 
 class Switches:
     """Stands in for one of PyTorch's backend objects: `fp32_precision` (2.9 on) or not."""
+    allow_tf32 = True
 
-    def __init__(self, new_api, value='tf32'):
+    def __init__(self, new_api):
         if new_api:
-            self.fp32_precision = value
-        self.allow_tf32 = True
+            self.fp32_precision = 'tf32'
 
 
-class MixedFlags:
-    """A backend whose legacy flag PyTorch refuses to read once the two APIs were mixed."""
-    fp32_precision = 'ieee'
+class RefusedFlag(Switches):
+    """A backend whose legacy flag PyTorch refuses, to read or to set."""
 
     @property
     def allow_tf32(self):
         raise RuntimeError('you have used mix of the legacy and new APIs')
 
+    @allow_tf32.setter
+    def allow_tf32(self, value):
+        raise RuntimeError('you have used mix of the legacy and new APIs')
 
-def fake_torch(new_api, cudnn=None):
-    cudnn = cudnn or Switches(new_api)
+
+def fake_torch(new_api, kind=Switches):
+    cudnn = kind(new_api)
     cudnn.conv, cudnn.rnn = Switches(new_api), Switches(new_api)
-    backends = types.SimpleNamespace(cuda=types.SimpleNamespace(matmul=Switches(new_api)),
+    backends = types.SimpleNamespace(cuda=types.SimpleNamespace(matmul=kind(new_api)),
                                      cudnn=cudnn, fp32_precision='none')
     return types.SimpleNamespace(backends=backends, __version__='2.11.0',
                                  cuda=types.SimpleNamespace(is_available=lambda: True))
@@ -98,23 +102,24 @@ def fake_torch(new_api, cudnn=None):
 def test_torch_switches_follow_the_mode(new_api):
     torch = fake_torch(new_api)
     precision.set_torch_precision(torch, 'strict')
-    backends = torch.backends
-    if new_api:
-        owners = [backends, backends.cuda.matmul, backends.cudnn, backends.cudnn.conv,
-                  backends.cudnn.rnn]
-        assert [owner.fp32_precision for owner in owners] == ['ieee'] * 5
-        assert 'cudnn.conv=ieee' in precision.torch_settings(torch)
-    else:
-        assert not backends.cuda.matmul.allow_tf32 and not backends.cudnn.allow_tf32
-        assert 'fp32_precision' not in precision.torch_settings(torch)
+    line = precision.torch_settings(torch)
+    assert line.startswith('PyTorch 2.11.0: cuda.matmul.allow_tf32=False; cudnn.allow_tf32=False')
+    assert ('fp32_precision backends=none, cuda.matmul=tf32' in line) == new_api
     precision.set_torch_precision(torch, 'tf32')
-    assert 'cudnn.allow_tf32=True' in precision.torch_settings(torch)
-    assert precision.torch_settings(torch).startswith('PyTorch 2.11.0: cuda.matmul.allow_tf32=')
+    assert 'cuda.matmul.allow_tf32=True; cudnn.allow_tf32=True' in precision.torch_settings(torch)
+    precision.set_torch_precision(torch, None)             # the defaults: left as they are
+    assert torch.backends.cudnn.allow_tf32
 
 
-def test_a_flag_pytorch_refuses_to_read_is_printed_as_such():
-    torch = fake_torch(True, cudnn=MixedFlags())
-    assert 'cudnn.allow_tf32=unreadable (RuntimeError)' in precision.torch_settings(torch)
+def test_where_the_flags_are_refused_the_newer_names_are_set_and_printed_as_such():
+    torch = fake_torch(True, RefusedFlag)
+    precision.set_torch_precision(torch, 'strict')
+    backends = torch.backends
+    assert [owner.fp32_precision for owner in (backends.cuda.matmul, backends.cudnn.conv,
+                                               backends.cudnn.rnn)] == ['ieee'] * 3
+    line = precision.torch_settings(torch)
+    assert 'cudnn.allow_tf32=unreadable (RuntimeError)' in line
+    assert 'cuda.matmul=ieee' in line and 'cudnn.conv=ieee' in line
 
 
 def test_settings_name_both_sides_and_say_where_pytorch_is_left_out(monkeypatch):
@@ -183,6 +188,34 @@ def test_resnet_rows_run_in_a_child_per_mode(tiny, monkeypatch):
     monkeypatch.setattr(training, 'gpu_resnet_rows', lambda *args: pytest.fail('ran here'))
     training.main(['gpu_resnet', '--precision', 'tf32', 'strict'])
     assert started == [(('tf32', 'strict'), ['gpu_resnet'])]
+
+
+def test_rows_are_timed_in_rounds_or_say_why_not(monkeypatch, capsys):
+    """A row that fails says why; a row slower than SLOW_STEP is timed by its second step
+    alone; the others in rounds, in turns."""
+    calls = []
+
+    def make(name, seconds=0.0, fails=False):
+        def step():
+            calls.append(name)
+            if fails:
+                raise RuntimeError('no bfloat16 kernel')
+            time.sleep(seconds)
+        return lambda: step
+    monkeypatch.setattr(training, 'SLOW_STEP', 0.05)
+    notes = {}
+    rows = training.timed_rows({'fast': make('fast'), 'slow': make('slow', 0.06),
+                                'broken': make('broken', fails=True)}, 4, 2, 3, notes)
+    assert [(name, batch, len(seconds)) for name, batch, seconds in rows] == [
+        ('fast', 4, 3), ('slow', 4, 1)]
+    assert rows[1][2][0] >= 0.06
+    assert calls.count('fast') == 2 + 1 + 3 * 2 and calls.count('slow') == 2
+    assert notes == {'broken, batch 4': 'left out: RuntimeError: no bfloat16 kernel',
+                     'slow, batch 4': 'timed by one step: slower than 0 s a step'}
+    assert 'fast, batch 4: built and first step in ' in capsys.readouterr().out
+    monkeypatch.setattr(training, 'SLOW_FIRST_STEP', -1.0)
+    assert training.timed_rows({'fast': make('fast')}, 1, 1, 1, notes) == []
+    assert notes['fast, batch 1'].startswith('left out: its first step took ')
 
 
 def test_resnet_flops_count_every_product_of_a_step():
