@@ -47,17 +47,21 @@ part() {
     STATUS+=("$name: $note, $((SECONDS - began)) s")
 }
 
-part settings 40 bash -c "nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,\
-clocks.max.sm,temperature.gpu,utilization.gpu --format=csv 2>&1; nproc; $PYTHON -c '
-import platform, numpy
-print(\"Python\", platform.python_version(), \"NumPy\", numpy.__version__)
-for name in (\"cupy\", \"torch\"):
-    try:
-        module = __import__(name)
-        print(name, module.__version__)
-    except Exception as error:
-        print(name, \"not importable:\", error)
-'; $PYTHON benchmarks/precision.py"
+# The machine, the tree and both sides' precision defaults, for the record.
+settings() {
+    git log -1 --format='tree: %h %s' 2>/dev/null || echo 'tree: no git here'
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm,\
+temperature.gpu,utilization.gpu --format=csv 2>&1
+    echo "cores: $(nproc)"
+    "$PYTHON" -c 'import platform, numpy; print("Python", platform.python_version(),
+                                                "NumPy", numpy.__version__)'
+    "$PYTHON" -c 'import cupy; print("CuPy", cupy.__version__)' 2>&1 | tail -1
+    "$PYTHON" benchmarks/precision.py
+}
+export -f settings
+export PYTHON
+
+part settings 40 bash -c settings
 part dispatch 45 "$PYTHON" benchmarks/engine.py --gpu
 part resnet_strict 110 "$PYTHON" benchmarks/training.py gpu_resnet --precision strict
 part gpt_bf16 100 "$PYTHON" benchmarks/training.py gpu_gpt

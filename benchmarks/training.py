@@ -3,6 +3,9 @@
     python benchmarks/training.py            # full sizes
     D2LPERF_QUICK=1 python benchmarks/training.py
     python benchmarks/training.py sharded memory      # only these sections
+    python benchmarks/training.py gpu                 # every GPU row (gpu_lenet, gpu_resnet,
+                                                      # gpu_gpt, gpu_memory, gpu_winograd)
+    python benchmarks/training.py gpu_resnet --precision strict    # one precision's process
 
 Rows, all measured side by side in this run:
 * LeNet (the toy net of "Training on Multiple GPUs"), images per second at batch 256 on
@@ -34,7 +37,13 @@ Rows, all measured side by side in this run:
   core: by im2col and as the op runs them (Winograd's F(2×2, 3×3) where it applies), each an
   engine operation (its large passes cut in pieces as in a step), against a floor of every
   product at the BLAS peak measured in the same run at that thread count.
-* GPU rows with CuPy, where a GPU is present.
+* GPU rows with CuPy, where a GPU is present, each table with both sides' precision settings
+  (benchmarks/precision.py) and each row beside PyTorch eager on the same GPU: LeNet;
+  ResNet-18 at batch 16 and 128 by each convolution road (cuDNN graphs where built, im2col),
+  in strict FP32 and in TF32 (a process each), against a floor of its products at the rate
+  the Hardware chapter's measurement gives; the small GPT at a GPU size in bfloat16; the peak
+  memory of a ResNet-18 step; Winograd against im2col. benchmarks/gpu_session.sh runs them
+  for a GPU lease.
 Each figure is the best of several interleaved repeats.
 """
 import argparse
