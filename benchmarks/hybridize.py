@@ -341,9 +341,10 @@ def gpu_seconds_per_call(net, x, calls):
 
 
 def launches_per_call(net, x, calls=20):
-    """{API call: count per call} of the host's launches, and the GPU's kernels per call, as
-    PyTorch's profiler counts them (it reads CUPTI, which sees every library's launches in
-    the process); or (None, why they were not counted)."""
+    """(text, None): the host's launch and copy calls per call, by name, and the GPU's
+    activities (kernels, copies) per call, as PyTorch's profiler counts them: it reads CUPTI,
+    which sees every library's launches in the process, CuPy's too. (None, why) where they
+    were not counted."""
     torch, why = precision.torch_on_cuda()
     if torch is None:
         return None, f'not counted: PyTorch\'s profiler (CUPTI) counts them; PyTorch {why}'
