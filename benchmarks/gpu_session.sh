@@ -65,7 +65,7 @@ part settings 40 bash -c settings
 part dispatch 45 "$PYTHON" benchmarks/engine.py --gpu
 part resnet_strict 110 "$PYTHON" benchmarks/training.py gpu_resnet --precision strict
 part gpt_bf16 100 "$PYTHON" benchmarks/training.py gpu_gpt
-part replay 70 "$PYTHON" benchmarks/hybridize.py --gpu --calls 100 --repeats 5 --batches 1 64
+part replay 90 "$PYTHON" benchmarks/hybridize.py --gpu --calls 100 --repeats 5 --batches 1 64
 part memory 45 "$PYTHON" benchmarks/training.py gpu_memory
 part resnet_tf32 90 "$PYTHON" benchmarks/training.py gpu_resnet --precision tf32
 

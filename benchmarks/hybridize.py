@@ -293,7 +293,7 @@ REPLAY_BATCHES = (1, 64)          # up to 64 rows a dense layer is a kernel of o
                                   # graph can capture (cuBLAS refuses stream capture)
 
 
-def wide_net(device, width=2048, layers=6):
+def wide_net(device, width=d2l.workload(2048, 64), layers=6):
     """A forward long enough for the GPU, not the host, to set the pace, and one a graph can
     capture: each dense layer has an activation to fuse with, so up to 64 rows each is one
     kernel of our own (a bare product, like `get_net`'s last layer, calls cuBLAS)."""

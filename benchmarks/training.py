@@ -1095,11 +1095,15 @@ def gpu_winograd_rows(batch_sizes=(RESNET_BATCH, 128)):
 # Sections of their own (`gpu_resnet`, `gpu_gpt`, `gpu_memory`, ...) so that a short GPU lease
 # runs each under its own time limit (benchmarks/gpu_session.sh); `gpu` runs them all.
 
-GPU_ROUNDS, GPU_STEPS = 3, 5            # best of GPU_ROUNDS rounds of GPU_STEPS steps each
-GPU_RESNET_BATCHES = (RESNET_BATCH, 128)
+# best of GPU_ROUNDS rounds of GPU_STEPS steps each; D2LPERF_QUICK=1 makes every size tiny
+GPU_ROUNDS, GPU_STEPS = d2l.workload(3, 2), d2l.workload(5, 1)
+GPU_RESNET_BATCHES = d2l.workload((RESNET_BATCH, 128), (2, 4))
+GPU_MEMORY_BATCH = d2l.workload(128, 4)
 # The small GPT at a GPU size, in bfloat16: 12 layers, 768 wide, 12 heads, sequence 1024.
-GPU_GPT_SIZES = dict(vocab_size=96, num_layers=12, num_hiddens=768, num_heads=12, max_len=1024)
-GPU_GPT_BATCH = 8
+GPU_GPT_SIZES = d2l.workload(
+    dict(vocab_size=96, num_layers=12, num_hiddens=768, num_heads=12, max_len=1024),
+    dict(vocab_size=96, num_layers=1, num_hiddens=32, num_heads=2, max_len=16))
+GPU_GPT_BATCH = d2l.workload(8, 2)
 SLOW_FIRST_STEP = 60.0          # seconds to build a row and take its first step (compiling
                                 # every kernel): a slower row is left out
 SLOW_STEP = 3.0                 # seconds a step: a slower row is timed by one step, not rounds
@@ -1259,7 +1263,7 @@ def print_gpu_table(title, rows, flops, peak, notes, against='PyTorch eager'):
         print(f'| {name} | | {why} | | | | | |')
 
 
-def gpu_resnet_rows(batch_sizes=GPU_RESNET_BATCHES, rounds=GPU_ROUNDS, steps=GPU_STEPS):
+def gpu_resnet_rows(batch_sizes, rounds, steps):
     """(rows, notes) of ResNet-18 training steps on the GPU, in this process's precision:
     d2lperf imperative, hybridized and hybridized with static_alloc by its first convolution
     road, with static_alloc by the others (im2col beside cuDNN), and PyTorch eager on the
@@ -1390,7 +1394,7 @@ def torch_peak(torch, step):
     return before, torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
 
 
-def gpu_memory_rows(batch_size=128):
+def gpu_memory_rows(batch_size):
     """(what, bytes before, peak bytes, pool bytes or None) of a ResNet-18 step on the GPU,
     and the notes of rows left out."""
     device, rows, notes = d2l.gpu(0), [], {}
@@ -1414,9 +1418,10 @@ def gpu_memory_rows(batch_size=128):
     return rows, notes
 
 
-def gpu_memory_section(cores, batch_size=128):
+def gpu_memory_section(cores):
     if left_out_without_gpu('the peak memory rows on the GPU are'):
         return
+    batch_size = GPU_MEMORY_BATCH
     rows, notes = gpu_memory_rows(batch_size)
     mib = lambda nbytes: f'{nbytes / 2**20:.1f}' if nbytes is not None else '-'  # noqa: E731
     print(f'\nPeak memory of one ResNet-18 SGD step at batch {batch_size} on the GPU, after a '

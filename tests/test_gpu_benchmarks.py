@@ -158,6 +158,7 @@ def tiny(monkeypatch, fake_gpus):
     monkeypatch.setattr(training, 'GPU_GPT_SIZES', dict(vocab_size=16, num_layers=1,
                                                          num_hiddens=16, num_heads=2, max_len=8))
     monkeypatch.setattr(training, 'GPU_GPT_BATCH', 2)
+    monkeypatch.setattr(training, 'GPU_MEMORY_BATCH', 1)
 
 
 def test_resnet_rows_in_a_mode_time_each_road_against_pytorch(tiny, monkeypatch, capsys):
@@ -243,7 +244,7 @@ def test_the_gpt_rows_say_why_they_are_left_out_rather_than_fail(tiny, capsys):
 
 
 def test_peak_memory_rows_put_the_ledger_beside_pytorch(tiny, capsys):
-    training.gpu_memory_section(2, batch_size=1)
+    training.gpu_memory_section(2)
     output = capsys.readouterr().out
     assert_settings_printed(output)
     rows = [cells(line) for line in output.splitlines() if line.startswith('| d2lperf')]
