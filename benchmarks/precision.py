@@ -1,8 +1,9 @@
 """Which float32 arithmetic each side of a GPU row computes in, printed beside the row.
 
-The defaults differ. PyTorch's cuDNN convolutions may use TF32 (`torch.backends.cudnn.
-allow_tf32`, `fp32_precision` from PyTorch 2.9 on); its matrix products do not. CuPy's products
-use TF32 only with CUPY_TF32=1, which it reads once, at its first product. cuDNN graphs take
+The defaults differ. PyTorch's cuDNN convolutions may use TF32
+(`torch.backends.cudnn.allow_tf32`, `fp32_precision` from PyTorch 2.9 on); its matrix products
+do not. CuPy's products use TF32 only with CUPY_TF32=1, which it reads once, at its first
+product. cuDNN graphs take
 their own compute settings (`d2lperf.ops.cudnn.settings()`, where that module is built), and
 NVIDIA_TF32_OVERRIDE=0 holds cuBLAS and cuDNN to strict float32 in the whole process, on both
 sides. The Hardware chapter measures what TF32 buys and costs: `hardware.gpu.gpu_matmul_flops`,
@@ -51,17 +52,17 @@ def mode_environment(mode, environ=None):
     return env
 
 
-def run_in_each_mode(modes, argv=None, run=subprocess.run):
-    """Run this process's command again once per mode, each in a fresh process (CuPy reads
-    CUPY_TF32 once); the children print their own rows. Returns their exit statuses."""
+def run_in_each_mode(modes, argv):
+    """Run `python argv...` once per mode, each in a fresh process (CuPy reads CUPY_TF32
+    once); the children print their own rows. Returns their exit statuses."""
     unknown = [mode for mode in modes if mode not in MODES]
     if unknown:
         raise ValueError(f'unknown precision(s) {unknown}: choose from {list(MODES)}')
-    command = [sys.executable] + list(sys.argv if argv is None else argv)
     statuses = {}
     for mode in modes:
         print(f'\n## Precision: {mode}, {DESCRIBED[mode]}', flush=True)
-        statuses[mode] = run(command, env=mode_environment(mode)).returncode
+        statuses[mode] = subprocess.run([sys.executable, *argv],
+                                        env=mode_environment(mode)).returncode
         if statuses[mode]:
             print(f'(the {mode} run ended with exit status {statuses[mode]})', flush=True)
     return statuses

@@ -1304,18 +1304,20 @@ def print_resnet_targets(rows):
 
 def gpu_resnet_section(cores, modes=tuple(precision.MODES)):
     """ResNet-18 on the GPU in each precision of `modes`, each in a fresh process (CuPy
-    reads CUPY_TF32 once): this process starts a child per mode, which prints the rows."""
+    reads CUPY_TF32 once): this process starts a child per mode, which prints the rows.
+    Returns the modes whose child failed."""
     if left_out_without_gpu('the ResNet-18 rows on the GPU are'):
-        return
+        return []
     if precision.current_mode() is None:
-        precision.run_in_each_mode(modes, [os.path.abspath(__file__), 'gpu_resnet'])
-        return
+        statuses = precision.run_in_each_mode(modes, [os.path.abspath(__file__), 'gpu_resnet'])
+        return [mode for mode, status in statuses.items() if status]
     rows, notes = gpu_resnet_rows(GPU_RESNET_BATCHES, GPU_ROUNDS, GPU_STEPS)
     peak, floor_note = gpu_peak_flops(float32_mode())
     print_gpu_table(f'ResNet-18 (28x28), one SGD step on the GPU, waited for; best of '
                     f'{GPU_ROUNDS} rounds of {GPU_STEPS} steps, in turns; {floor_note}',
                     rows, resnet_flops, peak, notes)
     print_resnet_targets(rows)
+    return []
 
 
 def gpu_gpt_rows(sizes, batch, rounds=2, steps=2):
@@ -1474,10 +1476,11 @@ def gpu_section(cores, modes=tuple(precision.MODES)):
                             'bfloat16, peak memory, Winograd) are'):
         return
     gpu_lenet_section(cores)
-    gpu_resnet_section(cores, modes)
+    failed = gpu_resnet_section(cores, modes)
     gpu_gpt_section(cores)
     gpu_memory_section(cores)
     gpu_winograd_section(cores)
+    return failed
 
 
 SECTIONS = {'lenet': lenet_section, 'data_parallel': data_parallel_section,
@@ -1511,8 +1514,9 @@ def main(argv=None):
     print(f'# {blas_kernels()}')
     sections = dict(SECTIONS, gpu=functools.partial(gpu_section, modes=args.precision),
                     gpu_resnet=functools.partial(gpu_resnet_section, modes=args.precision))
-    for name in args.sections or DEFAULT_SECTIONS:
-        sections[name](cores)
+    failed = [name for name in args.sections or DEFAULT_SECTIONS if sections[name](cores)]
+    if failed:                  # a child process of theirs failed: its output says how
+        raise SystemExit(f'section(s) {failed} failed in a child process')
 
 
 if __name__ == '__main__':

@@ -181,14 +181,21 @@ def test_resnet_rows_in_a_mode_time_each_road_against_pytorch(tiny, monkeypatch,
         assert '| PyTorch eager, batch 1 | | left out: ' in output
 
 
-def test_resnet_rows_run_in_a_child_per_mode(tiny, monkeypatch):
+def test_resnet_rows_run_in_a_child_per_mode_and_a_failed_child_fails_the_run(tiny,
+                                                                              monkeypatch):
     monkeypatch.delenv(precision.BENCH_PRECISION, raising=False)
-    started = []
-    monkeypatch.setattr(precision, 'run_in_each_mode', lambda modes, argv: started.append(
-        (tuple(modes), argv[1:])))
+    started, statuses = [], {'tf32': 0, 'strict': 0}
+
+    def run_in_each_mode(modes, argv):
+        started.append((tuple(modes), argv[1:]))
+        return statuses
+    monkeypatch.setattr(precision, 'run_in_each_mode', run_in_each_mode)
     monkeypatch.setattr(training, 'gpu_resnet_rows', lambda *args: pytest.fail('ran here'))
     training.main(['gpu_resnet', '--precision', 'tf32', 'strict'])
     assert started == [(('tf32', 'strict'), ['gpu_resnet'])]
+    statuses['strict'] = 1
+    with pytest.raises(SystemExit, match=r"\['gpu_resnet'\] failed in a child process"):
+        training.main(['gpu_resnet'])
 
 
 def test_rows_are_timed_in_rounds_or_say_why_not(monkeypatch, capsys):
