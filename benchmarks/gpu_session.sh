@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU measurement issue 45's targets need, in one command for a short GPU lease:
 #
-#     bash benchmarks/gpu_session.sh
+#     bash benchmarks/gpu_session.sh                      # every part
+#     bash benchmarks/gpu_session.sh resnet_strict memory # these parts alone
 #
 # Each part runs under its own time limit, in the order the targets matter, and writes
 # $OUT/<part>.txt (the device tool brings back what is under $OUT: at most 8 files); the
@@ -25,12 +26,14 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PYTHON=${PYTHON:-python3}
 START=$SECONDS
 STATUS=() PARTS=()
+WANTED=" $* "
 
 # part NAME SECONDS COMMAND...: run COMMAND under `timeout` (at most what the budget has
 # left), its output to the terminal and to $OUT/NAME.txt.
 part() {
     local name=$1 limit=$2 left=$((BUDGET - (SECONDS - START)))
     shift 2
+    [[ $WANTED == "  " || $WANTED == *" $name "* ]] || return 0
     if ((left < 15)); then
         echo "== $name: not run, the session's $BUDGET s are spent" | tee "$OUT/$name.txt"
         STATUS+=("$name: not run (budget spent)")

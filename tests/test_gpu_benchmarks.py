@@ -314,10 +314,10 @@ def test_a_replayed_forward_shows_wall_against_gpu_time(fake_gpus, monkeypatch, 
 
 # -- the session's script ---------------------------------------------------------------------
 
-def run_session(tmp_path, seconds):
+def run_session(tmp_path, seconds, *parts):
     env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable,
                GPU_SESSION_SECONDS=str(seconds))
-    return subprocess.run(['bash', str(BENCHMARKS / 'gpu_session.sh')], env=env,
+    return subprocess.run(['bash', str(BENCHMARKS / 'gpu_session.sh'), *parts], env=env,
                           capture_output=True, text=True, timeout=300)
 
 
@@ -347,3 +347,14 @@ def test_the_session_starts_no_part_once_its_time_is_spent(tmp_path):
     assert done.returncode == 0, done.stderr
     summary = (tmp_path / 'summary.txt').read_text()
     assert all(f'{part}: not run (budget spent)' in summary for part in PARTS), summary
+
+
+@pytest.mark.skipif(shutil.which('timeout') is None, reason='needs coreutils timeout')
+def test_the_session_runs_the_parts_it_is_named(tmp_path):
+    done = run_session(tmp_path, 450, 'settings', 'memory')
+    assert done.returncode == 0, done.stderr
+    assert sorted(path.name for path in tmp_path.iterdir()) == [
+        'memory.txt', 'settings.txt', 'summary.txt']
+    summary = (tmp_path / 'summary.txt').read_text().splitlines()
+    assert [line.split(':')[0] for line in summary
+            if not line.startswith(('==', 'target'))] == ['settings', 'memory']
