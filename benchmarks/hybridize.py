@@ -10,10 +10,14 @@ CUDA-graph replay against eager CuPy and PyTorch eager on the same GPU.
 `hybridize(static_alloc=True, static_shape=True)` gets a row beside the compiled one, and a
 table of its own on a forward where it changes the plan (a slice, a cast and reductions after
 the dense layer, which a plain plan leaves to NumPy to allocate on every call), with ratios to
-the un-hybridized forward from the same run. Without a GPU, the GPU rows say they were left
-out.
+the un-hybridized forward from the same run. On a GPU a last table times a forward replayed
+as a CUDA graph: its wall time against the GPU's busy time (CUDA events), and its launches per
+call, counted by PyTorch's profiler where it is installed. Every GPU table is headed by both
+sides' precision settings (benchmarks/precision.py). Without a GPU, the GPU rows say they were
+left out.
 
     python benchmarks/hybridize.py [--calls 1000] [--repeats 7] [--batches 1 256] [--breakdown]
+    python benchmarks/hybridize.py --gpu      # the rows on gpu(0) alone, and the replay table
 
 `--breakdown` adds where the time of one waited call at batch 1 goes, each piece timed alone.
 
