@@ -11,10 +11,11 @@
 # status, also in $OUT/summary.txt. Without a GPU every part says its rows were left out, in
 # seconds: run it here before a lease, and anything that does not need a GPU fails here.
 #
-# The parts: settings (the GPU, versions, both sides' precision defaults); dispatch (x + 1
+# The parts: settings (the GPU, versions, both sides' precision defaults, then cuDNN's
+# convolutions against im2col: errors and times, tests/cudnn_check.py); dispatch (x + 1
 # against an empty launch: engine.py --gpu); resnet_strict and resnet_tf32 (ResNet-18 steps at
-# batch 16 and 128 against PyTorch eager, each precision in a process of its own); gpt_bf16
-# (the small GPT at 12 × 768, sequence 1024, batch 8, in bfloat16); replay (a hybridized
+# batch 16 and 128 against PyTorch eager, each precision in a process of its own); gpt_16bit
+# (the small GPT at 12 × 768, sequence 1024, batch 8, in float16 and bfloat16); replay (a hybridized
 # forward replayed as a CUDA graph: wall time against GPU time, launches per call); memory
 # (a ResNet-18 step's peak: d2lperf's ledger beside torch.cuda.max_memory_allocated).
 set -u
@@ -22,8 +23,12 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_session}
 BUDGET=${GPU_SESSION_SECONDS:-460}
 mkdir -p "$OUT"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PYTHON=${PYTHON:-python3}
+# The cuDNN frontend carried as a wheel (.gpu-wheels/, from `tests/gpu_check.py
+# --fetch-wheels`), unpacked and put on PYTHONPATH, and cuDNN's runtime where pip put it for
+# PyTorch on LD_LIBRARY_PATH: without them every convolution on the GPU is im2col.
+eval "$("$PYTHON" tests/gpu_check.py --environment)"
+export PYTHONUNBUFFERED=1
 START=$SECONDS
 STATUS=() PARTS=()
 WANTED=" $* "
@@ -64,10 +69,10 @@ temperature.gpu,utilization.gpu --format=csv 2>&1
 export -f settings
 export PYTHON
 
-part settings 40 bash -c settings
+part settings 130 bash -c 'settings && "$PYTHON" tests/cudnn_check.py'
 part dispatch 45 "$PYTHON" benchmarks/engine.py --gpu
 part resnet_strict 110 "$PYTHON" benchmarks/training.py gpu_resnet --precision strict
-part gpt_bf16 100 "$PYTHON" benchmarks/training.py gpu_gpt
+part gpt_16bit 140 "$PYTHON" benchmarks/training.py gpu_gpt
 part replay 90 "$PYTHON" benchmarks/hybridize.py --gpu --calls 100 --repeats 5 --batches 1 64
 part memory 45 "$PYTHON" benchmarks/training.py gpu_memory
 part resnet_tf32 90 "$PYTHON" benchmarks/training.py gpu_resnet --precision tf32

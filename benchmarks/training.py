@@ -554,7 +554,7 @@ def torch_module_gpt_step_fn(sizes=GPT_SIZES, batch=GPT_BATCH, device='cpu', aut
     """The GPT as PyTorch's users write it: nn.Module layers, nn.LayerNorm,
     F.scaled_dot_product_attention(is_causal=True), tanh GELU, an untied head with a bias,
     torch.optim.Adam. Same shapes and FLOPs as d2lperf's; its own initial weights (a row
-    times a step). On 'cuda', each step waits for the GPU; `autocast` (torch.bfloat16) runs
+    times a step). On 'cuda', each step waits for the GPU; `autocast` (torch.float16 or bfloat16) runs
     the step under torch.autocast, float32 weights and optimizer."""
     try:
         import torch
@@ -1320,42 +1320,49 @@ def gpu_resnet_section(cores, modes=tuple(precision.MODES)):
     return []
 
 
-def gpu_gpt_rows(sizes, batch, rounds=2, steps=2):
-    """(rows, notes) of the small GPT's Adam step on the GPU in bfloat16: PyTorch eager under
-    autocast(bfloat16) with scaled_dot_product_attention, and d2lperf imperative and
-    hybridized with bfloat16 weights and float32 master weights; a row that cannot run says
-    why."""
+def gpu_gpt_rows(sizes, batch, dtype='bfloat16', rounds=2, steps=2):
+    """(rows, notes) of the small GPT's Adam step on the GPU in `dtype` (bfloat16 or float16):
+    PyTorch eager under autocast(dtype) with scaled_dot_product_attention, and d2lperf
+    imperative and hybridized with weights in `dtype` and float32 master weights; a row that
+    cannot run says why (CuPy has no bfloat16: float16 is the 16-bit type d2lperf reaches on
+    a GPU, and the one cuDNN's fused attention runs there)."""
     device, ways, notes = d2l.gpu(0), {}, {}
     torch, why = precision.torch_on_cuda()
+    theirs = f'PyTorch eager, autocast {dtype}, SDPA'
     if torch is not None:
-        ways['PyTorch eager, autocast bfloat16, SDPA'] = lambda: torch_module_gpt_step_fn(
-            sizes, batch, 'cuda', torch.bfloat16)[0]
+        ways[theirs] = lambda: torch_module_gpt_step_fn(sizes, batch, 'cuda',
+                                                       getattr(torch, dtype))[0]
     else:
-        notes['PyTorch eager, autocast bfloat16, SDPA'] = why
+        notes[theirs] = why
     for name, hybridize in (('imperative', False), ('hybridized', True)):
-        ways[f'd2lperf, {name}, bfloat16, multi_precision'] = functools.partial(
-            gpt_step_fn, hybridize, device, sizes, batch, 'bfloat16')
+        ways[f'd2lperf, {name}, {dtype}, multi_precision'] = functools.partial(
+            gpt_step_fn, hybridize, device, sizes, batch, dtype)
     return timed_rows(ways, batch, steps, rounds, notes), notes
 
 
 def gpu_gpt_section(cores):
     if left_out_without_gpu('the GPT rows on the GPU are'):
         return
-    rows, notes = gpu_gpt_rows(GPU_GPT_SIZES, GPU_GPT_BATCH)
-    peak, floor_note = gpu_peak_flops('bfloat16')
+    for dtype in ('float16', 'bfloat16'):
+        gpu_gpt_table(dtype)
+
+
+def gpu_gpt_table(dtype):
+    rows, notes = gpu_gpt_rows(GPU_GPT_SIZES, GPU_GPT_BATCH, dtype)
+    peak, floor_note = gpu_peak_flops('bfloat16')     # float16's tensor-core rate is the same
     described = ', '.join(f'{k} {v}' for k, v in GPU_GPT_SIZES.items())
     print_gpu_table(f'The small GPT ({described}), batch {GPU_GPT_BATCH}, one Adam step in '
-                    f'bfloat16 on the GPU, waited for; best of 2 rounds of 2 steps; {floor_note} '
+                    f'{dtype} on the GPU, waited for; best of 2 rounds of 2 steps; {floor_note} '
                     '(img/s: sequences/s)', rows, lambda b: gpt_flops(GPU_GPT_SIZES, b), peak,
                     notes)
     theirs = [min(s) for name, b, s in rows if name.startswith('PyTorch')]
     ours = [(min(s), name) for name, b, s in rows if name.startswith('d2lperf')]
     if theirs and ours:
         best, name = min(ours)
-        print(f'target: GPT step in bfloat16: {name} {theirs[0] / best:.2f}× PyTorch eager '
+        print(f'target: GPT step in {dtype}: {name} {theirs[0] / best:.2f}× PyTorch eager '
               '(target ≥ 0.8×)')
     else:
-        print('target: GPT step in bfloat16: not measured (' + '; '.join(
+        print(f'target: GPT step in {dtype}: not measured (' + '; '.join(
             f'{name}: {why}' for name, why in notes.items()) + ')')
 
 

@@ -38,6 +38,7 @@ import os
 import pathlib
 import platform
 import re
+import shlex
 import subprocess
 import sys
 import sysconfig
@@ -106,16 +107,22 @@ def say(line):
     sys.stdout.flush()
 
 
-def run(command, timeout, quick, log_name):
-    """Run a command from the checkout's root; returns (exit status, output, seconds)."""
+def frontend_paths():
+    """{PYTHONPATH, LD_LIBRARY_PATH} that put the checkout, the carried frontend and cuDNN's
+    runtime before what the environment has; `--environment` prints them for a shell."""
     carried = [str(carried_frontend())] if carried_frontend() else []
     paths = [p for p in os.environ.get('PYTHONPATH', '').split(os.pathsep) if p]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT)] + carried + paths),
-               MPLBACKEND='Agg', PYTHONUNBUFFERED='1')
-    libraries = cudnn_runtime_dirs() + [p for p in env.get('LD_LIBRARY_PATH', '').split(
-        os.pathsep) if p]
+    env = {'PYTHONPATH': os.pathsep.join([str(ROOT)] + carried + paths)}
+    libraries = cudnn_runtime_dirs() + [p for p in os.environ.get(
+        'LD_LIBRARY_PATH', '').split(os.pathsep) if p]
     if libraries:
         env['LD_LIBRARY_PATH'] = os.pathsep.join(dict.fromkeys(libraries))
+    return env
+
+
+def run(command, timeout, quick, log_name):
+    """Run a command from the checkout's root; returns (exit status, output, seconds)."""
+    env = dict(os.environ, **frontend_paths(), MPLBACKEND='Agg', PYTHONUNBUFFERED='1')
     env.pop('D2LPERF_QUICK', None)
     if quick:
         env['D2LPERF_QUICK'] = '1'
@@ -417,12 +424,19 @@ def main(argv=None):
                              'are then not disturbed by one another)')
     parser.add_argument('--timeout', type=int, default=3600,
                         help='seconds allowed to each test run, chapter and benchmark')
+    parser.add_argument('--environment', action='store_true',
+                        help='print the shell exports that put the carried cuDNN frontend and '
+                             'its runtime on the paths (for benchmarks/gpu_session.sh), and stop')
     parser.add_argument('--fetch-wheels', action='store_true',
                         help='download the pinned cuDNN frontend\'s wheels into .gpu-wheels/ '
                              'for a machine with no package index, and stop')
     args = parser.parse_args(argv)
     if args.fetch_wheels:
         return fetch_wheels()
+    if args.environment:
+        print('\n'.join(f'export {name}={shlex.quote(value)}'
+                        for name, value in frontend_paths().items()))
+        return 0
     gpu, reason = probe_gpu()
     sections = run_steps(args) if gpu else []
     write_atomically(args.report, '\n'.join(report_lines(gpu, reason, sections, args)) + '\n')

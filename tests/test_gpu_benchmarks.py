@@ -242,12 +242,13 @@ def test_the_gpt_rows_say_why_they_are_left_out_rather_than_fail(tiny, capsys):
     output = capsys.readouterr().out
     assert_settings_printed(output)
     lines = [line for line in output.splitlines() if line.startswith('| d2lperf')]
-    assert len(lines) == 2                 # imperative and hybridized, timed or left out
-    for line in lines:
-        assert 'bfloat16, multi_precision' in line
+    assert len(lines) == 4           # imperative and hybridized, each dtype, timed or left out
+    for line, dtype in zip(lines, ['float16'] * 2 + ['bfloat16'] * 2):
+        assert f'{dtype}, multi_precision' in line
         timed = cells(line)[2].replace('.', '', 1).isdigit()
         assert timed or 'left out: ' in line, line
-    assert [line for line in output.splitlines() if line.startswith('target: GPT step')]
+    targets = [line for line in output.splitlines() if line.startswith('target: GPT step')]
+    assert [t.split(':')[1] for t in targets] == [' GPT step in float16', ' GPT step in bfloat16']
 
 
 def test_peak_memory_rows_put_the_ledger_beside_pytorch(tiny, capsys):
@@ -324,7 +325,7 @@ def run_session(tmp_path, seconds, *parts):
                           capture_output=True, text=True, timeout=300)
 
 
-PARTS = ('settings', 'dispatch', 'resnet_strict', 'gpt_bf16', 'replay', 'memory', 'resnet_tf32')
+PARTS = ('settings', 'dispatch', 'resnet_strict', 'gpt_16bit', 'replay', 'memory', 'resnet_tf32')
 
 
 @pytest.mark.skipif(shutil.which('timeout') is None, reason='needs coreutils timeout')

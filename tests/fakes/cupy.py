@@ -216,8 +216,14 @@ def column_major(pointer, rows, columns, leading):
     return flat.reshape(columns, leading).T[:rows]
 
 
+class FakeCublasError(RuntimeError):
+    pass
+
+
 class FakeCublas:
     HOST_POINTER_MODE = 0
+    CUDA_R_32F = 0
+    CUBLASError = FakeCublasError
 
     def __init__(self):
         self.pointer_mode = 5                       # anything but host: gemm must set it
@@ -231,6 +237,8 @@ class FakeCublas:
     def gemmEx(self, handle, transa, transb, m, n, k, alpha, a, a_type, lda, b, b_type,  # noqa: N802
                ldb, beta, c, c_type, ldc, compute_type, algo):
         assert (transa, transb, self.pointer_mode) == (0, 0, self.HOST_POINTER_MODE)
+        if {a_type, b_type, c_type} != {self.CUDA_R_32F}:
+            raise FakeCublasError('CUBLAS_STATUS_NOT_SUPPORTED: the stand-in reads float32 alone')
         scale = ctypes.c_float.from_address(alpha).value
         shift = ctypes.c_float.from_address(beta).value
         out = column_major(c, m, n, ldc)
