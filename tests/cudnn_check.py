@@ -1,4 +1,5 @@
-"""cuDNN's convolutions against im2col on gpu(0): errors and times, one row a case.
+"""cuDNN's convolutions against im2col, and its fused attention against the tiles and the
+whole matrix, on gpu(0): errors and times, one row a case.
 
     python3 tests/cudnn_check.py        # what `tests/gpu_check.py` runs as its cudnn step
 
@@ -9,6 +10,13 @@ the largest error over the largest reference value. Times are CUDA-event times o
 passes, the median of a few runs, on the GPU's current stream. It exits 1 when convolutions
 did not run through cuDNN or an error is over its bound, so a GPU lease shows at once
 whether the graphs work. Nothing here is timed against PyTorch: benchmarks/ does that.
+
+Attention, in float16 (cuDNN's fused attention has no float32; CuPy no bfloat16), for the
+GPT at 12 layers × 768 (12 heads of 64, sequence 1024, batch 8), causal and not: the output
+and the gradients of q, k and v through cuDNN's sdpa and sdpa_backward, through the tiles of
+cuBLAS products (`cudnn.off()`), and by the whole (seq, seq) matrix as the GPT computes it
+today, each against the whole matrix in float64; times of forward and backward together.
+The upstream gradient has a nonzero column for L too, as the ring attention's merge gives.
 """
 import os
 import pathlib
@@ -24,6 +32,11 @@ RESNET18 = [('conv1 7x7/2', 16, 3, 224, 64, 7, 2, 3), ('layer1 3x3', 16, 64, 56,
 ODD = [('odd 2x3', 3, 5, (9, 7), 4, (2, 3), (2, 1), (1, 0))]
 # (dtype, CUPY_TF32, the bound on cuDNN's error relative to the largest reference value)
 MODES = [('float32', '0', 1e-4), ('float32', '1', 1e-2), ('float16', '0', 1e-2)]
+# (name, batch, heads, seq, head width, causal)
+GPT_ATTENTION = [('GPT 12x768 causal', 8, 12, 1024, 64, True),
+                 ('GPT 12x768 full', 8, 12, 1024, 64, False)]
+ODD_ATTENTION = [('odd attention', 2, 3, 40, 16, True)]
+ATTENTION_BOUND = 1e-2        # float16: the largest error over the largest reference value
 
 
 def pair(v):
@@ -99,6 +112,88 @@ def table(rows):
     return '\n'.join(lines)
 
 
+def whole_matrix(xp, q, k, v, g, causal):
+    """out, dq, dk, dv through the whole (seq, seq) matrix of scores, as the GPT's attention
+    computes them (nn/transformer.py: products, a masked softmax, a product), in q's dtype."""
+    scale = 1 / numpy.sqrt(q.shape[-1])
+    scores = (q @ xp.swapaxes(k, -1, -2)) * q.dtype.type(scale)
+    if causal:
+        seq = q.shape[-2]
+        scores = xp.where(xp.triu(xp.ones((seq, seq), bool), 1), -numpy.inf, scores)
+    p = xp.exp(scores - scores.max(axis=-1, keepdims=True))
+    p /= p.sum(axis=-1, keepdims=True)
+    d_p = g @ xp.swapaxes(v, -1, -2)
+    d_scores = p * (d_p - (d_p * p).sum(axis=-1, keepdims=True)) * q.dtype.type(scale)
+    return (p @ v, d_scores @ k, xp.swapaxes(d_scores, -1, -2) @ q,
+            xp.swapaxes(p, -1, -2) @ g)
+
+
+def attention_passes(xp, q, k, v, g, causal):
+    """out, dq, dk, dv by the attention op (cuDNN's, or the tiles inside `cudnn.off()`)."""
+    from d2lperf.ops import attention
+    packed = attention.attention(xp, q, k, v, causal)
+    return (packed[..., :q.shape[-1]],) + attention.attention_vjp(xp, g, packed, q, k, v,
+                                                                   causal)
+
+
+def compare_attention(device, cases, repeats=5):
+    """One row a case, in float16: relative errors of cuDNN, the tiles and the whole matrix
+    against the whole matrix in float64, and their times (forward and backward)."""
+    from d2lperf.ops import cudnn
+    xp, rows = device.xp, []
+    with xp.cuda.Device(device.index):
+        for name, batch, heads, seq, width, causal in cases:
+            rng = numpy.random.default_rng(1)
+            q, k, v, g_out = (rng.normal(size=(batch, heads, seq, width)) for _ in range(4))
+            g_log_sum_exp = rng.normal(size=(batch, heads, seq, 1))
+            exact = whole_matrix(xp, *(xp.asarray(a) for a in (q, k, v, g_out)), causal)
+            exact = exact[:1] + lse_gradients(xp, exact[1:], q, k, g_log_sum_exp, causal)
+            half = [xp.asarray(a.astype('float16')) for a in (q, k, v, g_out)]
+            packed_g = xp.asarray(numpy.concatenate([g_out, g_log_sum_exp], -1)
+                                  .astype('float32'))
+            fused = lambda: attention_passes(xp, *half[:3], packed_g, causal)  # noqa: E731
+            built = cudnn.settings()['graphs']
+            errors = relative_errors(fused(), exact)
+            by_cudnn = cudnn.settings()['graphs'] == built + 2
+            cudnn_ms = milliseconds(xp, fused, repeats)
+            with cudnn.off():
+                tiles_errors = relative_errors(fused(), exact)
+                tiles_ms = milliseconds(xp, fused, max(1, repeats // 2))
+            matrix = lambda: whole_matrix(xp, *half, causal)  # noqa: E731
+            rows.append({'case': name, 'causal': causal, 'errors': errors,
+                         'tiles_errors': tiles_errors, 'cudnn_ms': cudnn_ms,
+                         'tiles_ms': tiles_ms, 'matrix_ms': milliseconds(xp, matrix, repeats),
+                         'ok': by_cudnn and max(errors) <= ATTENTION_BOUND})
+    return rows
+
+
+def lse_gradients(xp, grads, q, k, g_log_sum_exp, causal):
+    """The whole matrix's dq, dk, dv with L's gradient added: dL/dS = P, so dS gains
+    P · dL (scaled), and dv nothing. In float64."""
+    dq, dk, dv = grads
+    q, k, d_l = (xp.asarray(a) for a in (q, k, g_log_sum_exp))
+    scale = 1 / numpy.sqrt(q.shape[-1])
+    scores = (q @ xp.swapaxes(k, -1, -2)) * scale
+    if causal:
+        seq = q.shape[-2]
+        scores = xp.where(xp.triu(xp.ones((seq, seq), bool), 1), -numpy.inf, scores)
+    p = xp.exp(scores - scores.max(axis=-1, keepdims=True))
+    p /= p.sum(axis=-1, keepdims=True)
+    d_scores = p * d_l * scale
+    return dq + d_scores @ k, dk + xp.swapaxes(d_scores, -1, -2) @ q, dv
+
+
+def attention_table(rows):
+    lines = ['| case | errors cuDNN (out, dq, dk, dv) | errors tiles | ms cuDNN | ms tiles | '
+             'ms whole matrix | ok |', '|---|---|---|--:|--:|--:|---|']
+    for r in rows:
+        errors, tiles = (', '.join(f'{e:.1e}' for e in r[k]) for k in ('errors', 'tiles_errors'))
+        lines.append(f"| {r['case']} | {errors} | {tiles} | {r['cudnn_ms']:.3f} | "
+                     f"{r['tiles_ms']:.3f} | {r['matrix_ms']:.3f} | "
+                     f"{'ok' if r['ok'] else 'FAILED'} |")
+    return '\n'.join(lines)
+
+
 def main():
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
     import d2lperf as d2l
@@ -109,6 +204,10 @@ def main():
     rows = compare(d2l.gpu(0), RESNET18 + ODD)
     print(f'cuDNN settings: {cudnn.settings()}')
     print(table(rows))
+    attention_rows = compare_attention(d2l.gpu(0), GPT_ATTENTION + ODD_ATTENTION)
+    print('\nAttention in float16, forward and backward:')
+    print(attention_table(attention_rows))
+    rows += attention_rows
     return 0 if rows and all(r['ok'] for r in rows) else 1
 
 

@@ -1,4 +1,5 @@
-"""Convolutions through cuDNN graphs on a GPU: the library the frameworks call, beside im2col.
+"""Convolutions and attention through cuDNN graphs on a GPU: the library the frameworks call,
+beside im2col and the tiles of attention.py.
 
 im2col (convolution.py) teaches the idea: every patch a column, one product. On a GPU it
 writes those columns to device memory and reads them back; cuDNN's implicit GEMM forms them
@@ -11,17 +12,22 @@ executed on the CUDA stream the op runs on. `convolution.py` asks here first and
 im2col where the answer is None: inside `off()`, where the frontend or cuDNN's runtime is
 missing (said once), or where cuDNN refuses a graph (remembered, so never built again).
 
+Attention in float16 runs as cuDNN's fused attention (`sdpa`, `sdpa_backward`) the same way,
+cached by the same rules, where attention.py asks; float32 attention never does.
+
     available()      whether convolutions on a GPU can go through cuDNN here
     settings()       the frontend's and cuDNN's versions, TF32 or not: benchmarks print it
-    with off(): ...  im2col on the GPU meanwhile, so the two can be timed side by side
-    forward(...), gradients(...)    the graphs, as convolution.py calls them
+    with off(): ...  im2col and tiles on the GPU meanwhile, so both can be timed side by side
+    forward(...), gradients(...)    the convolution graphs, as convolution.py calls them
+    attention_forward(...), attention_backward(...)    the attention graphs, for attention.py
 
 The convolutions of "Training on Multiple GPUs" run here on a GPU; tests/cudnn_check.py
-checks and times them against im2col on a GPU lease.
+checks and times them against im2col, and attention against the tiles, on a GPU lease.
 """
 import collections
 import contextlib
 import importlib
+import math
 import os
 import threading
 import warnings
@@ -103,8 +109,8 @@ def backend_version():
 
 @contextlib.contextmanager
 def off():
-    """Convolutions on the GPU by im2col meanwhile: exactly those pushed inside the block,
-    since the work pushed before it and inside it is waited for."""
+    """Convolutions on the GPU by im2col, attention by tiles, meanwhile: exactly those
+    pushed inside the block, since the work pushed before it and inside it is waited for."""
     engine.wait_all()
     with state.lock:
         state.off += 1
@@ -185,7 +191,8 @@ def handle(xp):
                     state.missing = f'the cuDNN frontend finds no cuDNN runtime ({err})'
                 made = state.handles.get(device)
     if made is None:
-        warn_once('missing', f'convolutions on the GPU run by im2col, not cuDNN: '
+        warn_once('missing', f'convolutions and attention on the GPU run without cuDNN (by '
+                             f'im2col and tiles of cuBLAS products): '
                              f'{state.missing}. {INSTALL}')
     return made
 
@@ -200,13 +207,21 @@ def packed_strides(shape):
 
 
 def graph_for(xp, kind, inputs, out_shape, stride, pad):
-    """The built graph of this key, built on first use; None where cuDNN refuses it (said
-    the first time, and remembered so that it is never built again)."""
+    """The built convolution graph of this key, or None where cuDNN refuses it."""
     dtype, tf32 = inputs[0].dtype.name, tf32_allowed()
     tensors = tuple((tuple(shape), packed_strides(shape))
                     for shape in (inputs[0].shape, inputs[1].shape, out_shape))
     key = (kind, xp.cuda.runtime.getDevice(), dtype, tensors, tuple(stride), tuple(pad),
            DILATION, tf32)
+    said = (f'a convolution graph ({kind}, {dtype}, shapes {[t[0] for t in tensors]}, '
+            f'stride {tuple(stride)}, pad {tuple(pad)})')
+    return cached(xp, key, said, 'im2col', lambda: build(
+        state.frontend, handle(xp), kind, tensors, dtype, stride, pad, tf32))
+
+
+def cached(xp, key, said, fallback, make):
+    """The built graph of `key`, made by `make()` on first use; None where cuDNN refuses it
+    (said the first time for each fallback, and remembered so that it is never built again)."""
     built = state.graphs.get(key)
     if built is not None or key in state.refused:
         return built
@@ -214,16 +229,14 @@ def graph_for(xp, kind, inputs, out_shape, stride, pad):
         if key in state.graphs or key in state.refused:      # built while this thread waited
             return state.graphs.get(key)
         try:
-            built = state.graphs[key] = build(state.frontend, handle(xp), kind, tensors, dtype,
-                                              stride, pad, tf32)
+            built = state.graphs[key] = make()
         except Exception as err:  # cudnnGraphNotSupportedError, or any failure to build:
-            # a training step goes on by im2col rather than stop on a graph
+            # a training step goes on by the fallback rather than stop on a graph
             state.refused[key] = f'{type(err).__name__}: {err}'
-            warn_once('refused', f'cuDNN refused a convolution graph ({kind}, {dtype}, '
-                                 f'shapes {[t[0] for t in tensors]}, stride {tuple(stride)}, '
-                                 f'pad {tuple(pad)}): {state.refused[key]}. That key runs by '
-                                 'im2col from now on; later refusals are counted in '
-                                 'cudnn.settings(), not said.')
+            warn_once(('refused', fallback),
+                      f'cuDNN refused {said}: {state.refused[key]}. That key runs by '
+                      f'{fallback} from now on; later refusals are counted in '
+                      'cudnn.settings(), not said.')
     return built
 
 
@@ -237,22 +250,31 @@ def build(module, gpu_handle, kind, tensors, dtype, stride, pad, tf32):
             for (dims, strides), name in zip(tensors, (first, second)))
     y = getattr(graph, method)(**{first: a, second: b}, padding=list(pad), stride=list(stride),
                                dilation=list(DILATION), compute_data_type=compute)
-    # One setter a line: some frontends return a copy from a setter, so chaining would set
-    # the copy. A gradient's dims cannot be inferred (a strided forward maps several input
-    # sizes onto one output size), so every output's dims and strides are given.
-    y.set_output(True)
-    y.set_dim(list(tensors[2][0]))
-    y.set_stride(list(tensors[2][1]))
-    y.set_data_type(io)
+    # A gradient's dims cannot be inferred (a strided forward maps several input sizes onto
+    # one output size), so every output's dims and strides are given.
+    set_output(y, tensors[2], io)
+    return finish(module, graph, (a, b, y), excluded_notes(module, dtype, tf32))
+
+
+def set_output(tensor, layout, data_type):
+    """Make a graph's tensor an output of these dims, strides and type. One setter a line:
+    some frontends return a copy from a setter, so chaining would set the copy."""
+    tensor.set_output(True)
+    tensor.set_dim(list(layout[0]))
+    tensor.set_stride(list(layout[1]))
+    tensor.set_data_type(data_type)
+
+
+def finish(module, graph, tensors, excluded=()):
+    """Validate a described graph, let cuDNN's heuristics choose its engine, build it."""
     graph.validate()
     graph.build_operation_graph()
     graph.create_execution_plans([module.heur_mode.A, module.heur_mode.FALLBACK])
-    excluded = excluded_notes(module, dtype, tf32)
     if excluded:                  # after the plans exist: older frontends filter only those
-        graph.deselect_numeric_notes(excluded)
+        graph.deselect_numeric_notes(list(excluded))
     graph.check_support()
     graph.build_plans()
-    return Graph(graph, (a, b, y), graph.get_workspace_size())
+    return Graph(graph, tensors, graph.get_workspace_size())
 
 
 def excluded_notes(module, dtype, tf32):
@@ -266,16 +288,21 @@ def excluded_notes(module, dtype, tf32):
 
 
 def execute(xp, built, inputs, out_shape):
-    """Run a built graph on this thread's stream, into a new output array."""
+    """Run a built convolution graph into a new output array."""
     out = xp.empty(out_shape, inputs[0].dtype)
+    run(xp, built, inputs + (out,))
+    return out
+
+
+def run(xp, built, arrays):
+    """Run a built graph on this thread's stream, its tensors bound in order to `arrays`."""
     device, stream = xp.cuda.runtime.getDevice(), xp.cuda.get_current_stream().ptr
     space = workspace(xp, device, stream, built.workspace_size)
-    pointers = {tensor: array.data.ptr for tensor, array in zip(built.tensors, inputs + (out,))}
+    pointers = {tensor: array.data.ptr for tensor, array in zip(built.tensors, arrays)}
     with state.lock:          # the GPU's one handle: its stream set and used in one step
         gpu_handle = state.handles[device]
         state.frontend.set_stream(handle=gpu_handle, stream=stream)
         built.graph.execute(pointers, space.data.ptr, handle=gpu_handle)
-    return out
 
 
 def workspace(xp, device, stream, size):
@@ -287,3 +314,111 @@ def workspace(xp, device, stream, size):
     if space is None or space.nbytes < size:
         space = state.workspaces[key] = xp.empty(max(size, 1), xp.uint8)
     return space
+
+
+# -- fused attention: cuDNN's sdpa and sdpa_backward, as attention.py calls them --------------
+# cuDNN's fused attention takes half types only (float32 keeps attention.py's tiles of cuBLAS
+# products), and head dims that are multiples of 8. Its forward also writes each row's
+# log-sum-exp of the scaled scores ("stats", float32): the L the tiled op packs beside its
+# output, so either road's (out, L) serves either road's backward.
+
+ATTENTION_TYPES = ('float16', 'bfloat16')
+SPARE = 8       # columns that carry L's gradient through sdpa_backward: a multiple of 8
+
+
+def attention_forward(xp, q, k, v, causal):
+    """(out, stats): out in q's dtype, stats (..., seq, 1) in float32, by a cuDNN sdpa graph;
+    None where the tiles must do it."""
+    if not attention_usable(xp, q, k, v):
+        return None
+    q, k, v = (aligned(xp, a) for a in (q, k, v))
+    out = xp.empty(q.shape, q.dtype)
+    stats = xp.empty(q.shape[:-1] + (1,), xp.float32)
+    arrays = (q, k, v, out, stats)
+    graph = attention_graph(xp, 'sdpa', arrays, causal, q.shape[-1])
+    if graph is None:
+        return None
+    run(xp, graph, arrays)
+    return out, stats
+
+
+def attention_backward(xp, g, out, stats, q, k, v, causal):
+    """(dq, dk, dv) in q's dtype by a cuDNN sdpa_backward graph, given the gradient g of the
+    tiled op's packed output (out's, then L's: (..., seq, d + 1)); None where the tiles must.
+
+    cuDNN takes no gradient for L, which the ring attention's merge gives. It rides through
+    as a value column: with v' = [v, 1], dO' = [dO, dL] and o' = [o, 0], the backward's
+    dP' = dO vᵀ + dL and its D' = rowsum(dO ∘ o) = D, so dS = P ∘ (dO vᵀ - D + dL), which is
+    the gradient with L's part in it. dv is the first d columns of dv'. The spare columns
+    are padded to SPARE, as cuDNN wants head dims in multiples of 8; g and out are cast to
+    q's dtype anyway, so the padding costs one copy of v."""
+    if not attention_usable(xp, q, k, v):
+        return None
+    width, dtype = q.shape[-1], q.dtype
+    wide = q.shape[:-1] + (width + SPARE,)
+    q, k = aligned(xp, q), aligned(xp, k)
+    v_wide, o_wide, g_wide = (xp.zeros(wide, dtype) for _ in range(3))
+    v_wide[..., :width], v_wide[..., width] = v, 1
+    o_wide[..., :width] = out
+    g_wide[..., :width + 1] = g
+    grads = xp.empty(q.shape, dtype), xp.empty(k.shape, dtype), xp.empty(wide, dtype)
+    arrays = (q, k, v_wide, o_wide, g_wide, xp.ascontiguousarray(stats)) + grads
+    graph = attention_graph(xp, 'sdpa_backward', arrays, causal, width)
+    if graph is None:
+        return None
+    run(xp, graph, arrays)
+    return grads[0], grads[1], grads[2][..., :width]
+
+
+def attention_usable(xp, q, k, v):
+    """Whether this attention may go through cuDNN: a half type, head dims in multiples of
+    8, not inside `off()`, and a handle for this GPU."""
+    return (q.dtype.name in ATTENTION_TYPES and q.shape[-1] % 8 == 0
+            and usable(xp, q, k, v))
+
+
+def aligned(xp, array):
+    """The array itself where cuDNN can read it through its strides (the last one 1, none
+    negative or zero, the start 16-byte aligned), else a packed copy."""
+    readable = (array.strides[-1] == array.itemsize and min(array.strides) > 0
+                and array.data.ptr % 16 == 0)
+    return array if readable else xp.ascontiguousarray(array)
+
+
+def layout(array):
+    """(dims, strides in elements): what a graph's tensor is told, and part of its key."""
+    return tuple(array.shape), tuple(s // array.itemsize for s in array.strides)
+
+
+def attention_graph(xp, kind, arrays, causal, width):
+    """The built sdpa or sdpa_backward graph for these arrays' layouts, or None (refused)."""
+    dtype, layouts = arrays[0].dtype.name, tuple(layout(a) for a in arrays)
+    key = (kind, xp.cuda.runtime.getDevice(), dtype, layouts, bool(causal))
+    said = (f'an attention graph ({kind}, {dtype}, q {layouts[0][0]}, '
+            f'{"causal" if causal else "not causal"})')
+    return cached(xp, key, said, 'tiles of cuBLAS products', lambda: build_attention(
+        state.frontend, handle(xp), kind, layouts, dtype, causal, 1 / math.sqrt(width)))
+
+
+def build_attention(module, gpu_handle, kind, layouts, dtype, causal, scale):
+    """Describe sdpa (q, k, v -> out, stats) or sdpa_backward (q, k, v, o, dO, stats -> dq,
+    dk, dv) with the scale 1/√d of q's own width, causal as a band that ends at the diagonal
+    (top-left aligned: query i sees keys 0..i), and build it."""
+    io, compute = (getattr(module.data_type, name) for name in DATA_TYPES[dtype])
+    graph = module.pygraph(io_data_type=io, intermediate_data_type=compute,
+                           compute_data_type=compute, handle=gpu_handle)
+    names = ('q', 'k', 'v') if kind == 'sdpa' else ('q', 'k', 'v', 'o', 'dO', 'stats')
+    given = [graph.tensor(dim=list(dims), stride=list(strides), name=name,
+                          data_type=compute if name == 'stats' else io)
+             for (dims, strides), name in zip(layouts, names)]
+    mask = ({'diagonal_alignment': module.diagonal_alignment.TOP_LEFT,
+             'diagonal_band_right_bound': 0} if causal else {})
+    named = dict(zip(names, given), attn_scale=scale, compute_data_type=compute, **mask)
+    if kind == 'sdpa':
+        made = graph.sdpa(**named, generate_stats=True, name='attention')
+    else:
+        made = graph.sdpa_backward(**named, name='attention_backward')
+    types = [io, compute] if kind == 'sdpa' else [io] * 3
+    for tensor, where, data_type in zip(made, layouts[len(names):], types):
+        set_output(tensor, where, data_type)
+    return finish(module, graph, tuple(given) + tuple(made))
