@@ -17,6 +17,10 @@ and the gradients of q, k and v through cuDNN's sdpa and sdpa_backward, through 
 cuBLAS products (`cudnn.off()`), and by the whole (seq, seq) matrix as the GPT computes it
 today, each against the whole matrix in float64; times of forward and backward together.
 The upstream gradient has a nonzero column for L too, as the ring attention's merge gives.
+
+Batch normalization in training, in float32, at ResNet-18's shapes: the output, the running
+statistics and the three gradients through cuDNN's batchnorm and batchnorm_backward and
+through CuPy (`cudnn.off()`), each against CuPy in float64; times of forward and backward.
 """
 import os
 import pathlib
@@ -37,6 +41,12 @@ GPT_ATTENTION = [('GPT 12x768 causal', 8, 12, 1024, 64, True),
                  ('GPT 12x768 full', 8, 12, 1024, 64, False)]
 ODD_ATTENTION = [('odd attention', 2, 3, 40, 16, True)]
 ATTENTION_BOUND = 1e-2        # float16: the largest error over the largest reference value
+# (name, batch, channels, sides or None for (N, C)): each of ResNet-18's 20 batch norms has one
+RESNET18_BATCH_NORM = [('bn1 112x112', 16, 64, 112), ('layer1', 16, 64, 56),
+                       ('layer2', 16, 128, 28), ('layer3', 16, 256, 14), ('layer4', 16, 512, 7),
+                       ('layer1 b128', 128, 64, 56)]
+ODD_BATCH_NORM = [('odd', 3, 5, (7, 3)), ('dense (N, C)', 6, 10, None)]
+BATCH_NORM_BOUND = 1e-5
 
 
 def pair(v):
@@ -194,6 +204,57 @@ def attention_table(rows):
     return '\n'.join(lines)
 
 
+def batch_norm_passes(xp, x, g, params, eps=1e-5, momentum=0.9):
+    """out, running mean and variance (updated from copies of params' own), d_data, d_gamma,
+    d_beta by whichever road is on."""
+    from d2lperf.ops import convolution
+    gamma, beta, mean, var = (p.copy() for p in params)
+    out = convolution.batch_norm_train(xp, x, gamma, beta, mean, var, eps, momentum)
+    grads = convolution.batch_norm_train_vjp(xp, g, out, x, gamma, beta, mean, var, eps,
+                                             momentum)
+    return (out, mean, var) + grads[:3]
+
+
+def compare_batch_norm(device, cases, repeats=5):
+    """One row a case, in float32: relative errors of cuDNN and of CuPy against CuPy in
+    float64, and their times (forward and backward)."""
+    from d2lperf.ops import cudnn
+    xp, rows = device.xp, []
+    with xp.cuda.Device(device.index):
+        for name, n, c, sides in cases:
+            shape = (n, c) + (pair(sides) if sides is not None else ())
+            rng = numpy.random.default_rng(2)
+            x, g = rng.normal(1.0, 2.0, size=shape), rng.normal(size=shape)
+            params = [rng.uniform(0.5, 1.5, size=c) for _ in range(4)]
+            with cudnn.off():
+                exact = batch_norm_passes(xp, xp.asarray(x), xp.asarray(g),
+                                          [xp.asarray(p) for p in params])
+            x_d, g_d = (xp.asarray(a.astype('float32')) for a in (x, g))
+            params_d = [xp.asarray(p.astype('float32')) for p in params]
+            run = lambda: batch_norm_passes(xp, x_d, g_d, params_d)  # noqa: E731
+            built = cudnn.settings()['graphs']
+            errors = relative_errors(run(), exact)
+            by_cudnn = cudnn.settings()['graphs'] == built + 2
+            cudnn_ms = milliseconds(xp, run, repeats)
+            with cudnn.off():
+                cupy_errors = relative_errors(run(), exact)
+                cupy_ms = milliseconds(xp, run, repeats)
+            rows.append({'case': f'{name} {shape}', 'errors': errors,
+                         'cupy_errors': cupy_errors, 'cudnn_ms': cudnn_ms, 'cupy_ms': cupy_ms,
+                         'ok': by_cudnn and max(errors) <= BATCH_NORM_BOUND})
+    return rows
+
+
+def batch_norm_table(rows):
+    lines = ['| case | errors cuDNN (out, running mean, var, d_data, d_gamma, d_beta) | '
+             'errors CuPy | ms cuDNN | ms CuPy | ok |', '|---|---|---|--:|--:|---|']
+    for r in rows:
+        errors, cupy = (', '.join(f'{e:.1e}' for e in r[k]) for k in ('errors', 'cupy_errors'))
+        lines.append(f"| {r['case']} | {errors} | {cupy} | {r['cudnn_ms']:.3f} | "
+                     f"{r['cupy_ms']:.3f} | {'ok' if r['ok'] else 'FAILED'} |")
+    return '\n'.join(lines)
+
+
 def main():
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
     import d2lperf as d2l
@@ -208,6 +269,11 @@ def main():
     print('\nAttention in float16, forward and backward:')
     print(attention_table(attention_rows))
     rows += attention_rows
+    norm_rows = compare_batch_norm(d2l.gpu(0), RESNET18_BATCH_NORM + ODD_BATCH_NORM)
+    print('\nBatch normalization in training, float32, forward and backward:')
+    print(batch_norm_table(norm_rows))
+    print(f'cuDNN settings: {cudnn.settings()}; refused: {list(cudnn.state.refused.values())}')
+    rows += norm_rows
     return 0 if rows and all(r['ok'] for r in rows) else 1
 
 

@@ -13,13 +13,15 @@ im2col where the answer is None: inside `off()`, where the frontend or cuDNN's r
 missing (said once), or where cuDNN refuses a graph (remembered, so never built again).
 
 Attention in float16 runs as cuDNN's fused attention (`sdpa`, `sdpa_backward`) the same way,
-cached by the same rules, where attention.py asks; float32 attention never does.
+cached by the same rules, where attention.py asks; float32 attention never does. Batch
+normalization in training, in float32, runs as cuDNN's `batchnorm` and `batchnorm_backward`.
 
     available()      whether convolutions on a GPU can go through cuDNN here
     settings()       the frontend's and cuDNN's versions, TF32 or not: benchmarks print it
     with off(): ...  im2col and tiles on the GPU meanwhile, so both can be timed side by side
     forward(...), gradients(...)    the convolution graphs, as convolution.py calls them
     attention_forward(...), attention_backward(...)    the attention graphs, for attention.py
+    batch_norm_forward(...), batch_norm_backward(...)  batch norm's, for convolution.py
 
 The convolutions of "Training on Multiple GPUs" run here on a GPU; tests/cudnn_check.py
 checks and times them against im2col, and attention against the tiles, on a GPU lease.
@@ -31,6 +33,8 @@ import math
 import os
 import threading
 import warnings
+
+import numpy
 
 from .. import engine
 from ..device import num_gpus
@@ -109,8 +113,9 @@ def backend_version():
 
 @contextlib.contextmanager
 def off():
-    """Convolutions on the GPU by im2col, attention by tiles, meanwhile: exactly those
-    pushed inside the block, since the work pushed before it and inside it is waited for."""
+    """Convolutions on the GPU by im2col, attention by tiles, batch norm by CuPy, meanwhile:
+    exactly those pushed inside the block, since the work pushed before it and inside it is
+    waited for."""
     engine.wait_all()
     with state.lock:
         state.off += 1
@@ -191,8 +196,8 @@ def handle(xp):
                     state.missing = f'the cuDNN frontend finds no cuDNN runtime ({err})'
                 made = state.handles.get(device)
     if made is None:
-        warn_once('missing', f'convolutions and attention on the GPU run without cuDNN (by '
-                             f'im2col and tiles of cuBLAS products): '
+        warn_once('missing', f'convolutions, attention and batch norm on the GPU run without '
+                             f'cuDNN (by im2col, tiles of cuBLAS products and CuPy): '
                              f'{state.missing}. {INSTALL}')
     return made
 
@@ -298,11 +303,17 @@ def run(xp, built, arrays):
     """Run a built graph on this thread's stream, its tensors bound in order to `arrays`."""
     device, stream = xp.cuda.runtime.getDevice(), xp.cuda.get_current_stream().ptr
     space = workspace(xp, device, stream, built.workspace_size)
-    pointers = {tensor: array.data.ptr for tensor, array in zip(built.tensors, arrays)}
+    pointers = {tensor: address(array) for tensor, array in zip(built.tensors, arrays)}
     with state.lock:          # the GPU's one handle: its stream set and used in one step
         gpu_handle = state.handles[device]
         state.frontend.set_stream(handle=gpu_handle, stream=stream)
         built.graph.execute(pointers, space.data.ptr, handle=gpu_handle)
+
+
+def address(array):
+    """Where an array's values start: on the GPU, or on the host for a value a graph is
+    handed by value (cuDNN reads those as it launches)."""
+    return array.ctypes.data if type(array) is numpy.ndarray else array.data.ptr
 
 
 def workspace(xp, device, stream, size):
@@ -421,4 +432,131 @@ def build_attention(module, gpu_handle, kind, layouts, dtype, causal, scale):
     types = [io, compute] if kind == 'sdpa' else [io] * 3
     for tensor, where, data_type in zip(made, layouts[len(names):], types):
         set_output(tensor, where, data_type)
+    return finish(module, graph, tuple(given) + tuple(made))
+
+
+# -- batch normalization in training: cuDNN's batchnorm and batchnorm_backward ----------------
+# d2lperf moves a running statistic as MXNet does, running = momentum·running + (1 -
+# momentum)·batch; cuDNN's momentum is the weight of the batch, running = (1 - m)·running +
+# m·batch. So cuDNN is told m = 1 - momentum. Both take the batch's unbiased variance for the
+# running one (n/(n - 1) times the biased one the output is normalized with), so a batch of
+# one value a channel stays on CuPy. Epsilon and m reach the graph by value at execution, so
+# one graph serves every layer of a shape. float32 only, as ResNet-18 trains; the data is
+# read in its own memory order where cuDNN takes that, else in NHWC (a copy).
+
+def batch_norm_forward(xp, data, gamma, beta, running_mean, running_var, eps, momentum):
+    """The normalized batch (data's shape, in data's memory order or NHWC) by a cuDNN
+    batchnorm graph, with the running statistics updated in place; None where CuPy must."""
+    if not norm_usable(xp, data, gamma, beta, running_mean, running_var):
+        return None
+    channels = data.shape[1]
+    for x in layouts_to_try(xp, image(data)):
+        stats = [xp.empty(channels, xp.float32) for _ in range(2)]    # the batch's: unused
+        out = like(xp, x)
+        arrays = (x, gamma, beta, running_mean, running_var, scalar(eps), scalar(1 - momentum),
+                  out, *stats, running_mean, running_var)
+        graph = norm_graph(xp, 'batchnorm', arrays)
+        if graph is not None:
+            run(xp, graph, arrays)
+            return out.reshape(data.shape)
+    return None
+
+
+def batch_norm_backward(xp, g, data, gamma, eps):
+    """(d_data, d_gamma, d_beta) by a cuDNN batchnorm_backward graph; None where CuPy must.
+    The op keeps only its output, so the batch's mean and inverse deviation are computed
+    again here (two reductions), as the CuPy path does."""
+    if not norm_usable(xp, g, data, gamma):
+        return None
+    axes = (0,) + tuple(range(2, data.ndim))
+    mean = data.mean(axis=axes)
+    inverse_deviation = 1 / xp.sqrt(data.var(axis=axes) + eps)
+    for x in layouts_to_try(xp, image(data)):
+        d_out = image(g)
+        if d_out.strides != x.strides:                  # cuDNN reads both in one layout
+            d_out = like(xp, x)
+            d_out[...] = image(g)
+        d_x, d_gamma, d_beta = like(xp, x), xp.empty_like(gamma), xp.empty_like(gamma)
+        arrays = (d_out, x, gamma, mean, inverse_deviation, d_x, d_gamma, d_beta)
+        graph = norm_graph(xp, 'batchnorm_backward', arrays)
+        if graph is not None:
+            run(xp, graph, arrays)
+            return d_x.reshape(data.shape), d_gamma, d_beta
+    return None
+
+
+def norm_usable(xp, data, *others):
+    """Whether this batch norm may go through cuDNN: float32 throughout, (N, C) or
+    (N, C, H, W), more than one value a channel, not inside `off()`, a handle here."""
+    return (data.dtype.name == 'float32' and data.ndim in (2, 4)
+            and data.size > data.shape[1] and usable(xp, data, *others))
+
+
+def image(x):
+    """(N, C) as (N, C, 1, 1), a view: cuDNN's normalizations take 4-D tensors."""
+    return x.reshape(x.shape + (1, 1)) if x.ndim == 2 else x
+
+
+def layouts_to_try(xp, x):
+    """x as it lies where it is a permutation of packed memory (NCHW, or the batch-last
+    layout of im2col's results), then an NHWC copy, made only if asked for."""
+    dense = sorted(zip(x.strides, x.shape))
+    step = x.itemsize
+    packed = True
+    for stride, side in dense:
+        packed = packed and (side == 1 or stride == step)
+        step *= side
+    if packed:
+        yield x
+    yield xp.ascontiguousarray(x.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
+
+
+def like(xp, x):
+    """A new array of x's shape and dtype, laid out in memory in x's order."""
+    order = sorted(range(x.ndim), key=lambda axis: (-x.strides[axis], axis))
+    new = xp.empty([x.shape[axis] for axis in order], x.dtype)
+    return new.transpose([order.index(axis) for axis in range(x.ndim)])
+
+
+def scalar(value):
+    """A float32 on the host, handed to a graph by value (epsilon, momentum)."""
+    return numpy.full((1, 1, 1, 1), value, numpy.float32)
+
+
+def norm_graph(xp, kind, arrays):
+    """The built batchnorm or batchnorm_backward graph for these layouts, or None."""
+    layouts = tuple(layout(image(a) if a.ndim == 4 else per_channel(a)) for a in arrays)
+    key = (kind, xp.cuda.runtime.getDevice(), arrays[0].dtype.name, layouts)
+    said = f'a batch norm graph ({kind}, {arrays[0].dtype.name}, layout {layouts[0]})'
+    return cached(xp, key, said, 'CuPy', lambda: build_norm(
+        state.frontend, handle(xp), kind, layouts, arrays[0].dtype.name))
+
+
+def per_channel(v):
+    """A (C,) vector as cuDNN's (1, C, 1, 1) tensor; a host scalar as (1, 1, 1, 1)."""
+    return v if v.ndim == 4 else v.reshape(1, -1, 1, 1)
+
+
+BATCHNORM_INPUTS = ('input', 'scale', 'bias', 'in_running_mean', 'in_running_var', 'epsilon',
+                    'momentum')
+BACKWARD_INPUTS = ('grad', 'input', 'scale', 'mean', 'inv_variance')
+
+
+def build_norm(module, gpu_handle, kind, layouts, dtype):
+    """Describe batchnorm (input, scale, bias, running mean and variance, epsilon and momentum
+    by value -> output, the batch's mean and inverse deviation, the next running mean and
+    variance) or batchnorm_backward (grad, input, scale, mean, inverse deviation -> d_input,
+    d_scale, d_bias), every statistic in float32, and build it."""
+    io, compute = (getattr(module.data_type, name) for name in DATA_TYPES[dtype])
+    graph = module.pygraph(io_data_type=io, intermediate_data_type=compute,
+                           compute_data_type=compute, handle=gpu_handle)
+    names = BATCHNORM_INPUTS if kind == 'batchnorm' else BACKWARD_INPUTS
+    given = [graph.tensor(dim=list(dims), stride=list(strides), name=name,
+                          data_type=io if name in ('input', 'grad') else compute,
+                          is_pass_by_value=name in ('epsilon', 'momentum'))
+             for (dims, strides), name in zip(layouts, names)]
+    made = getattr(graph, kind)(**dict(zip(names, given)), compute_data_type=compute,
+                                name=kind)
+    for i, (tensor, where) in enumerate(zip(made, layouts[len(names):])):
+        set_output(tensor, where, io if i == 0 else compute)    # the statistics in float32
     return finish(module, graph, tuple(given) + tuple(made))

@@ -44,9 +44,9 @@ class FakeHandle:
 
 
 class FakeTensor:
-    def __init__(self, uid, dim, stride, dtype, name, virtual=False):
+    def __init__(self, uid, dim, stride, dtype, name, virtual=False, by_value=False):
         self.uid, self.dim, self.stride, self.data_type = uid, dim, stride, dtype
-        self.name, self.virtual = name, virtual
+        self.name, self.virtual, self.by_value = name, virtual, by_value
 
     def set_output(self, value):
         self.virtual = not value
@@ -141,8 +141,10 @@ class FakeGraph:
         self.tensors, self.kind, self.stage, self.excluded = [], None, 'described', set()
         fake.attempts.append(self)
 
-    def tensor(self, dim, stride=None, data_type=None, name='', **unused):
-        t = FakeTensor(len(self.tensors) + 1, list(dim), list(stride), data_type or self.io, name)
+    def tensor(self, dim, stride=None, data_type=None, is_virtual=False, is_pass_by_value=False,
+               name='', **unused):
+        t = FakeTensor(len(self.tensors) + 1, list(dim), list(stride), data_type or self.io, name,
+                       by_value=is_pass_by_value)
         self.tensors.append(t)
         return t
 
@@ -184,6 +186,24 @@ class FakeGraph:
         self.attention = attention_attributes(attn_scale, masks)
         return [self.made(t.dim, self.io, f'd{t.name}') for t in (q, k, v)]
 
+    def batchnorm(self, input, scale, bias, in_running_mean, in_running_var,  # noqa: A002
+                  epsilon, momentum, peer_stats=(), compute_data_type=None, name=''):
+        """Training's batch norm: the output, the batch's mean and inverse deviation, and the
+        next running mean and variance, (1 - momentum)·previous + momentum·batch."""
+        self.operation('batchnorm', (input, scale, bias, in_running_mean, in_running_var,
+                                     epsilon, momentum), compute_data_type)
+        stats = [1, input.dim[1], 1, 1]
+        return [self.made(input.dim, self.io, 'y')] + [
+            self.made(stats, None, name) for name in ('mean', 'inv_variance',
+                                                      'next_running_mean', 'next_running_var')]
+
+    def batchnorm_backward(self, grad, input, scale, mean, inv_variance,  # noqa: A002
+                           peer_stats=(), compute_data_type=None, name=''):
+        self.operation('batchnorm_backward', (grad, input, scale, mean, inv_variance),
+                       compute_data_type)
+        return [self.made(input.dim, self.io, 'dx'), self.made(scale.dim, None, 'dscale'),
+                self.made(scale.dim, None, 'dbias')]
+
     def operation(self, kind, inputs, compute_data_type):
         assert self.kind is None, 'this fake holds one operation a graph'
         self.kind, self.inputs, self.outputs = kind, inputs, []
@@ -214,6 +234,8 @@ class FakeGraph:
             raise cudnnGraphNotSupportedError(f'{self.io} with compute {self.op_compute}')
         if self.kind.startswith('sdpa'):
             check_attention(self)
+        elif self.kind.startswith('batchnorm'):
+            check_norm(self)
         elif any(len(v) != 2 for v in self.geometry):
             raise cudnnGraphNotSupportedError(f'geometry {self.geometry}')
         self.advance('described', 'validated')
@@ -267,6 +289,10 @@ class FakeGraph:
             values = [numpy.array(memory(pointers[t.uid], t), numpy.float32)
                       for t in self.inputs]
             results = METHODS[self.kind](*values, *self.attention)
+        elif self.kind.startswith('batchnorm'):  # every input read before any output is written
+            values = [numpy.array(memory(pointers[t.uid], t), numpy.float64)
+                      for t in self.inputs]
+            results = METHODS[self.kind](*values)
         else:
             a, b = (numpy.array(memory(pointers[t.uid], t), numpy.float64) for t in self.inputs)
             if self.tf32:
@@ -334,9 +360,42 @@ def sdpa_backward(q, k, v, o, d_o, stats, scale, causal):
             numpy.swapaxes(p, -1, -2) @ d_o)
 
 
+def check_norm(graph):
+    """cuDNN's rules as the fake keeps them: 4-D data, statistics (1, C, 1, 1) in float32
+    (its outputs' types must be set), epsilon and momentum by value (batchnorm)."""
+    data = graph.inputs[1] if graph.kind == 'batchnorm_backward' else graph.inputs[0]
+    channels = [1, data.dim[1], 1, 1]
+    statistics = [t for t in graph.inputs + tuple(graph.outputs)
+                  if t.dim == channels or t.by_value]
+    if len(data.dim) != 4 or any(t.data_type != data_type.FLOAT for t in statistics):
+        raise cudnnGraphNotSupportedError(f'{graph.kind}: 4-D data, float32 statistics')
+    by_value = {t.name for t in graph.inputs if t.by_value}
+    if graph.kind == 'batchnorm' and by_value != {graph.inputs[5].name, graph.inputs[6].name}:
+        raise cudnnGraphNotSupportedError('epsilon and momentum are passed by value')
+    if graph.fake.layouts is not None and tuple(data.stride) not in graph.fake.layouts(data):
+        raise cudnnGraphNotSupportedError(f'{graph.kind}: no engine for strides {data.stride}')
+
+
+def batchnorm_forward(x, scale, bias, running_mean, running_var, epsilon, momentum):
+    axes, n = (0, 2, 3), x.size // x.shape[1]
+    mean, var = x.mean(axis=axes, keepdims=True), x.var(axis=axes, keepdims=True)
+    inverse = 1 / numpy.sqrt(var + epsilon)
+    m = momentum.item()
+    return ((x - mean) * inverse * scale + bias, mean, inverse,
+            (1 - m) * running_mean + m * mean, (1 - m) * running_var + m * var * n / (n - 1))
+
+
+def batchnorm_backward(dy, x, scale, mean, inverse):
+    axes, n = (0, 2, 3), x.size // x.shape[1]
+    x_hat = (x - mean) * inverse
+    d_bias, d_scale = dy.sum(axis=axes, keepdims=True), (dy * x_hat).sum(axis=axes, keepdims=True)
+    return scale * inverse * (dy - d_bias / n - x_hat * d_scale / n), d_scale, d_bias
+
+
 METHODS = {'fprop': lambda x, w, dims, *geometry: conv_fprop(x, w, *geometry),
            'dgrad': conv_dgrad, 'wgrad': conv_wgrad, 'sdpa': sdpa_forward,
-           'sdpa_backward': sdpa_backward}
+           'sdpa_backward': sdpa_backward, 'batchnorm': batchnorm_forward,
+           'batchnorm_backward': batchnorm_backward}
 
 
 class FakeFrontend(types.ModuleType):
@@ -350,6 +409,7 @@ class FakeFrontend(types.ModuleType):
         self.cudnnGraphNotSupportedError = cudnnGraphNotSupportedError
         self.attempts, self.built, self.executions, self.handles = [], [], [], []
         self.refuse = lambda graph: None          # a test sets it to refuse some graphs
+        self.layouts = None      # or data -> the strides batch norm takes, as an engine may
 
     def pygraph(self, *args, **kwargs):
         return FakeGraph(self, *args, **kwargs)
