@@ -173,8 +173,27 @@ def compare_attention(device, cases, repeats=5):
             rows.append({'case': name, 'causal': causal, 'errors': errors,
                          'tiles_errors': tiles_errors, 'cudnn_ms': cudnn_ms,
                          'tiles_ms': tiles_ms, 'matrix_ms': milliseconds(xp, matrix, repeats),
+                         'backward_ms': backward_ms(xp, half[:3], packed_g, causal, repeats),
                          'ok': by_cudnn and max(errors) <= ATTENTION_BOUND})
     return rows
+
+
+def backward_ms(xp, qkv, g, causal, repeats):
+    """(cuDNN's backward as the op runs it, with L's column; the same graph without it, v, o
+    and dO of width d): what carrying L's gradient costs. None where cuDNN refused either."""
+    from d2lperf.ops import attention, cudnn
+    q, k, v = qkv
+    width = q.shape[-1]
+    packed = attention.attention(xp, q, k, v, causal)
+    with_l = milliseconds(xp, lambda: attention.attention_vjp(xp, g, packed, q, k, v, causal),
+                          repeats)
+    arrays = (q, k, v, packed[..., :width].astype(q.dtype), g[..., :width].astype(q.dtype),
+              xp.ascontiguousarray(packed[..., width:])) + tuple(xp.empty_like(a)
+                                                                for a in (q, k, v))
+    graph = cudnn.attention_graph(xp, 'sdpa_backward', arrays, causal, width)
+    if graph is None:
+        return None
+    return with_l, milliseconds(xp, lambda: cudnn.run(xp, graph, arrays), repeats)
 
 
 def lse_gradients(xp, grads, q, k, g_log_sum_exp, causal):
@@ -195,11 +214,14 @@ def lse_gradients(xp, grads, q, k, g_log_sum_exp, causal):
 
 def attention_table(rows):
     lines = ['| case | errors cuDNN (out, dq, dk, dv) | errors tiles | ms cuDNN | ms tiles | '
-             'ms whole matrix | ok |', '|---|---|---|--:|--:|--:|---|']
+             'ms whole matrix | ms cuDNN backward, with L / without | ok |',
+             '|---|---|---|--:|--:|--:|--:|---|']
     for r in rows:
         errors, tiles = (', '.join(f'{e:.1e}' for e in r[k]) for k in ('errors', 'tiles_errors'))
+        backward = ('refused' if r['backward_ms'] is None
+                    else ' / '.join(f'{t:.3f}' for t in r['backward_ms']))
         lines.append(f"| {r['case']} | {errors} | {tiles} | {r['cudnn_ms']:.3f} | "
-                     f"{r['tiles_ms']:.3f} | {r['matrix_ms']:.3f} | "
+                     f"{r['tiles_ms']:.3f} | {r['matrix_ms']:.3f} | {backward} | "
                      f"{'ok' if r['ok'] else 'FAILED'} |")
     return '\n'.join(lines)
 

@@ -182,7 +182,8 @@ def test_a_refused_backward_is_remembered_and_runs_on_the_tiles(frontend):
     assert len(said) == 1 and 'sdpa_backward' in said[0] and 'no engine' in said[0]
     for g, w in zip(got, want):
         assert relative_error(g, w) <= HALF
-    assert [g.kind for g in frontend.attempts] == ['sdpa', 'sdpa_backward']
+    # the backward tried with v wider than q and k, then all three wide; never again
+    assert [g.kind for g in frontend.attempts] == ['sdpa', 'sdpa_backward', 'sdpa_backward']
     assert [e.graph.kind for e in frontend.executions] == ['sdpa'] * 3
 
 
@@ -226,7 +227,25 @@ def test_the_gpu_check_compares_attention_and_fails_where_cudnn_is_not_used(fron
     rows = cudnn_check.compare_attention(d2l.gpu(0), cudnn_check.ODD_ATTENTION, repeats=2)
     assert all(r['ok'] for r in rows), cudnn_check.attention_table(rows)
     assert max(rows[0]['errors']) < 5e-3 and max(rows[0]['tiles_errors']) < 5e-3
-    assert [g.kind for g in frontend.built] == ['sdpa', 'sdpa_backward']
+    # the op's two graphs, then the backward without L's column, timed beside it
+    assert [g.kind for g in frontend.built] == ['sdpa', 'sdpa_backward', 'sdpa_backward']
+    assert [g.inputs[2].dim[3] for g in frontend.built[1:]] == [24, 16]
+    assert all(len(r['backward_ms']) == 2 for r in rows)
     with cudnn.off():
         rows = cudnn_check.compare_attention(d2l.gpu(0), cudnn_check.ODD_ATTENTION, repeats=1)
     assert not rows[0]['ok'] and 'FAILED' in cudnn_check.attention_table(rows)
+
+
+def test_where_cudnn_refuses_a_wider_v_q_and_k_are_widened_too(frontend):
+    """The backward's first try reads q and k of width d and v of d + 8; where cuDNN has no
+    engine for unequal widths, all three are d + 8 wide, the scale still 1/√d."""
+    frontend.refuse = lambda graph: ('d_qk != d_v' if graph.kind == 'sdpa_backward'
+                                     and graph.inputs[0].dim[3] != graph.inputs[2].dim[3]
+                                     else None)
+    with pytest.warns(RuntimeWarning, match='refused'):
+        got, want = both_roads(problem((1, 2, 10, 8), seed=9), True)
+    for name, g, w in zip(('packed', 'dq', 'dk', 'dv'), got, want):
+        assert relative_error(g, w) <= HALF, name
+    backward = frontend.built[-1]
+    assert [t.dim[3] for t in backward.inputs[:3]] == [16, 16, 16]
+    assert backward.attention[0] == pytest.approx(1 / numpy.sqrt(8))

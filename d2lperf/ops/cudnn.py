@@ -362,23 +362,33 @@ def attention_backward(xp, g, out, stats, q, k, v, causal):
     dP' = dO vᵀ + dL and its D' = rowsum(dO ∘ o) = D, so dS = P ∘ (dO vᵀ - D + dL), which is
     the gradient with L's part in it. dv is the first d columns of dv'. The spare columns
     are padded to SPARE, as cuDNN wants head dims in multiples of 8; g and out are cast to
-    q's dtype anyway, so the padding costs one copy of v."""
+    q's dtype anyway, so the padding costs one copy of v. Where cuDNN refuses a v wider than
+    q and k, q and k are padded with zero columns too (their scores do not change), at one
+    copy each."""
     if not attention_usable(xp, q, k, v):
         return None
     width, dtype = q.shape[-1], q.dtype
     wide = q.shape[:-1] + (width + SPARE,)
-    q, k = aligned(xp, q), aligned(xp, k)
     v_wide, o_wide, g_wide = (xp.zeros(wide, dtype) for _ in range(3))
     v_wide[..., :width], v_wide[..., width] = v, 1
     o_wide[..., :width] = out
     g_wide[..., :width + 1] = g
-    grads = xp.empty(q.shape, dtype), xp.empty(k.shape, dtype), xp.empty(wide, dtype)
-    arrays = (q, k, v_wide, o_wide, g_wide, xp.ascontiguousarray(stats)) + grads
-    graph = attention_graph(xp, 'sdpa_backward', arrays, causal, width)
-    if graph is None:
-        return None
-    run(xp, graph, arrays)
-    return grads[0], grads[1], grads[2][..., :width]
+    stats = xp.ascontiguousarray(stats)
+    for q_k in ((aligned(xp, q), aligned(xp, k)), (widened(xp, q), widened(xp, k))):
+        grads = tuple(xp.empty(a.shape, dtype) for a in q_k + (v_wide,))
+        arrays = q_k + (v_wide, o_wide, g_wide, stats) + grads
+        graph = attention_graph(xp, 'sdpa_backward', arrays, causal, width)
+        if graph is not None:
+            run(xp, graph, arrays)
+            return tuple(d[..., :width] for d in grads)
+    return None
+
+
+def widened(xp, a):
+    """a with SPARE columns of zeros after its own."""
+    wide = xp.zeros(a.shape[:-1] + (a.shape[-1] + SPARE,), a.dtype)
+    wide[..., :a.shape[-1]] = a
+    return wide
 
 
 def attention_usable(xp, q, k, v):
@@ -402,9 +412,10 @@ def layout(array):
 
 
 def attention_graph(xp, kind, arrays, causal, width):
-    """The built sdpa or sdpa_backward graph for these arrays' layouts, or None (refused)."""
+    """The built sdpa or sdpa_backward graph for these arrays' layouts, or None (refused).
+    The width that sets the scale is part of the key: padded columns do not change it."""
     dtype, layouts = arrays[0].dtype.name, tuple(layout(a) for a in arrays)
-    key = (kind, xp.cuda.runtime.getDevice(), dtype, layouts, bool(causal))
+    key = (kind, xp.cuda.runtime.getDevice(), dtype, layouts, bool(causal), width)
     said = (f'an attention graph ({kind}, {dtype}, q {layouts[0][0]}, '
             f'{"causal" if causal else "not causal"})')
     return cached(xp, key, said, 'tiles of cuBLAS products', lambda: build_attention(
