@@ -2,6 +2,7 @@
 whole matrix, on gpu(0): errors and times, one row a case.
 
     python3 tests/cudnn_check.py        # what `tests/gpu_check.py` runs as its cudnn step
+    python3 tests/cudnn_check.py attention batch_norm     # some sections (or convolution)
 
 For ResNet-18's layer shapes and a few odd ones, in float32 (strict, then TF32) and float16,
 the forward pass, the data gradient and the weight gradient are computed through cuDNN
@@ -285,13 +286,20 @@ def main():
     if not d2l.num_gpus():
         print('no GPU: nothing compared')
         return 1
+    sections = {
+        'convolution': ('Convolutions, cuDNN against im2col:', compare, table, RESNET18 + ODD),
+        'attention': ('Attention in float16, forward and backward:', compare_attention,
+                      attention_table, GPT_ATTENTION + ODD_ATTENTION),
+        'batch_norm': ('Batch normalization in training, float32, forward and backward:',
+                       compare_batch_norm, batch_norm_table,
+                       RESNET18_BATCH_NORM + ODD_BATCH_NORM)}
+    chosen = sys.argv[1:] or list(sections)
+    if set(chosen) - set(sections):
+        print(f'unknown section(s) {sorted(set(chosen) - set(sections))}; '
+              f'choose from {list(sections)}')
+        return 2
     failed = False
-    for title, compare_cases, show, cases in (
-            ('Convolutions, cuDNN against im2col:', compare, table, RESNET18 + ODD),
-            ('Attention in float16, forward and backward:', compare_attention,
-             attention_table, GPT_ATTENTION + ODD_ATTENTION),
-            ('Batch normalization in training, float32, forward and backward:',
-             compare_batch_norm, batch_norm_table, RESNET18_BATCH_NORM + ODD_BATCH_NORM)):
+    for title, compare_cases, show, cases in (sections[name] for name in chosen):
         print(f'\n{title}')
         try:              # one section failing to run leaves the others' tables to read
             rows = compare_cases(d2l.gpu(0), cases)
