@@ -418,7 +418,9 @@ def attention_graph(xp, kind, arrays, causal, width):
     key = (kind, xp.cuda.runtime.getDevice(), dtype, layouts, bool(causal), width)
     said = (f'an attention graph ({kind}, {dtype}, q {layouts[0][0]}, '
             f'{"causal" if causal else "not causal"})')
-    return cached(xp, key, said, 'tiles of cuBLAS products', lambda: build_attention(
+    fallback = ('tiles of cuBLAS products' if kind == 'sdpa' else
+                'q and k widened too where they were not, else tiles of cuBLAS products')
+    return cached(xp, key, said, fallback, lambda: build_attention(
         state.frontend, handle(xp), kind, layouts, dtype, causal, 1 / math.sqrt(width)))
 
 
@@ -539,7 +541,8 @@ def norm_graph(xp, kind, arrays):
     layouts = tuple(layout(image(a) if a.ndim == 4 else per_channel(a)) for a in arrays)
     key = (kind, xp.cuda.runtime.getDevice(), arrays[0].dtype.name, layouts)
     said = f'a batch norm graph ({kind}, {arrays[0].dtype.name}, layout {layouts[0]})'
-    return cached(xp, key, said, 'CuPy', lambda: build_norm(
+    fallback = 'an NHWC copy where it was not NHWC, else CuPy'
+    return cached(xp, key, said, fallback, lambda: build_norm(
         state.frontend, handle(xp), kind, layouts, arrays[0].dtype.name))
 
 
