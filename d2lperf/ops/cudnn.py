@@ -374,7 +374,8 @@ def attention_backward(xp, g, out, stats, q, k, v, causal):
     o_wide[..., :width] = out
     g_wide[..., :width + 1] = g
     stats = xp.ascontiguousarray(stats)
-    for q_k in ((aligned(xp, q), aligned(xp, k)), (widened(xp, q), widened(xp, k))):
+    for pad in (aligned, widened):            # widened copies made only if asked for
+        q_k = pad(xp, q), pad(xp, k)
         grads = tuple(xp.empty(a.shape, dtype) for a in q_k + (v_wide,))
         arrays = q_k + (v_wide, o_wide, g_wide, stats) + grads
         graph = attention_graph(xp, 'sdpa_backward', arrays, causal, width)
@@ -426,8 +427,8 @@ def attention_graph(xp, kind, arrays, causal, width):
 
 def build_attention(module, gpu_handle, kind, layouts, dtype, causal, scale):
     """Describe sdpa (q, k, v -> out, stats) or sdpa_backward (q, k, v, o, dO, stats -> dq,
-    dk, dv) with the scale 1/√d of q's own width, causal as a band that ends at the diagonal
-    (top-left aligned: query i sees keys 0..i), and build it."""
+    dk, dv) with the scale given (1/√d of the width before any padding), causal as a band
+    that ends at the diagonal (top-left aligned: query i sees keys 0..i), and build it."""
     io, compute = (getattr(module.data_type, name) for name in DATA_TYPES[dtype])
     graph = module.pygraph(io_data_type=io, intermediate_data_type=compute,
                            compute_data_type=compute, handle=gpu_handle)
