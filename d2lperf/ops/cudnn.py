@@ -522,7 +522,8 @@ def layouts_to_try(xp, x):
         step *= side
     if packed:
         yield x
-    yield xp.ascontiguousarray(x.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
+    if not (packed and x.transpose(0, 2, 3, 1).flags.c_contiguous):     # NHWC already
+        yield xp.ascontiguousarray(x.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
 
 
 def like(xp, x):
@@ -539,7 +540,7 @@ def scalar(value):
 
 def norm_graph(xp, kind, arrays):
     """The built batchnorm or batchnorm_backward graph for these layouts, or None."""
-    layouts = tuple(layout(image(a) if a.ndim == 4 else per_channel(a)) for a in arrays)
+    layouts = tuple(layout(a if a.ndim == 4 else per_channel(a)) for a in arrays)
     key = (kind, xp.cuda.runtime.getDevice(), arrays[0].dtype.name, layouts)
     said = f'a batch norm graph ({kind}, {arrays[0].dtype.name}, layout {layouts[0]})'
     fallback = 'an NHWC copy where it was not NHWC, else CuPy'
@@ -548,8 +549,8 @@ def norm_graph(xp, kind, arrays):
 
 
 def per_channel(v):
-    """A (C,) vector as cuDNN's (1, C, 1, 1) tensor; a host scalar as (1, 1, 1, 1)."""
-    return v if v.ndim == 4 else v.reshape(1, -1, 1, 1)
+    """A (C,) vector as cuDNN's (1, C, 1, 1) tensor."""
+    return v.reshape(1, -1, 1, 1)
 
 
 BATCHNORM_INPUTS = ('input', 'scale', 'bias', 'in_running_mean', 'in_running_var', 'epsilon',
