@@ -249,3 +249,10 @@ def test_where_cudnn_refuses_a_wider_v_q_and_k_are_widened_too(frontend):
     backward = frontend.built[-1]
     assert [t.dim[3] for t in backward.inputs[:3]] == [16, 16, 16]
     assert backward.attention[0] == pytest.approx(1 / numpy.sqrt(8))
+
+
+@pytest.mark.skipif(not d2l.num_gpus() or not cudnn.available(),
+                    reason='runs where a GPU is here and the cuDNN frontend imports')
+def test_on_a_real_gpu_cudnns_attention_agrees_with_the_whole_matrix():
+    rows = cudnn_check.compare_attention(d2l.gpu(0), cudnn_check.ODD_ATTENTION, repeats=1)
+    assert all(r['ok'] for r in rows), cudnn_check.attention_table(rows)

@@ -149,3 +149,10 @@ def test_the_gpu_check_compares_batch_norm_and_fails_where_cudnn_is_not_used(fro
     with cudnn.off():
         rows = cudnn_check.compare_batch_norm(d2l.gpu(0), cudnn_check.ODD_BATCH_NORM, repeats=1)
     assert not any(r['ok'] for r in rows)
+
+
+@pytest.mark.skipif(not d2l.num_gpus() or not cudnn.available(),
+                    reason='runs where a GPU is here and the cuDNN frontend imports')
+def test_on_a_real_gpu_cudnns_batch_norm_agrees_with_cupy():
+    rows = cudnn_check.compare_batch_norm(d2l.gpu(0), cudnn_check.ODD_BATCH_NORM, repeats=1)
+    assert all(r['ok'] for r in rows), cudnn_check.batch_norm_table(rows)
