@@ -252,11 +252,18 @@ def check_unit(args):
 def check_cudnn(args):
     status, output, seconds = run([sys.executable, str(ROOT / 'tests' / 'cudnn_check.py')],
                                   args.timeout, args.quick, 'cuDNN against im2col')
-    table = [line for line in output.splitlines() if line.startswith('|')]
-    notes = [f'{max(len(table) - 2, 0)} case(s), {sum("FAILED" in r for r in table)} failed']
+    tables = [[]]                       # a table a section: convolution, attention, batch norm
+    for line in output.splitlines():
+        if line.startswith('|'):
+            tables[-1].append(line)
+        elif tables[-1]:
+            tables.append([])
+    tables = [t for t in tables if t]
+    rows = [line for t in tables for line in t[2:]]          # below each header and its rule
+    notes = [f'{len(rows)} case(s), {sum(r.endswith("| FAILED |") for r in rows)} failed']
     notes += [line for line in output.splitlines() if line.startswith('cuDNN settings')]
     return {'step': 'cuDNN against im2col', 'ok': status == 0, 'seconds': seconds,
-            'notes': notes, 'tables': [table] if table else [], 'output': output}
+            'notes': notes, 'tables': tables, 'output': output}
 
 
 def check_chapter(path, args):

@@ -11,6 +11,7 @@ cuDNN runtime it puts on each step's library path."""
 import importlib.util
 import os
 import platform
+import subprocess
 import sys
 import warnings
 import zipfile
@@ -363,3 +364,58 @@ def test_each_step_finds_the_cudnn_runtime_pip_installed_for_pytorch(tmp_path, m
 def test_on_a_real_gpu_cudnn_agrees_with_im2col():
     rows = cudnn_check.compare(d2l.gpu(0), cudnn_check.ODD, repeats=1)
     assert all(r['ok'] for r in rows), cudnn_check.table(rows)
+
+
+DESCRIBE_WITH_THE_REAL_FRONTEND = '''
+import sys
+sys.path[:0] = [sys.argv[1], sys.argv[2]]
+import cudnn as module
+from d2lperf.ops import cudnn as ours
+image, weight, out = ((2, 3, 6, 6), (18, 36, 6, 1)), ((4, 3, 3, 3), (27, 9, 3, 1)), \\
+    ((2, 4, 4, 4), (64, 16, 4, 1))
+q, stats = ((2, 3, 16, 64), (3072, 1024, 64, 1)), ((2, 3, 16, 1), (48, 16, 1, 1))
+wide = ((2, 3, 16, 72), (3456, 1152, 72, 1))
+x, c, s = ((4, 8, 5, 5), (200, 25, 5, 1)), ((1, 8, 1, 1), (8, 1, 1, 1)), ((1,) * 4, (1,) * 4)
+graphs = {
+    'fprop': lambda: ours.build(module, None, 'fprop', (image, weight, out), 'float32',
+                                (1, 1), (0, 0), False),
+    'dgrad': lambda: ours.build(module, None, 'dgrad', (out, weight, image), 'float16',
+                                (1, 1), (0, 0), False),
+    'wgrad': lambda: ours.build(module, None, 'wgrad', (image, out, weight), 'float32',
+                                (1, 1), (0, 0), True),
+    'sdpa': lambda: ours.build_attention(module, None, 'sdpa', (q, q, q, q, stats),
+                                         'float16', True, 0.125),
+    'sdpa_backward': lambda: ours.build_attention(
+        module, None, 'sdpa_backward', (q, q, wide, wide, wide, stats, q, q, wide), 'float16',
+        False, 0.125),
+    'batchnorm': lambda: ours.build_norm(module, None, 'batchnorm',
+                                         (x, c, c, c, c, s, s, x, c, c, c, c), 'float32'),
+    'batchnorm_backward': lambda: ours.build_norm(module, None, 'batchnorm_backward',
+                                                  (x, x, c, c, c, x, c, c), 'float32')}
+for kind, describe in graphs.items():
+    try:
+        describe()
+        print(kind, 'built')
+    except Exception as err:
+        print(kind, type(err).__name__, str(err).splitlines()[0] if str(err) else '')
+'''
+
+
+def test_the_real_frontend_accepts_every_graph_description(tmp_path):
+    """The carried nvidia-cudnn-frontend wheel, on a machine without cuDNN's runtime: each
+    graph d2lperf builds (convolutions, attention, batch norm) is described, checked by the
+    frontend's own Python side, and stops only where it looks for the library: the tensors,
+    outputs and (for convolutions and batch norm) the argument names the fakes accept, the
+    real frontend accepts too. sdpa's keyword arguments are handed on unchecked to the C++
+    binding, which needs the library: its names are those of 1.28's docstrings."""
+    where = gpu_check.carried_frontend()
+    if where is None:
+        pytest.skip('no frontend wheel carried in .gpu-wheels/ for this Python')
+    done = subprocess.run([sys.executable, '-c', DESCRIBE_WITH_THE_REAL_FRONTEND, str(where),
+                           str(gpu_check.ROOT)], capture_output=True, text=True, timeout=300)
+    lines = done.stdout.splitlines()
+    assert len(lines) == 7, done.stdout + done.stderr
+    if any(line.endswith(' built') for line in lines):
+        pytest.skip('cuDNN runtime found: the GPU checks build these graphs for real')
+    for line in lines:
+        assert 'cudnnCreate' in line or 'libcudnn' in line, line

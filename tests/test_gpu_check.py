@@ -226,3 +226,18 @@ def test_benchmark_gpu_rows_keep_their_table_header():
 def test_a_fence_in_the_output_cannot_close_the_report_block():
     block = gpu_check.fenced('before\n````\nafter')
     assert block.startswith('`````text\n') and block.endswith('\n`````')
+
+
+def test_the_cudnn_step_counts_the_cases_of_each_section_table(monkeypatch):
+    """tests/cudnn_check.py prints a table a section (convolution, attention, batch norm):
+    the report keeps them apart and counts their rows, not their header lines."""
+    output = '\n'.join([
+        'Convolutions, cuDNN against im2col:', '| case | ok |', '|---|---|',
+        '| conv1 | ok |', '| layer1 | FAILED |', '',
+        'Attention in float16, forward and backward:', '| case | ok |', '|---|---|',
+        '| gpt | ok |', "cuDNN settings: {'path': 'cuDNN graphs'}"])
+    monkeypatch.setattr(gpu_check, 'run', lambda *args: (1, output, 2.0))
+    section = gpu_check.check_cudnn(argparse.Namespace(timeout=60, quick=True))
+    assert section['notes'][0] == '3 case(s), 1 failed'
+    assert [len(t) for t in section['tables']] == [4, 3]
+    assert not section['ok'] and section['notes'][1].startswith('cuDNN settings')

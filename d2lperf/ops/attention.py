@@ -15,11 +15,18 @@ The loop counts the bytes it moves between the full arrays and its tiles (`Traff
 Dao et al. (2022, Theorem 2) call HBM accesses: `counted_traffic` runs it, `tiled_traffic`
 is the same number as a formula. The tiles and the saved out and L are one precision wider
 than the inputs (`saved_dtype`): the output is rounded to the inputs' dtype once.
+
+On a GPU in float16 (bfloat16 too, where the arrays have it: CuPy has no bfloat16 dtype
+today), with NVIDIA's cuDNN frontend installed, cuDNN's fused attention (`sdpa` and
+`sdpa_backward`, cudnn.py) computes both passes: the same packed (out, L), so the tape keeps
+what it keeps here. float32 stays on these tiles of cuBLAS products: cuDNN has no float32
+attention.
 """
 import math
 
 import numpy
 
+from . import cudnn
 from .registry import defop
 from .rules import differentiable, result_type
 
@@ -106,9 +113,16 @@ def tiled_forward(xp, q, k, v, causal, block_size, traffic):
 
 
 def attention(xp, q, k, v, causal=True, block_size=(64, 64)):
-    # cuDNN's fused attention belongs here, for float16 and bfloat16 on a GPU (it has no
-    # float32 path): a branch on xp and q.dtype that returns the same packed (out, L).
-    return tiled_forward(xp, q, k, v, causal, block_size, Traffic())
+    """The packed (out, L). On a GPU in half precision, cuDNN's fused attention computes it
+    (cudnn.py; it has no float32 path): the same tiles and online softmax in one kernel,
+    whose softmax stats are this L. Elsewhere, the tiles above."""
+    fused = None if xp is numpy else cudnn.attention_forward(xp, q, k, v, causal)
+    if fused is None:
+        return tiled_forward(xp, q, k, v, causal, block_size, Traffic())
+    out, log_sum_exp = fused
+    packed = xp.empty(q.shape[:-1] + (q.shape[-1] + 1,), saved_dtype(q.dtype))
+    packed[..., :-1], packed[..., -1:] = out, log_sum_exp
+    return packed
 
 
 # -- backward: recompute each tile's probabilities from L ---------------------------------------
@@ -117,8 +131,13 @@ def attention_vjp(xp, g, packed, q, k, v, causal=True, block_size=(64, 64)):
     """FlashAttention-2's backward: the outer loop over key blocks keeps dk and dv of one
     block in tiles; the inner loop over query blocks adds into dq. With D = rowsum(dO ∘ O),
     dS = P ∘ (dO vᵀ - D); a gradient reaching L itself (dL/dS = P) joins as D - dL."""
+    width = q.shape[-1]
+    fused = None if xp is numpy else cudnn.attention_backward(
+        xp, g, packed[..., :width], packed[..., width:], q, k, v, causal)
+    if fused is not None:                   # cuDNN's, from the same out and L
+        return fused
     rows, cols = block_size
-    seq, width, dtype = q.shape[-2], q.shape[-1], packed.dtype
+    seq, dtype = q.shape[-2], packed.dtype
     g = g.astype(dtype, copy=False)
     g_out, out, log_sum_exp = g[..., :width], packed[..., :width], packed[..., width:]
     row_term = (g_out * out).sum(axis=-1, keepdims=True) - g[..., width:]

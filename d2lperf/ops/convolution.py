@@ -20,7 +20,8 @@ free). The copies that build and undo the columns move runs of N values, not a f
 
 Batch normalization in training mode also updates the running statistics of its layer: the
 op declares that it writes them (`writes=(3, 4)`), so the engine orders that update against
-every other use of those arrays. Taught in "Training on Multiple GPUs".
+every other use of those arrays. On a GPU in float32 it and its gradient run as cuDNN
+graphs where the frontend is installed (`cudnn.py`). Taught in "Training on Multiple GPUs".
 """
 import numpy
 
@@ -273,7 +274,12 @@ def batch_norm_train(xp, data, gamma, beta, running_mean, running_var, eps, mome
     Each channel's statistics are sums along its own contiguous row, so they do not depend on
     how many channels are computed together: a large batch is done in blocks of channels at
     once (`pieces`), with the values of the whole, bit for bit. The output's rows hold the
-    centred input first, then are scaled in place: five passes over memory, no temporaries."""
+    centred input first, then are scaled in place: five passes over memory, no temporaries.
+    On a GPU, one cuDNN graph does it all where cuDNN is installed (cudnn.py)."""
+    fused = None if xp is numpy else cudnn.batch_norm_forward(
+        xp, data, gamma, beta, running_mean, running_var, eps, momentum)
+    if fused is not None:
+        return fused
     rows, n = channel_rows(xp, data), data.size // data.shape[1]
     out = xp.empty_like(rows)
 
@@ -300,7 +306,10 @@ def row_dots(xp, a, b):
 def batch_norm_train_vjp(xp, g, out, data, gamma, beta, running_mean, running_var, eps,
                          momentum):
     """dx = k·g − (k/n)·(x̂·dγ + dβ), with k = γ/σ, built in place in the rows that first
-    hold x̂."""
+    hold x̂. On a GPU, one cuDNN graph where cuDNN is installed (cudnn.py)."""
+    fused = None if xp is numpy else cudnn.batch_norm_backward(xp, g, data, gamma, eps)
+    if fused is not None:
+        return fused + (None, None)
     rows, g_rows, n = channel_rows(xp, data), channel_rows(xp, g), data.size // data.shape[1]
     d_rows = xp.empty(rows.shape, xp.result_type(g, data))
     d_gamma, d_beta = (xp.empty(len(rows), d_rows.dtype) for _ in range(2))

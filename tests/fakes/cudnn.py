@@ -1,11 +1,13 @@
-"""A stand-in for NVIDIA's cuDNN frontend (`import cudnn`), so that d2lperf's cuDNN path for
-convolutions runs on machines without a GPU.
+"""A stand-in for NVIDIA's cuDNN frontend (`import cudnn`), so that d2lperf's cuDNN paths for
+convolutions and attention run on machines without a GPU.
 
 It keeps the frontend's names (1.28's Python API: `pygraph`, `tensor`, `conv_fprop`,
-`conv_dgrad`, `conv_wgrad`, the build steps, `execute` with a variant pack of device
-pointers and a workspace, `create_handle`, `set_stream`) and computes each graph with NumPy
-as cuDNN does: NCHW dims with explicit strides, read and written through the pointers it is
-given; cross-correlation with the padding, stride and dilation it was told. A wrong argument
+`conv_dgrad`, `conv_wgrad`, `sdpa`, `sdpa_backward`, the build steps, `execute` with a
+variant pack of device pointers and a workspace, `create_handle`, `set_stream`) and computes
+each graph with NumPy as cuDNN does: NCHW dims with explicit strides, read and written
+through the pointers it is given; cross-correlation with the padding, stride and dilation it
+was told; attention with the scale and causal band it was told (no scale means 1), in
+float32 from half inputs, the backward from the o and stats it is given. A wrong argument
 gives a wrong value. A float32 graph whose tensor-core plans were not deselected rounds its
 inputs to TF32 (a 10-bit mantissa), as tensor cores do. It records what a test checks: the
 graphs built, each execution (handle, its stream, pointers, workspace), and it refuses the
@@ -23,6 +25,7 @@ import numpy
 
 data_type = enum.Enum('data_type', 'NOT_SET FLOAT HALF BFLOAT16 DOUBLE')
 heur_mode = enum.Enum('heur_mode', 'A B FALLBACK')
+diagonal_alignment = enum.Enum('diagonal_alignment', 'TOP_LEFT BOTTOM_RIGHT')
 numerical_note = enum.Enum('numerical_note', 'TENSOR_CORE DOWN_CONVERT_INPUTS WINOGRAD FFT')
 NUMPY_TYPES = {data_type.FLOAT: numpy.float32, data_type.HALF: numpy.float16,
                data_type.BFLOAT16: ml_dtypes.bfloat16, data_type.DOUBLE: numpy.float64}
@@ -41,9 +44,9 @@ class FakeHandle:
 
 
 class FakeTensor:
-    def __init__(self, uid, dim, stride, dtype, name, virtual=False):
+    def __init__(self, uid, dim, stride, dtype, name, virtual=False, by_value=False):
         self.uid, self.dim, self.stride, self.data_type = uid, dim, stride, dtype
-        self.name, self.virtual = name, virtual
+        self.name, self.virtual, self.by_value = name, virtual, by_value
 
     def set_output(self, value):
         self.virtual = not value
@@ -138,8 +141,10 @@ class FakeGraph:
         self.tensors, self.kind, self.stage, self.excluded = [], None, 'described', set()
         fake.attempts.append(self)
 
-    def tensor(self, dim, stride=None, data_type=None, name='', **unused):
-        t = FakeTensor(len(self.tensors) + 1, list(dim), list(stride), data_type or self.io, name)
+    def tensor(self, dim, stride=None, data_type=None, is_virtual=False, is_pass_by_value=False,
+               name='', **unused):
+        t = FakeTensor(len(self.tensors) + 1, list(dim), list(stride), data_type or self.io, name,
+                       by_value=is_pass_by_value)
         self.tensors.append(t)
         return t
 
@@ -159,15 +164,61 @@ class FakeGraph:
                                 compute_data_type)
 
     def convolution(self, kind, a, b, padding, stride, dilation, compute_data_type):
-        assert self.kind is None, 'this fake holds one operation a graph'
-        self.kind, self.inputs = kind, (a, b)
+        self.operation(kind, (a, b), compute_data_type)
         self.geometry = tuple(map(tuple, (padding, stride, dilation)))
-        self.op_compute = compute_data_type or self.compute
         dims = (a.dim[:1] + b.dim[:1] + list(output_grid(a.dim, b.dim, *self.geometry))
                 if kind == 'fprop' else None)          # a gradient's dims must be given
-        self.output = FakeTensor(len(self.tensors) + 1, dims, None, self.io, kind, virtual=True)
-        self.tensors.append(self.output)
-        return self.output
+        return self.made(dims, self.io, kind)
+
+    def sdpa(self, q, k, v, generate_stats=None, attn_scale=None, compute_data_type=None,
+             name='', **masks):
+        """cuDNN's fused attention: out (dims of q, width of v) and, with generate_stats,
+        each row's log-sum-exp of the scaled scores in float32."""
+        self.operation('sdpa', (q, k, v), compute_data_type)
+        self.attention = attention_attributes(attn_scale, masks)
+        out = self.made(q.dim[:3] + v.dim[3:], self.io, 'o')
+        return [out, self.made(q.dim[:3] + [1], data_type.FLOAT, 'stats')
+                if generate_stats else None]
+
+    def sdpa_backward(self, q, k, v, o, dO, stats, attn_scale=None,  # noqa: N803 - its names
+                      compute_data_type=None, name='', **masks):
+        self.operation('sdpa_backward', (q, k, v, o, dO, stats), compute_data_type)
+        self.attention = attention_attributes(attn_scale, masks)
+        return [self.made(t.dim, self.io, f'd{t.name}') for t in (q, k, v)]
+
+    def batchnorm(self, input, scale, bias, in_running_mean, in_running_var,  # noqa: A002
+                  epsilon, momentum, peer_stats=(), compute_data_type=None, name=''):
+        """Training's batch norm: the output, the batch's mean and inverse deviation, and the
+        next running mean and variance, (1 - momentum)·previous + momentum·batch."""
+        self.operation('batchnorm', (input, scale, bias, in_running_mean, in_running_var,
+                                     epsilon, momentum), compute_data_type)
+        stats = [1, input.dim[1], 1, 1]
+        return [self.made(input.dim, self.io, 'y')] + [
+            self.made(stats, None, name) for name in ('mean', 'inv_variance',
+                                                      'next_running_mean', 'next_running_var')]
+
+    def batchnorm_backward(self, grad, input, scale, mean, inv_variance,  # noqa: A002
+                           peer_stats=(), compute_data_type=None, name=''):
+        self.operation('batchnorm_backward', (grad, input, scale, mean, inv_variance),
+                       compute_data_type)
+        return [self.made(input.dim, self.io, 'dx'), self.made(scale.dim, None, 'dscale'),
+                self.made(scale.dim, None, 'dbias')]
+
+    def operation(self, kind, inputs, compute_data_type):
+        assert self.kind is None, 'this fake holds one operation a graph'
+        self.kind, self.inputs, self.outputs = kind, inputs, []
+        self.op_compute = compute_data_type or self.compute
+
+    def made(self, dims, dtype, name):
+        """A new output tensor of the operation: virtual until set_output(True)."""
+        t = FakeTensor(len(self.tensors) + 1, dims, None, dtype, name, virtual=True)
+        self.tensors.append(t)
+        self.outputs.append(t)
+        return t
+
+    @property
+    def output(self):
+        return self.outputs[0]
 
     def advance(self, before, after):
         if self.stage != before:
@@ -175,13 +226,18 @@ class FakeGraph:
         self.stage = after
 
     def validate(self):
-        y = self.output
-        if y.virtual or y.dim is None or y.stride is None:
-            raise RuntimeError(f'the {self.kind} output needs set_output, dims and strides')
-        if self.op_compute not in COMPUTE_TYPES[self.io] or any(
-                len(v) != 2 for v in self.geometry):
-            raise cudnnGraphNotSupportedError(f'{self.io} with compute {self.op_compute}, '
-                                              f'geometry {self.geometry}')
+        for y in self.outputs:
+            if y.virtual or y.dim is None or y.stride is None:
+                raise RuntimeError(f'the {self.kind} output {y.name} needs set_output, dims '
+                                   'and strides')
+        if self.op_compute not in COMPUTE_TYPES[self.io]:
+            raise cudnnGraphNotSupportedError(f'{self.io} with compute {self.op_compute}')
+        if self.kind.startswith('sdpa'):
+            check_attention(self)
+        elif self.kind.startswith('batchnorm'):
+            check_norm(self)
+        elif any(len(v) != 2 for v in self.geometry):
+            raise cudnnGraphNotSupportedError(f'geometry {self.geometry}')
         self.advance('described', 'validated')
 
     def build_operation_graph(self):
@@ -229,19 +285,117 @@ class FakeGraph:
             graph=self, handle=handle, stream=handle.stream, pointers=pointers,
             workspace=workspace, workspace_size=size))
         ctypes.memset(workspace, 0xFF, size)           # cuDNN's scratch: its bytes are its own
-        a, b = (numpy.array(memory(pointers[t.uid], t), numpy.float64) for t in self.inputs)
-        if self.tf32:
-            a, b = to_tf32(a), to_tf32(b)
-        y = self.output
-        result = METHODS[self.kind](a, b, y.dim, *self.geometry)
-        if result.shape != tuple(y.dim):
-            raise RuntimeError(f'CUDNN_STATUS_BAD_PARAM: {self.kind} gives {result.shape}, '
-                               f'its output tensor has dims {y.dim}')
-        memory(pointers[y.uid], y)[...] = result.astype(NUMPY_TYPES[y.data_type])
+        if self.kind.startswith('sdpa'):       # half inputs, accumulated in float32
+            values = [numpy.array(memory(pointers[t.uid], t), numpy.float32)
+                      for t in self.inputs]
+            results = METHODS[self.kind](*values, *self.attention)
+        elif self.kind.startswith('batchnorm'):  # every input read before any output is written
+            values = [numpy.array(memory(pointers[t.uid], t), numpy.float64)
+                      for t in self.inputs]
+            results = METHODS[self.kind](*values)
+        else:
+            a, b = (numpy.array(memory(pointers[t.uid], t), numpy.float64) for t in self.inputs)
+            if self.tf32:
+                a, b = to_tf32(a), to_tf32(b)
+            results = [METHODS[self.kind](a, b, self.output.dim, *self.geometry)]
+        for y, result in zip(self.outputs, results):
+            if result.shape != tuple(y.dim):
+                raise RuntimeError(f'CUDNN_STATUS_BAD_PARAM: {self.kind} gives {result.shape}, '
+                                   f'its output tensor {y.name} has dims {y.dim}')
+            memory(pointers[y.uid], y)[...] = result.astype(NUMPY_TYPES[y.data_type])
+
+
+def attention_attributes(attn_scale, masks):
+    """(scale, causal) from sdpa's arguments: no scale means 1, as in cuDNN; causal is the
+    band that ends at the diagonal, top-left aligned. Other masks are not faked."""
+    alignment = masks.pop('diagonal_alignment', diagonal_alignment.TOP_LEFT)
+    right_bound = masks.pop('diagonal_band_right_bound', None)
+    if any(value not in (None, False) for value in masks.values()):
+        raise NotImplementedError(f'the fake has no {sorted(masks)}')
+    if right_bound not in (None, 0) or (right_bound == 0 and alignment is not
+                                        diagonal_alignment.TOP_LEFT):
+        raise NotImplementedError(f'the fake has no band {alignment}, {right_bound}')
+    return (1.0 if attn_scale is None else attn_scale), right_bound == 0
+
+
+def check_attention(graph):
+    """cuDNN's rules for fused attention (Hopper's): half types, head dims in multiples of 8
+    up to 256, stats in float32."""
+    q, k, v = graph.inputs[:3]
+    if graph.io not in (data_type.HALF, data_type.BFLOAT16):
+        raise cudnnGraphNotSupportedError(f'sdpa takes half types, not {graph.io}')
+    if any(d % 8 or d > 256 for d in (q.dim[3], v.dim[3])) or k.dim[3] != q.dim[3]:
+        raise cudnnGraphNotSupportedError(f'head dims {q.dim[3]}, {k.dim[3]}, {v.dim[3]}: '
+                                          'multiples of 8, at most 256')
+    stats = graph.inputs[5] if graph.kind == 'sdpa_backward' else graph.outputs[1]
+    if stats is not None and stats.data_type != data_type.FLOAT:
+        raise cudnnGraphNotSupportedError('stats are float32')
+
+
+def probabilities(q, k, scale, causal, log_sum_exp=None):
+    """softmax(scale · q kᵀ) with keys after their query masked, (P, each row's L); or, given
+    L, exp(scores - L), as the backward recomputes it."""
+    scores = scale * (q @ numpy.swapaxes(k, -1, -2))
+    if causal:
+        seq = scores.shape[-1]
+        scores = numpy.where(numpy.triu(numpy.ones((seq, seq), bool), 1), -numpy.inf, scores)
+    if log_sum_exp is None:
+        top = scores.max(axis=-1, keepdims=True)
+        log_sum_exp = top + numpy.log(numpy.exp(scores - top).sum(axis=-1, keepdims=True))
+    return numpy.exp(scores - log_sum_exp), log_sum_exp
+
+
+def sdpa_forward(q, k, v, scale, causal):
+    p, log_sum_exp = probabilities(q, k, scale, causal)
+    return p @ v, log_sum_exp
+
+
+def sdpa_backward(q, k, v, o, d_o, stats, scale, causal):
+    """From the recomputed P: dv = Pᵀ dO; dS = P ∘ (dO vᵀ - rowsum(dO ∘ o)) · scale;
+    dq = dS k; dk = dSᵀ q. D comes from the o it is given, not from P v."""
+    p, _ = probabilities(q, k, scale, causal, stats)
+    d_scores = p * (d_o @ numpy.swapaxes(v, -1, -2) - (d_o * o).sum(axis=-1, keepdims=True))
+    d_scores *= scale
+    return (d_scores @ k, numpy.swapaxes(d_scores, -1, -2) @ q,
+            numpy.swapaxes(p, -1, -2) @ d_o)
+
+
+def check_norm(graph):
+    """cuDNN's rules as the fake keeps them: 4-D data, statistics (1, C, 1, 1) in float32
+    (its outputs' types must be set), epsilon and momentum by value (batchnorm)."""
+    data = graph.inputs[1] if graph.kind == 'batchnorm_backward' else graph.inputs[0]
+    channels = [1, data.dim[1], 1, 1]
+    statistics = [t for t in graph.inputs + tuple(graph.outputs)
+                  if t.dim == channels or t.by_value]
+    if len(data.dim) != 4 or any(t.data_type != data_type.FLOAT for t in statistics):
+        raise cudnnGraphNotSupportedError(f'{graph.kind}: 4-D data, float32 statistics')
+    by_value = {t.name for t in graph.inputs if t.by_value}
+    if graph.kind == 'batchnorm' and by_value != {graph.inputs[5].name, graph.inputs[6].name}:
+        raise cudnnGraphNotSupportedError('epsilon and momentum are passed by value')
+    if graph.fake.layouts is not None and tuple(data.stride) not in graph.fake.layouts(data):
+        raise cudnnGraphNotSupportedError(f'{graph.kind}: no engine for strides {data.stride}')
+
+
+def batchnorm_forward(x, scale, bias, running_mean, running_var, epsilon, momentum):
+    axes, n = (0, 2, 3), x.size // x.shape[1]
+    mean, var = x.mean(axis=axes, keepdims=True), x.var(axis=axes, keepdims=True)
+    inverse = 1 / numpy.sqrt(var + epsilon)
+    m = momentum.item()
+    return ((x - mean) * inverse * scale + bias, mean, inverse,
+            (1 - m) * running_mean + m * mean, (1 - m) * running_var + m * var * n / (n - 1))
+
+
+def batchnorm_backward(dy, x, scale, mean, inverse):
+    axes, n = (0, 2, 3), x.size // x.shape[1]
+    x_hat = (x - mean) * inverse
+    d_bias, d_scale = dy.sum(axis=axes, keepdims=True), (dy * x_hat).sum(axis=axes, keepdims=True)
+    return scale * inverse * (dy - d_bias / n - x_hat * d_scale / n), d_scale, d_bias
 
 
 METHODS = {'fprop': lambda x, w, dims, *geometry: conv_fprop(x, w, *geometry),
-           'dgrad': conv_dgrad, 'wgrad': conv_wgrad}
+           'dgrad': conv_dgrad, 'wgrad': conv_wgrad, 'sdpa': sdpa_forward,
+           'sdpa_backward': sdpa_backward, 'batchnorm': batchnorm_forward,
+           'batchnorm_backward': batchnorm_backward}
 
 
 class FakeFrontend(types.ModuleType):
@@ -251,9 +405,11 @@ class FakeFrontend(types.ModuleType):
         super().__init__('cudnn')
         self.__version__ = version
         self.data_type, self.heur_mode, self.numerical_note = data_type, heur_mode, numerical_note
+        self.diagonal_alignment = diagonal_alignment
         self.cudnnGraphNotSupportedError = cudnnGraphNotSupportedError
         self.attempts, self.built, self.executions, self.handles = [], [], [], []
         self.refuse = lambda graph: None          # a test sets it to refuse some graphs
+        self.layouts = None      # or data -> the strides batch norm takes, as an engine may
 
     def pygraph(self, *args, **kwargs):
         return FakeGraph(self, *args, **kwargs)
