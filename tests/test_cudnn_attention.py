@@ -256,3 +256,29 @@ def test_where_cudnn_refuses_a_wider_v_q_and_k_are_widened_too(frontend):
 def test_on_a_real_gpu_cudnns_attention_agrees_with_the_whole_matrix():
     rows = cudnn_check.compare_attention(d2l.gpu(0), cudnn_check.ODD_ATTENTION, repeats=1)
     assert all(r['ok'] for r in rows), cudnn_check.attention_table(rows)
+
+
+@pytest.mark.parametrize('hybridize', [False, True], ids=['imperative', 'hybridized'])
+def test_a_float16_gpt_on_a_gpu_takes_cudnns_attention_without_asking(frontend, hybridize):
+    """npx.attention with no block size, as the GPT's layers call it: in float16 on a GPU it
+    is the fused op, cuDNN's graphs forward and backward, and the loss is the CPU's."""
+    losses, runs, start = [], [], None
+    for device in (d2l.cpu(0), d2l.gpu(0)):
+        net = nn.GPT(16, 1, 16, 2, 8)
+        net.initialize(device=device)
+        net.cast('float16')
+        params = net.collect_params().values()
+        start = start or [p.data().asnumpy() for p in params]         # the same weights
+        for param, value in zip(params, start):
+            param.set_data(np.array(value, device=device))
+        net.hybridize(hybridize)
+        tokens = np.array(numpy.arange(16).reshape(2, 8) % 16, device=device)
+        before = len(frontend.executions)
+        with autograd.record():
+            loss = net(tokens).astype('float32').sum()
+        loss.backward()
+        npx.waitall()
+        losses.append(loss.asnumpy())
+        runs.append(sorted(e.graph.kind for e in frontend.executions[before:]))
+    assert runs == [[], ['sdpa', 'sdpa_backward']]
+    assert relative_error(losses[1], losses[0].astype('float64')) <= HALF

@@ -70,8 +70,13 @@ def attention(q, k, v, causal=True, block_size=None):
     """softmax(q kᵀ / √d) v for q, k, v of shape (batch, heads, seq, d), each query seeing
     only the keys at or before its own position when `causal`. block_size=None makes the
     whole (seq, seq) matrix of scores, which the tape keeps; an int (or a pair: query rows,
-    key rows) walks tiles with an online softmax and never makes it (ops/attention.py)."""
+    key rows) walks tiles with an online softmax and never makes it (ops/attention.py).
+    On a GPU in 16 bits, None means the attention op as one tile: cuDNN's fused attention
+    where it runs (ops/cudnn.py), as PyTorch's scaled_dot_product_attention picks a fused
+    kernel where one fits."""
     check_shapes(q, k, v)
+    if block_size is None and q.device.kind == 'gpu' and q.dtype.itemsize == 2:
+        block_size = (q.shape[-2], k.shape[-2])
     if block_size is None:
         scores = (q @ k.transpose(0, 1, 3, 2)) * (1 / math.sqrt(q.shape[-1]))
         return (causal_softmax(scores) if causal else softmax(scores)) @ v

@@ -295,9 +295,27 @@ class FakeCupy(types.ModuleType):
         function = getattr(numpy, name)
         if isinstance(function, type) or not callable(function):
             return function
-        if isinstance(function, numpy.ufunc) or name in CUBLAS_CALLS + ('copyto',):
+        if isinstance(function, numpy.ufunc):
+            return FakeUfunc(self, function)
+        if name in CUBLAS_CALLS + ('copyto',):
             return lambda *args, **kwargs: self.launch(function, *args, **kwargs)
         return lambda *args, **kwargs: on_device(function(*args, **kwargs))
+
+
+class FakeUfunc:
+    """A ufunc whose calls, and whose methods' (`add.at`, `maximum.reduce`), are launches."""
+
+    def __init__(self, cupy, ufunc):
+        self.cupy, self.ufunc = cupy, ufunc
+
+    def __call__(self, *args, **kwargs):
+        return self.cupy.launch(self.ufunc, *args, **kwargs)
+
+    def __getattr__(self, name):
+        method = getattr(self.ufunc, name)
+        if not callable(method):
+            return method
+        return lambda *args, **kwargs: self.cupy.launch(method, *args, **kwargs)
 
 
 def make_module(gpus=2):
