@@ -164,7 +164,7 @@ def fetch_wheels():
 def carried_frontend():
     """Where the carried wheel for this Python is unpacked, or None: the frontend imports
     already, or no wheel for this Python and machine was carried."""
-    if importlib.util.find_spec('cudnn') is not None:
+    if 'cudnn' in sys.modules or importlib.util.find_spec('cudnn') is not None:
         return None
     tag = f'cp{sys.version_info.major}{sys.version_info.minor}'
     pattern = f'nvidia_cudnn_frontend-*-{tag}-{tag}-*{platform.machine()}.whl'
