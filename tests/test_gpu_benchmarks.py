@@ -362,3 +362,19 @@ def test_the_session_runs_the_parts_it_is_named(tmp_path):
     summary = (tmp_path / 'summary.txt').read_text().splitlines()
     assert [line.split(':')[0] for line in summary
             if not line.startswith(('==', 'target'))] == ['settings', 'memory']
+
+
+def test_through_cudnn_a_resnet_step_makes_fewer_gpu_calls_than_by_im2col():
+    """benchmarks/gpu_calls.py counts, on the stand-in GPU, the calls a ResNet-18 step makes
+    that each launch GPU work: convolutions and batch norm as cuDNN graphs take under half
+    of im2col's, and hybridizing cuts the engine's operations, not the calls."""
+    done = subprocess.run([sys.executable, '-W', 'ignore', str(BENCHMARKS / 'gpu_calls.py'),
+                           '--batch', '2'], capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, PYTHONPATH=str(BENCHMARKS.parent)))
+    assert done.returncode == 0, done.stderr
+    rows = {tuple(cells[:2]): [int(c) for c in cells[2:]] for cells in (
+        [c.strip() for c in line.strip('|').split('|')] for line in done.stdout.splitlines()
+        if line.startswith(('| im2col', '| cuDNN')))}
+    im2col, cudnn = rows['im2col', 'imperative'], rows['cuDNN', 'imperative']
+    assert cudnn[-1] < im2col[-1] / 2 and im2col[3] == 0 < cudnn[3]
+    assert rows['cuDNN', 'hybridized'][0] < cudnn[0]
