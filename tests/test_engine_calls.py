@@ -35,7 +35,7 @@ def lane_asleep():
     held = []
     real, worker.wakeups = worker.wakeups, types.SimpleNamespace(put=held.append)  # a C call,
     try:                                                         # as SimpleQueue.put is
-        yield
+        yield held
     finally:
         worker.wakeups = real
         for item in held:
@@ -85,3 +85,13 @@ def test_recording_for_autograd_adds_few_calls():
         recorded, _ = push_and_wait_calls(x)
     assert len(recorded) - len(plain) <= RECORDING_CALLS + MARGIN, recorded
 
+
+
+def test_pushes_while_a_wake_up_is_on_its_way_send_no_other():
+    """Ten operations pushed to a sleeping lane wake it once (ten times before `Worker.woken`):
+    each wake-up is a call here, and one more on the lane's thread, which takes it off."""
+    x = np.ones((1, 2))
+    with lane_asleep() as wakeups:
+        ys = [x + 1 for _ in range(10)]
+        assert len(wakeups) == 1, wakeups
+    assert [y.asnumpy().tolist() for y in ys] == [[[2.0, 2.0]]] * 10

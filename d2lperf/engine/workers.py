@@ -73,6 +73,7 @@ class Worker:
         self.run, self.cores = run, cores
         self.queued = collections.deque()
         self.wakeups = queue.SimpleQueue()       # WAKE (see `wake`), STOP at the end
+        self.woken = False            # a WAKE is on its way that the thread has not acted on
         self.runner = threading.Lock()
         self.launch = None            # how it runs an operation: GpuLane.launch, Pace.run_at_speed
         self.gpu = None               # on a GPU: the lane's stream (a GpuLane)
@@ -94,8 +95,10 @@ class Worker:
         started.set()
         get = self.wakeups.get
         while get() is not STOP:
+            # Before the look at the queue: what is appended after it wakes the thread again.
             # One run takes every operation queued by then: a wake-up left over finds the
             # queue empty, and must cost no more than a look.
+            self.woken = False
             if self.queued:
                 self.run_queued()
 
@@ -109,8 +112,17 @@ class Worker:
         operation, or sees it when it looks again after letting `runner` go (`run_queued`).
         A chain of operations, each made ready by the last one's completion, then wakes no
         thread: waking one is a system call, and the woken thread takes the interpreter's
-        lock from the one running the chain, only to find the lane taken."""
-        if not self.runner.locked():
+        lock from the one running the chain, only to find the lane taken.
+
+        Nor does a push while a wake-up is on its way (`woken`): the thread looks at the queue
+        after it has taken the wake-up and cleared `woken`, so it finds the operations
+        appended before. Without this, a program that pushes faster than the lane runs put a
+        wake-up on the queue for most operations (0.7 to 0.9 an `x + 1`, asynchronously), and
+        the lane's thread took each off again. `woken` is set before the put: no Ctrl-C and
+        no other thread can come between the two, and a put that set no flag (the lane's own
+        `run_queued`) only wakes the thread once more."""
+        if not self.runner.locked() and not self.woken:
+            self.woken = True
             self.wakeups.put(WAKE)
 
     def run_queued(self, finished=None, helper=False):
