@@ -76,6 +76,8 @@ class Worker:
         self.woken = False            # a WAKE is on its way that the thread has not acted on
         self.runner = threading.Lock()
         self.launch = None            # how it runs an operation: GpuLane.launch, Pace.run_at_speed
+                                      # (on a device slowed down, looked at as a run starts), or
+                                      # None: `op.fn()`
         self.gpu = None               # on a GPU: the lane's stream (a GpuLane)
         self.pace = None              # on a CPU compute lane: the device's Pace
         started = threading.Event()
@@ -121,7 +123,7 @@ class Worker:
         the lane's thread took each off again. `woken` is set before the put: no Ctrl-C and
         no other thread can come between the two, and a put that set no flag (the lane's own
         `run_queued`) only wakes the thread once more."""
-        if not self.runner.locked() and not self.woken:
+        if not self.woken and not self.runner.locked():
             self.woken = True
             self.wakeups.put(WAKE)
 
@@ -134,6 +136,8 @@ class Worker:
         if not self.runner.acquire(False):
             return 0
         cores, queued, ran = self.cores, self.queued, 0
+        if self.pace is not None:     # a device slowed down keeps its pace; any other runs its
+            self.launch = self.pace.run_at_speed if self.device in slowdowns else None  # ops
         busy = cores is not None and cores.active
         if busy:
             cores.enter()
