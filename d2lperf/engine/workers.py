@@ -23,14 +23,21 @@ from .pace import Pace
 from .streams import GpuLane, run_on_gpu_now
 from ..device import cpu, slowdowns
 
-running = threading.local()      # .device: the device whose operations this thread runs
+class Running(threading.local):
+    """Per thread, `device`: the device whose operations the thread runs; None (the class's)
+    on a thread that has run none, read without a `getattr` call."""
+
+    device = None
+
+
+running = Running()
 
 
 def running_device():
     """The device whose operations this thread runs: an engine worker's own (cpu(0) on any
     other thread). Like CUDA's current device, it lets an operation find its device's
     resources, such as its random generator, without being handed them."""
-    return getattr(running, 'device', None) or cpu()
+    return running.device or cpu()
 
 
 class RunNow:
@@ -172,7 +179,7 @@ class Worker:
         if self.device.kind != 'cpu' or not self.queued:
             return 0
         held = ctrl_c.hold()
-        caller = getattr(running, 'device', None)
+        caller = running.device
         running.device = self.device
         try:
             ran = self.run_queued(finished, helper=True)
@@ -206,7 +213,7 @@ class Worker:
         (it keeps the pace). What `fn` raises goes to the caller."""
         if self.pace is None or self.cores.active or self.device in slowdowns:
             return False
-        caller = getattr(running, 'device', None)
+        caller = running.device
         running.device = self.device
         try:
             fn()
