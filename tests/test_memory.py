@@ -255,6 +255,24 @@ def test_a_change_is_one_integer_that_allocates_nothing_to_collect():
     assert divmod(freed, ledger.ACCOUNTS) == (-12, where)
 
 
+def test_an_array_larger_than_a_change_carries_counts_to_the_byte():
+    """An array accepted for its shape alone may hold more bytes than one change carries
+    (`ledger.LARGEST`, 128 TiB): it is counted in parts, with the same sums and peaks."""
+    from d2lperf.np.multiarray import HeldVar
+    dev = d2l.cpu(3)
+    before = held(dev)
+    device.reset_peak(dev)
+    var = HeldVar(dev, 3 * ledger.LARGEST + 5)
+    var.label('weights')
+    now = held(dev)
+    assert change(before, dev) == {'weights': 3 * ledger.LARGEST + 5}
+    assert now.peak - before.total == now.peak_by_kind['weights'] - before.by_kind['weights'] == (
+        3 * ledger.LARGEST + 5)
+    del var
+    assert change(before, dev) == {}
+    device.reset_peak(dev)
+
+
 def added_one_at_a_time(changes):
     """The ledger's sums, added change by change: the meaning `Ledger.add` keeps in batches."""
     by_kind = dict.fromkeys(device.MEMORY_KINDS, 0)

@@ -31,7 +31,8 @@ TEMPORARIES = KIND_NUMBERS['temporaries']
 # them up, in order, with NumPy (`fold_changes`); so does making an array once FOLD_AFTER are
 # pending, which bounds their memory (8 bytes each).
 memory_changes = array.array('q')   # + bytes when made, - when freed
-ACCOUNTS = 2 ** 16                  # devices * KINDS at most; bytes up to 2**47 a change
+ACCOUNTS = 2 ** 16                  # devices * KINDS at most
+LARGEST = (2 ** 63 - 1) // ACCOUNTS - 1     # bytes a change can carry: 2**47 - 2 (128 TiB)
 FOLD_AFTER = 4096
 _fold_lock = threading.RLock()      # taken only to add up, or to number a new device
 _device_numbers = {}                # Device -> its number: its accounts are number * KINDS + kind
@@ -51,6 +52,20 @@ def device_number(device):
                 _device_numbers[device] = len(_devices) - 1
             number = _device_numbers[device]
     return number
+
+
+def encoded(nbytes, where):
+    """The changes that move `nbytes` (minus: free them) on account `where`: one, unless it is
+    larger than LARGEST (an array made for its shape alone, such as the 400 TB one in
+    "Asynchronous Computation", which fails when computed). Appended together, by one
+    `extend`, the parts of a larger one reach the same sums and peaks as it would."""
+    sign, left, parts = (1 if nbytes >= 0 else -1), abs(nbytes), []
+    while True:
+        part = min(left, LARGEST)
+        parts.append(sign * part * ACCOUNTS + where)
+        left -= part
+        if not left:
+            return parts
 
 
 def account(device, kind):
@@ -195,7 +210,10 @@ class Held:
             where = device_number(device) * KINDS + TEMPORARIES
         self.device, self.nbytes, self.kind, self.account = device, nbytes, 'temporaries', where
         self.counted = True
-        memory_changes.append(nbytes * ACCOUNTS + where)
+        try:
+            memory_changes.append(nbytes * ACCOUNTS + where)
+        except OverflowError:                   # larger than LARGEST
+            memory_changes.extend(encoded(nbytes, where))
         if len(memory_changes) > FOLD_AFTER:
             fold_changes()
 
@@ -203,21 +221,22 @@ class Held:
         """Count the bytes as `kind`; released ones are counted as it when restored."""
         where = account(self.device, kind)
         if self.counted and where != self.account:  # one extend: no fold sees half of it
-            memory_changes.extend((self.account - self.nbytes * ACCOUNTS,
-                                   where + self.nbytes * ACCOUNTS))
+            memory_changes.extend(encoded(-self.nbytes, self.account) +
+                                  encoded(self.nbytes, where))
         self.kind, self.account = kind, where
 
     def release(self):
         if self.counted:
-            memory_changes.append(self.account - self.nbytes * ACCOUNTS)
+            memory_changes.extend(encoded(-self.nbytes, self.account))
             self.counted = False
 
     def restore(self):
         if not self.counted:
-            memory_changes.append(self.account + self.nbytes * ACCOUNTS)
+            memory_changes.extend(encoded(self.nbytes, self.account))
             self.counted = True
 
-    def __del__(self, record=memory_changes.append):    # bound now: it runs at shutdown too
+    def __del__(self, record=memory_changes.append, extend=memory_changes.extend,
+                encoded=encoded):   # bound now: it runs at shutdown too
         # released bytes were taken off already, by `release`; one that a Ctrl-C stopped
         # before `hold` set `counted` has none counted
         try:
@@ -225,7 +244,10 @@ class Held:
         except AttributeError:
             return
         if counted:
-            record(self.account - self.nbytes * ACCOUNTS)
+            try:
+                record(self.account - self.nbytes * ACCOUNTS)
+            except OverflowError:                   # larger than LARGEST
+                extend(encoded(-self.nbytes, self.account))
 
 
 def label(array, kind):
