@@ -99,7 +99,7 @@ class Ledger:
         totals = numpy.cumsum(sizes) + self.total
         top = int(totals.argmax())
         at_top = dict(self.by_kind)
-        for number in numpy.unique(kinds).tolist():
+        for number in numpy.flatnonzero(numpy.bincount(kinds)).tolist():    # kinds present
             kind = MEMORY_KINDS[number]
             held = numpy.cumsum(numpy.where(kinds == number, sizes, 0)) + self.by_kind[kind]
             self.peak_by_kind[kind] = max(self.peak_by_kind[kind], int(held.max()))
@@ -122,7 +122,7 @@ def fold_changes():
         del memory_changes[:count]
         sizes, accounts = numpy.divmod(numpy.frombuffer(taken, numpy.int64), ACCOUNTS)
         numbers, kinds = numpy.divmod(accounts, KINDS)
-        for number in numpy.unique(numbers).tolist():
+        for number in numpy.flatnonzero(numpy.bincount(numbers)).tolist():  # devices present
             mine = numbers == number
             _ledgers[_devices[number]].add(sizes[mine], kinds[mine])
 
