@@ -236,7 +236,7 @@ class Held:
             self.counted = True
 
     def __del__(self, record=memory_changes.append, extend=memory_changes.extend,
-                encoded=encoded):   # bound now: it runs at shutdown too
+                encoded=encoded, accounts=ACCOUNTS):   # bound now: it runs at shutdown too
         # released bytes were taken off already, by `release`; one that a Ctrl-C stopped
         # before `hold` set `counted` has none counted
         try:
@@ -245,7 +245,7 @@ class Held:
             return
         if counted:
             try:
-                record(self.account - self.nbytes * ACCOUNTS)
+                record(self.account - self.nbytes * accounts)
             except OverflowError:                   # larger than LARGEST
                 extend(encoded(-self.nbytes, self.account))
 
