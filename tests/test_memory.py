@@ -240,6 +240,71 @@ def test_pending_changes_are_added_up_as_arrays_are_made():
     del arrays
 
 
+def test_a_change_is_one_integer_that_allocates_nothing_to_collect():
+    """Making and freeing an array's variable appends two int64s: no object the garbage
+    collector would count, so that the changes pending never set off a collection."""
+    from d2lperf.np.multiarray import HeldVar
+    np.ones((1,), device=CPU1).wait_to_read()
+    ledger.fold_changes()
+    assert ledger.memory_changes.typecode == 'q' and not ledger.memory_changes
+    var = HeldVar(CPU1, 12)
+    del var
+    made, freed = ledger.memory_changes[-2:]
+    where = ledger.account(CPU1, 'temporaries')
+    assert divmod(made, ledger.ACCOUNTS) == (12, where)
+    assert divmod(freed, ledger.ACCOUNTS) == (-12, where)
+
+
+def test_an_array_larger_than_a_change_carries_counts_to_the_byte():
+    """An array accepted for its shape alone may hold more bytes than one change carries
+    (`ledger.LARGEST`, 128 TiB): it is counted in parts, with the same sums and peaks."""
+    from d2lperf.np.multiarray import HeldVar
+    dev = d2l.cpu(3)
+    before = held(dev)
+    device.reset_peak(dev)
+    var = HeldVar(dev, 3 * ledger.LARGEST + 5)
+    var.label('weights')
+    now = held(dev)
+    assert change(before, dev) == {'weights': 3 * ledger.LARGEST + 5}
+    assert now.peak - before.total == now.peak_by_kind['weights'] - before.by_kind['weights'] == (
+        3 * ledger.LARGEST + 5)
+    del var
+    assert change(before, dev) == {}
+    device.reset_peak(dev)
+
+
+def added_one_at_a_time(changes):
+    """The ledger's sums, added change by change: the meaning `Ledger.add` keeps in batches."""
+    by_kind = dict.fromkeys(device.MEMORY_KINDS, 0)
+    total = peak = 0
+    at_peak, peak_by_kind = dict(by_kind), dict(by_kind)
+    for number, nbytes in changes:
+        kind = device.MEMORY_KINDS[number]
+        by_kind[kind] += nbytes
+        total += nbytes
+        if nbytes > 0:
+            peak_by_kind[kind] = max(peak_by_kind[kind], by_kind[kind])
+            if total > peak:
+                peak, at_peak = total, dict(by_kind)
+    return by_kind, total, peak, at_peak, peak_by_kind
+
+
+@checks(60)
+@given(changes=st.lists(st.tuples(st.integers(0, len(device.MEMORY_KINDS) - 1),
+                                  st.integers(-2 ** 40, 2 ** 40)), max_size=40),
+       cuts=st.lists(st.integers(0, 40), max_size=4))
+def test_changes_added_in_batches_give_the_sums_and_peaks_of_one_at_a_time(changes, cuts):
+    import numpy
+    book = ledger.Ledger()
+    for start, end in zip([0, *sorted(cuts)], [*sorted(cuts), len(changes)]):
+        batch = changes[start:end]
+        if batch:
+            kinds, sizes = numpy.array(batch, numpy.int64).reshape(-1, 2).T
+            book.add(sizes, kinds)
+    assert (book.by_kind, book.total, book.peak, book.at_peak, book.peak_by_kind) == (
+        added_one_at_a_time(changes))
+
+
 def test_arrays_freed_at_interpreter_exit_raise_nothing():
     code = textwrap.dedent('''
         import d2lperf as d2l

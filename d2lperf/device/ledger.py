@@ -8,23 +8,69 @@ keeps, kv cache), their total and the peak since `reset_peak` ("Data Parallelism
 last array sharing them is freed, and `label`, `release` and `restore`, which the layers
 above call to say what an array's bytes are for and when they are given back.
 """
+import array
 import collections
 import dataclasses
 import threading
+
+import numpy
 
 from .devices import Device
 
 MEMORY_KINDS = ('weights', 'master weights', 'gradients', 'optimizer state', 'activations',
                 'temporaries', 'kv cache')
+KINDS = len(MEMORY_KINDS)
+KIND_NUMBERS = {kind: number for number, kind in enumerate(MEMORY_KINDS)}
+TEMPORARIES = KIND_NUMBERS['temporaries']
 
-# Every change is appended, never added up in place: deque.append is atomic, so an array freed
-# on an engine worker, or by the garbage collector in the middle of another update, never loses
-# one. Reading the counts adds the pending changes up, in order; so does making an array once
-# FOLD_AFTER are pending, few enough that the pending tuples never set off a garbage collection
-# of their own (Python collects after 700 new container objects).
-memory_changes = collections.deque()     # (device, kind, bytes): + when made, - when freed
-FOLD_AFTER = 512
-_fold_lock = threading.RLock()           # taken only to add up; appending never waits
+# Every change is appended, never added up in place: appending is atomic, so an array freed on
+# an engine worker, or by the garbage collector in the middle of another update, never loses
+# one. A change is one integer, bytes * ACCOUNTS + account, where the account numbers a device
+# and a kind (`account`): appended to an array of int64 it allocates no object, so the pending
+# changes neither cost a tuple each nor set off a garbage collection. Reading the counts adds
+# them up, in order, with NumPy (`fold_changes`); so does making an array once FOLD_AFTER are
+# pending, which bounds their memory (8 bytes each).
+memory_changes = array.array('q')   # + bytes when made, - when freed
+ACCOUNTS = 2 ** 16                  # devices * KINDS at most
+LARGEST = (2 ** 63 - 1) // ACCOUNTS - 1     # bytes a change can carry: 2**47 - 2 (128 TiB)
+FOLD_AFTER = 4096
+_fold_lock = threading.RLock()      # taken only to add up, or to number a new device
+_device_numbers = {}                # Device -> its number: its accounts are number * KINDS + kind
+_devices = []                       # number -> Device
+
+
+def device_number(device):
+    """`device`'s number in the changes, given on its first array."""
+    number = _device_numbers.get(device)
+    if number is None:
+        with _fold_lock:
+            if device not in _device_numbers:
+                if (len(_devices) + 1) * KINDS > ACCOUNTS:
+                    raise RuntimeError(f'the memory ledger counts at most {ACCOUNTS // KINDS} '
+                                       f'devices, and {device} would be one more')
+                _devices.append(device)
+                _device_numbers[device] = len(_devices) - 1
+            number = _device_numbers[device]
+    return number
+
+
+def encoded(nbytes, where):
+    """The changes that move `nbytes` (minus: free them) on account `where`: one, unless it is
+    larger than LARGEST (an array made for its shape alone, such as the 400 TB one in
+    "Asynchronous Computation", which fails when computed). Appended together, by one
+    `extend`, the parts of a larger one reach the same sums and peaks as it would."""
+    sign, left, parts = (1 if nbytes >= 0 else -1), abs(nbytes), []
+    while True:
+        part = min(left, LARGEST)
+        parts.append(sign * part * ACCOUNTS + where)
+        left -= part
+        if not left:
+            return parts
+
+
+def account(device, kind):
+    """The number of the ledger's account of `kind` on `device`, which a change carries."""
+    return device_number(device) * KINDS + KIND_NUMBERS[kind]
 
 
 class Ledger:
@@ -43,24 +89,42 @@ class Ledger:
         self.peak, self.at_peak = self.total, dict(self.by_kind)
         self.peak_by_kind = dict(self.by_kind)
 
+    def add(self, sizes, kinds):
+        """Add this device's changes (bytes, kind numbers), in order, as if one at a time.
+
+        The running sums after each change hold every value the counts took: the highest
+        total is the peak, found first where it is reached (as a one-at-a-time sum replaces
+        the peak only when it is exceeded), and each kind's highest its own peak. Neither
+        can be reached after a change that frees bytes, so the maxima are the peaks."""
+        totals = numpy.cumsum(sizes) + self.total
+        top = int(totals.argmax())
+        at_top = dict(self.by_kind)
+        for number in numpy.flatnonzero(numpy.bincount(kinds)).tolist():    # kinds present
+            kind = MEMORY_KINDS[number]
+            held = numpy.cumsum(numpy.where(kinds == number, sizes, 0)) + self.by_kind[kind]
+            self.peak_by_kind[kind] = max(self.peak_by_kind[kind], int(held.max()))
+            at_top[kind], self.by_kind[kind] = int(held[top]), int(held[-1])
+        if totals[top] > self.peak:
+            self.peak, self.at_peak = int(totals[top]), at_top
+        self.total = int(totals[-1])
+
 
 _ledgers = collections.defaultdict(Ledger)      # device -> the changes added up so far
 
 
 def fold_changes():
-    """Add the pending changes up, in the order they happened, so that the peak is exact."""
+    """Add the pending changes up, in the order they happened, so that the peaks are exact."""
     with _fold_lock:
-        pop, ledgers = memory_changes.popleft, _ledgers
-        for _ in range(len(memory_changes)):
-            device, kind, nbytes = pop()
-            ledger = ledgers[device]
-            held = ledger.by_kind[kind] = ledger.by_kind[kind] + nbytes
-            ledger.total += nbytes
-            if nbytes > 0:
-                if held > ledger.peak_by_kind[kind]:
-                    ledger.peak_by_kind[kind] = held
-                if ledger.total > ledger.peak:
-                    ledger.peak, ledger.at_peak = ledger.total, dict(ledger.by_kind)
+        count = len(memory_changes)
+        if not count:
+            return
+        taken = memory_changes[:count]      # a copy: appends meanwhile go after these
+        del memory_changes[:count]
+        sizes, accounts = numpy.divmod(numpy.frombuffer(taken, numpy.int64), ACCOUNTS)
+        numbers, kinds = numpy.divmod(accounts, KINDS)
+        for number in numpy.flatnonzero(numpy.bincount(numbers)).tolist():  # devices present
+            mine = numbers == number
+            _ledgers[_devices[number]].add(sizes[mine], kinds[mine])
 
 
 def mebibytes(nbytes):
@@ -131,41 +195,59 @@ class Held:
     A mixin, because the variable is the engine's (a layer above): `np.multiarray.HeldVar` is
     `Held` and `engine.Var` together and declares `Held.FIELDS` as its slots, so the ledger
     reads and writes only fields that this class names. `nbytes` is the memory's size;
-    `counted` whether the ledger holds it now (`release` takes it out, `restore` back).
+    `account` the number of its device and kind in the changes (`account`); `counted` whether
+    the ledger holds it now (`release` takes it out, `restore` back).
     """
 
     __slots__ = ()
-    FIELDS = ('device', 'nbytes', 'kind', 'counted')
+    FIELDS = ('device', 'nbytes', 'kind', 'account', 'counted')
 
     def hold(self, device, nbytes):
         """Start counting `nbytes` on `device`, as temporaries; called once, at creation."""
-        self.device, self.nbytes, self.kind, self.counted = device, nbytes, 'temporaries', True
-        memory_changes.append((device, 'temporaries', nbytes))
+        try:
+            where = _device_numbers[device] * KINDS + TEMPORARIES
+        except KeyError:                        # the device's first array
+            where = device_number(device) * KINDS + TEMPORARIES
+        self.device, self.nbytes, self.kind, self.account = device, nbytes, 'temporaries', where
+        self.counted = True
+        try:
+            memory_changes.append(nbytes * ACCOUNTS + where)
+        except OverflowError:                   # larger than LARGEST
+            memory_changes.extend(encoded(nbytes, where))
         if len(memory_changes) > FOLD_AFTER:
             fold_changes()
 
     def label(self, kind):
         """Count the bytes as `kind`; released ones are counted as it when restored."""
-        if self.counted and self.kind != kind:  # one extend: nobody sees the bytes between kinds
-            memory_changes.extend(((self.device, self.kind, -self.nbytes),
-                                   (self.device, kind, self.nbytes)))
-        self.kind = kind
+        where = account(self.device, kind)
+        if self.counted and where != self.account:  # one extend: no fold sees half of it
+            memory_changes.extend(encoded(-self.nbytes, self.account) +
+                                  encoded(self.nbytes, where))
+        self.kind, self.account = kind, where
 
     def release(self):
         if self.counted:
-            memory_changes.append((self.device, self.kind, -self.nbytes))
+            memory_changes.extend(encoded(-self.nbytes, self.account))
             self.counted = False
 
     def restore(self):
         if not self.counted:
-            memory_changes.append((self.device, self.kind, self.nbytes))
+            memory_changes.extend(encoded(self.nbytes, self.account))
             self.counted = True
 
-    def __del__(self, record=memory_changes.append):    # bound now: it runs at shutdown too
+    def __del__(self, record=memory_changes.append, extend=memory_changes.extend,
+                encoded=encoded, accounts=ACCOUNTS):   # bound now: it runs at shutdown too
         # released bytes were taken off already, by `release`; one that a Ctrl-C stopped
-        # before `hold` has none counted
-        if getattr(self, 'counted', False):
-            record((self.device, self.kind, -self.nbytes))
+        # before `hold` set `counted` has none counted
+        try:
+            counted = self.counted
+        except AttributeError:
+            return
+        if counted:
+            try:
+                record(self.account - self.nbytes * accounts)
+            except OverflowError:                   # larger than LARGEST
+                extend(encoded(-self.nbytes, self.account))
 
 
 def label(array, kind):

@@ -106,7 +106,10 @@ class ThreadedEngine(Engine):
                        skippable)
         if device is None:
             return self.push_waiter(op)
-        worker = self.workers.lanes.get((device, lane)) or self.workers.start(device, lane)
+        try:
+            worker = self.workers.lanes[device, lane]
+        except KeyError:                            # the lane's first operation
+            worker = self.workers.start(device, lane)
         while True:
             with self.lock:
                 if not self.limit or self.in_flight < self.limit:
@@ -312,8 +315,11 @@ class ThreadedEngine(Engine):
         lane's order and one at a time (whoever holds the lane's `runner`), and they complete
         as on the worker. Nothing runs where the lane is busy on its own thread, where the
         write still waits for other work, or on a GPU."""
-        worker = self.workers.lanes.get((writer.device, writer.lane))
-        return 0 if worker is None else worker.run_here_until(lambda: var.writer is not writer)
+        try:
+            worker = self.workers.lanes[writer.device, writer.lane]
+        except KeyError:                    # a waiter (no device) writes it
+            return 0
+        return worker.run_here_until(lambda: var.writer is not writer)
 
     def sleep_until_written(self, var):
         done = threading.Lock()

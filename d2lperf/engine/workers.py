@@ -23,14 +23,21 @@ from .pace import Pace
 from .streams import GpuLane, run_on_gpu_now
 from ..device import cpu, slowdowns
 
-running = threading.local()      # .device: the device whose operations this thread runs
+class Running(threading.local):
+    """Per thread, `device`: the device whose operations the thread runs; None (the class's)
+    on a thread that has run none, read without a `getattr` call."""
+
+    device = None
+
+
+running = Running()
 
 
 def running_device():
     """The device whose operations this thread runs: an engine worker's own (cpu(0) on any
     other thread). Like CUDA's current device, it lets an operation find its device's
     resources, such as its random generator, without being handed them."""
-    return getattr(running, 'device', None) or cpu()
+    return running.device or cpu()
 
 
 class RunNow:
@@ -73,8 +80,11 @@ class Worker:
         self.run, self.cores = run, cores
         self.queued = collections.deque()
         self.wakeups = queue.SimpleQueue()       # WAKE (see `wake`), STOP at the end
+        self.woken = False            # a WAKE is on its way that the thread has not acted on
         self.runner = threading.Lock()
         self.launch = None            # how it runs an operation: GpuLane.launch, Pace.run_at_speed
+                                      # (on a device slowed down, looked at as a run starts), or
+                                      # None: `op.fn()`
         self.gpu = None               # on a GPU: the lane's stream (a GpuLane)
         self.pace = None              # on a CPU compute lane: the device's Pace
         started = threading.Event()
@@ -94,8 +104,10 @@ class Worker:
         started.set()
         get = self.wakeups.get
         while get() is not STOP:
+            # Before the look at the queue: what is appended after it wakes the thread again.
             # One run takes every operation queued by then: a wake-up left over finds the
             # queue empty, and must cost no more than a look.
+            self.woken = False
             if self.queued:
                 self.run_queued()
 
@@ -109,8 +121,17 @@ class Worker:
         operation, or sees it when it looks again after letting `runner` go (`run_queued`).
         A chain of operations, each made ready by the last one's completion, then wakes no
         thread: waking one is a system call, and the woken thread takes the interpreter's
-        lock from the one running the chain, only to find the lane taken."""
-        if not self.runner.locked():
+        lock from the one running the chain, only to find the lane taken.
+
+        Nor does a push while a wake-up is on its way (`woken`): the thread looks at the queue
+        after it has taken the wake-up and cleared `woken`, so it finds the operations
+        appended before. Without this, a program that pushes faster than the lane runs put a
+        wake-up on the queue for most operations (0.7 to 0.9 an `x + 1`, asynchronously), and
+        the lane's thread took each off again. `woken` is set before the put: no Ctrl-C and
+        no other thread can come between the two, and a put that set no flag (the lane's own
+        `run_queued`) only wakes the thread once more."""
+        if not self.woken and not self.runner.locked():
+            self.woken = True
             self.wakeups.put(WAKE)
 
     def run_queued(self, finished=None, helper=False):
@@ -122,6 +143,8 @@ class Worker:
         if not self.runner.acquire(False):
             return 0
         cores, queued, ran = self.cores, self.queued, 0
+        if self.pace is not None:     # a device slowed down keeps its pace; any other runs its
+            self.launch = self.pace.run_at_speed if self.device in slowdowns else None  # ops
         busy = cores is not None and cores.active
         if busy:
             cores.enter()
@@ -156,7 +179,7 @@ class Worker:
         if self.device.kind != 'cpu' or not self.queued:
             return 0
         held = ctrl_c.hold()
-        caller = getattr(running, 'device', None)
+        caller = running.device
         running.device = self.device
         try:
             ran = self.run_queued(finished, helper=True)
@@ -190,7 +213,7 @@ class Worker:
         (it keeps the pace). What `fn` raises goes to the caller."""
         if self.pace is None or self.cores.active or self.device in slowdowns:
             return False
-        caller = getattr(running, 'device', None)
+        caller = running.device
         running.device = self.device
         try:
             fn()

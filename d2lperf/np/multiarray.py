@@ -253,16 +253,17 @@ def apply(name, *inputs, **attrs):
     op = REGISTRY[name]
     # The scan stays here, not in a function of its own: one more call costs 2% of a tiny
     # operation's time (benchmarks/engine.py), and this is the path every operation takes.
-    arrays = []
+    arrays, fill = [], fill_from_arrays       # how the work reads its inputs (`push_compute`)
     for x in inputs:
         if type(x) is NDArray:
             arrays.append(x)
         elif type(x) in PYTHON_SCALARS:
-            pass
+            fill = fill_from_inputs
         elif isinstance(x, ArrayMethods):     # the compiler's stand-in: a graph node
             return x.apply_op(name, inputs, attrs)
         else:
             as_device_input(x)
+            fill = fill_from_inputs
     if not arrays:
         raise TypeError(f"operation '{name}' needs at least one NDArray input")
     if TAPE.tracer is not None and TAPE.tracer.reads_a_parameter(arrays):
@@ -273,7 +274,7 @@ def apply(name, *inputs, **attrs):
         out = push_view(op, arrays[0], shape, dtype, attrs)
     else:
         out = NDArray(shape, dtype, device)
-        push_compute(op, out, inputs, arrays, attrs)
+        push_compute(op, out, inputs, arrays, attrs, fill)
     if TAPE.recording and any(map(needs_grad, arrays)):
         out.node = TapeNode(op, inputs, attrs)
     return out
@@ -286,16 +287,17 @@ def push_view(op, base, shape, dtype, attrs):
                  op.name)
 
 
-def push_compute(op, out, inputs, arrays, attrs):
+def push_compute(op, out, inputs, arrays, attrs, fill):
     """Push the operation that computes `out`: it reads the arrays and writes `out`, and the
     inputs the op updates in place (`op.writes`), which it then does not count as reads.
+    `fill` puts the result in `out`: `fill_from_inputs` where an input is a scalar, else
+    `fill_from_arrays`, as `apply` found while it looked at the inputs.
 
     The work is a `functools.partial`, not a closure: two objects where a closure over five
     names is seven (the function, its tuple of cells, a cell per name), and the garbage
     collector walks every object of every operation still in flight (benchmarks/engine.py,
     "garbage collector"). The common case, every input an array, reads their data without
     testing each one's type."""
-    fill = fill_from_arrays if len(arrays) == len(inputs) else fill_from_inputs
     run = functools.partial(fill, out, op.compute, out.device.xp, inputs, attrs)
     if op.writes:
         written = [inputs[i].var for i in op.writes]
