@@ -22,6 +22,7 @@ import sys
 import numpy
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / 'tests'))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from fakes import cudnn as fake_cudnn, cupy as fake_cupy    # noqa: E402
 
 
@@ -87,27 +88,6 @@ def install(counts):
     sys.modules['cupy'], sys.modules['cudnn'] = cupy, frontend
 
 
-def resnet_step(d2l, hybridize, batch):
-    from d2lperf import autograd, np, npx
-    device = d2l.gpu(0)
-    net = d2l.resnet18(10)
-    net.initialize(d2l.nn.init.Normal(0.01), device=device)
-    if hybridize:
-        net.hybridize()
-    trainer = d2l.Trainer(net.collect_params(), 'sgd', {'learning_rate': 0.1})
-    x = np.random.uniform(size=(batch, 1, 28, 28), device=device)
-    y = np.array(numpy.arange(batch) % 10, device=device)
-    loss_fn = d2l.SoftmaxCrossEntropyLoss()
-
-    def step():
-        with autograd.record():
-            loss = loss_fn(net(x), y)
-        loss.backward()
-        trainer.step(batch)
-        npx.waitall()
-    return step
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument('--batch', type=int, default=4)
@@ -116,6 +96,7 @@ def main(argv=None):
     install(counts)
     import d2lperf as d2l
     from d2lperf.ops import cudnn
+    from training import resnet_step_fn         # benchmarks/training.py's step, as it times it
     kinds = ['kernel launches', 'ufuncs on arrays', 'cuDNN graphs', 'copies to a packed layout']
     print(f'ResNet-18 (28x28, batch {args.batch}), one SGD step on the stand-in GPU: '
           'calls that each launch GPU work')
@@ -124,7 +105,7 @@ def main(argv=None):
     for road in ('im2col', 'cuDNN'):
         for hybridize in (False, True):
             with cudnn.off() if road == 'im2col' else contextlib.nullcontext():
-                step = resnet_step(d2l, hybridize, args.batch)
+                step = resnet_step_fn(hybridize, d2l.gpu(0), args.batch)
                 step()                              # builds the graphs, compiles the program
                 counts.by_kind.clear()
                 with d2l.profiler.profile() as records:

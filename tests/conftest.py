@@ -19,8 +19,8 @@ import pytest
 
 import d2lperf as d2l
 from d2lperf import device as device_module, engine
-from d2lperf.ops import random as random_module
-from fakes import cupy as fake_cupy
+from d2lperf.ops import cudnn, random as random_module
+from fakes import cudnn as fake_cudnn, cupy as fake_cupy
 
 CHAPTERS = pathlib.Path(__file__).resolve().parents[1] / 'chapters'
 
@@ -141,3 +141,15 @@ def fake_gpus(monkeypatch):
     yield
     engine.use('threaded')
     device_module.num_gpus.cache_clear()
+
+
+@pytest.fixture
+def frontend(fake_gpus, monkeypatch):
+    """The fake cuDNN frontend behind `import cudnn` (tests/fakes/cudnn.py), with d2lperf's
+    cuDNN state fresh and neither TF32 switch set, for one test on the fake GPUs."""
+    fake = fake_cudnn.make_module()
+    monkeypatch.setitem(sys.modules, 'cudnn', fake)
+    monkeypatch.setattr(cudnn, 'state', cudnn.State())
+    monkeypatch.delenv('CUPY_TF32', raising=False)
+    monkeypatch.delenv('NVIDIA_TF32_OVERRIDE', raising=False)
+    return fake

@@ -346,3 +346,57 @@ def test_a_convolution_skips_the_gradient_of_an_input_that_needs_none(hybridize,
         numpy.testing.assert_allclose(without, with_input, rtol=1e-6)
     for got, imperative in zip(results[1], results[2]):     # the input's gradient too
         numpy.testing.assert_allclose(got, imperative, rtol=1e-4, atol=1e-5)
+
+
+def bn_gradients(x, hybridize):
+    """The input's, gamma's and beta's gradients of a weighted sum of a BatchNorm's output."""
+    net = nn.HybridSequential()
+    net.add(nn.BatchNorm(momentum=0.5))
+    net.initialize()
+    net.hybridize(hybridize)
+    data, weights = np.array(x), np.array(numpy.random.default_rng(9).normal(size=x.shape))
+    data.attach_grad()
+    with autograd.record():
+        loss = (net(data) * weights).sum()
+    loss.backward()
+    layer = net[0]
+    return [a.asnumpy() for a in (data.grad, layer.gamma.grad(), layer.beta.grad())]
+
+
+@pytest.mark.parametrize('hybridize', [False, True], ids=['imperative', 'hybridized'])
+def test_batch_norms_backward_takes_the_forwards_statistics_with_the_same_gradients(
+        monkeypatch, hybridize):
+    """`Op.saves`: the training forward keeps the batch's mean and inverse deviation, and the
+    backward reads them rather than making two passes over the batch again (one row_dots a
+    block of channels for dγ, not two), bit for bit the gradients it computed before."""
+    from d2lperf.ops import convolution, registry
+    x = numpy.random.default_rng(3).normal(1.0, 2.0, size=(6, 3, 4, 4))
+    calls = []
+    row_dots = convolution.row_dots
+    monkeypatch.setattr(convolution, 'row_dots', lambda *a: (calls.append(1), row_dots(*a))[1])
+    kept = bn_gradients(x, hybridize)
+    forward_and_backward = len(calls)
+    monkeypatch.setattr(registry.REGISTRY['batch_norm_train'], 'saves', False)
+    calls.clear()
+    found_again = bn_gradients(x, hybridize)
+    assert forward_and_backward == len(calls) - 1       # one block of channels at this size
+    for a, b in zip(kept, found_again):
+        numpy.testing.assert_array_equal(a, b)
+
+
+def test_batch_norm_keeps_nothing_outside_record():
+    """Only a recording run passes `saved`: prediction and an unrecorded training call keep
+    no statistics, so nothing outlives the call."""
+    from d2lperf.ops.convolution import batch_norm_train
+    x = numpy.random.default_rng(4).normal(size=(4, 2))
+    ones, zeros = numpy.ones(2), numpy.zeros(2)
+    saved = {}
+    out = batch_norm_train(numpy, x, ones, zeros, zeros.copy(), ones.copy(), 1e-5, 0.9, saved)
+    numpy.testing.assert_allclose(saved['mean'], x.mean(axis=0))
+    numpy.testing.assert_allclose(saved['inv_std'], 1 / numpy.sqrt(x.var(axis=0) + 1e-5))
+    numpy.testing.assert_allclose(out, (x - x.mean(axis=0)) * saved['inv_std'], atol=1e-12)
+    layer = nn.BatchNorm()
+    layer.initialize()
+    with autograd.train_mode():
+        y = layer(np.array(x))
+    assert y.node is None

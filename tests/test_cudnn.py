@@ -29,17 +29,6 @@ from fakes import cudnn as fake_cudnn, cupy as fake_cupy
 from strategies import checks
 
 
-@pytest.fixture
-def frontend(fake_gpus, monkeypatch):
-    """The fake frontend behind `import cudnn`, with d2lperf's cuDNN state fresh."""
-    fake = fake_cudnn.make_module()
-    monkeypatch.setitem(sys.modules, 'cudnn', fake)
-    monkeypatch.setattr(cudnn, 'state', cudnn.State())
-    monkeypatch.delenv('CUPY_TF32', raising=False)
-    monkeypatch.delenv('NVIDIA_TF32_OVERRIDE', raising=False)
-    return fake
-
-
 def batch_last_view(x):
     """x (N, C, H, W) on the fake GPU, laid out (C, H, W, N) as im2col's results are."""
     return fake_cupy.on_device(numpy.ascontiguousarray(x.transpose(1, 2, 3, 0))).transpose(

@@ -24,15 +24,6 @@ from fakes import cudnn as fake_cudnn, cupy as fake_cupy
 from strategies import checks
 
 
-@pytest.fixture
-def frontend(fake_gpus, monkeypatch):
-    """The fake frontend behind `import cudnn`, with d2lperf's cuDNN state fresh."""
-    fake = fake_cudnn.make_module()
-    monkeypatch.setitem(sys.modules, 'cudnn', fake)
-    monkeypatch.setattr(cudnn, 'state', cudnn.State())
-    return fake
-
-
 def problem(shape, dtype='float16', seed=0, strided=False):
     """q, k, v and a gradient of the packed output, L's column included (nonzero)."""
     rng = numpy.random.default_rng(seed)

@@ -19,16 +19,8 @@ import d2lperf as d2l
 from d2lperf import autograd, np
 from d2lperf.ops import convolution, cudnn
 import cudnn_check
-from fakes import cudnn as fake_cudnn, cupy as fake_cupy
+from fakes import cupy as fake_cupy
 from strategies import checks
-
-
-@pytest.fixture
-def frontend(fake_gpus, monkeypatch):
-    fake = fake_cudnn.make_module()
-    monkeypatch.setitem(sys.modules, 'cudnn', fake)
-    monkeypatch.setattr(cudnn, 'state', cudnn.State())
-    return fake
 
 
 def batch_last_view(x):

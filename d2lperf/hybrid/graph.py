@@ -147,6 +147,9 @@ def format_node(node, indent):
 
 # -- the reference interpreter -------------------------------------------------------------
 
+SAVED = object()     # evaluate(keep=True)'s key for what ops keep for their vjp (`Op.saves`)
+
+
 def run_node(xp, node, values):
     """The value of one call or fused node, given the values of the nodes it reads."""
     def read(x):
@@ -155,17 +158,23 @@ def run_node(xp, node, values):
         for member in node.body:
             values[member] = run_node(xp, member, values)
         return values[node.body[-1]]
-    return as_array(xp, REGISTRY[node.op].compute(xp, *map(read, node.inputs), **node.attrs))
+    op, attrs = REGISTRY[node.op], node.attrs
+    if op.saves and SAVED in values:
+        attrs = dict(attrs, saved=values[SAVED].setdefault(node, {}))
+    return as_array(xp, op.compute(xp, *map(read, node.inputs), **attrs))
 
 
 def evaluate(graph, xp, arguments, keep=False):
     """Run `graph` on `arguments` (one array per argument node, in order): the outputs.
 
-    With `keep`, also return every node's value (autograd's backward reads them)."""
+    With `keep`, also return every node's value (autograd's backward reads them), and what
+    ops keep for their vjp (under the key SAVED)."""
     values = dict(zip(graph.arguments, arguments))
     if len(values) != len(graph.arguments):
         raise ValueError(f'the graph takes {len(graph.arguments)} arguments, '
                          f'got {len(arguments)}')
+    if keep:
+        values[SAVED] = {}
     for node in graph.nodes:
         if node.kind == 'constant':
             values[node] = xp.array(node.value)         # a copy: callers may write to it
@@ -194,6 +203,8 @@ def gradients(graph, xp, values, head, head_grad, needs=None):
         if op.partial_vjp:
             attrs = dict(attrs, needs=tuple(isinstance(x, Node) and x in wanted
                                             for x in node.inputs))
+        if op.saves:
+            attrs = dict(attrs, saved=values.get(SAVED, {}).get(node, {}))
         inputs = [values[x] if isinstance(x, Node) else x for x in node.inputs]
         for x, grad in zip(node.inputs, op.vjp(xp, g, values[node], *inputs, **attrs)):
             if isinstance(x, Node) and x in wanted and grad is not None and differentiable(x.dtype):

@@ -274,6 +274,8 @@ def apply(name, *inputs, **attrs):
         out = push_view(op, arrays[0], shape, dtype, attrs)
     else:
         out = NDArray(shape, dtype, device)
+        if op.saves and TAPE.recording:
+            attrs = dict(attrs, saved={})        # kept for the vjp on the tape (`Op.saves`)
         push_compute(op, out, inputs, arrays, attrs, fill)
     if TAPE.recording and any(map(needs_grad, arrays)):
         out.node = TapeNode(op, inputs, attrs)

@@ -268,20 +268,25 @@ def from_rows(rows, shape):
     return image.transpose((image.ndim - 1,) + tuple(range(image.ndim - 1)))
 
 
-def batch_norm_train(xp, data, gamma, beta, running_mean, running_var, eps, momentum):
+def batch_norm_train(xp, data, gamma, beta, running_mean, running_var, eps, momentum,
+                     saved=None):
     """Normalize with the batch's statistics, and move the running ones towards them.
 
     Each channel's statistics are sums along its own contiguous row, so they do not depend on
     how many channels are computed together: a large batch is done in blocks of channels at
     once (`pieces`), with the values of the whole, bit for bit. The output's rows hold the
     centred input first, then are scaled in place: five passes over memory, no temporaries.
-    On a GPU, one cuDNN graph does it all where cuDNN is installed (cudnn.py)."""
+    On a GPU, one cuDNN graph does it all where cuDNN is installed (cudnn.py). When autograd
+    records, `saved` keeps the batch's mean and inverse deviation for the backward pass, which
+    would otherwise make two passes over the batch to find them again (`Op.saves`)."""
     fused = None if xp is numpy else cudnn.batch_norm_forward(
-        xp, data, gamma, beta, running_mean, running_var, eps, momentum)
+        xp, data, gamma, beta, running_mean, running_var, eps, momentum, saved)
     if fused is not None:
         return fused
     rows, n = channel_rows(xp, data), data.size // data.shape[1]
     out = xp.empty_like(rows)
+    if saved is not None:
+        saved['mean'], saved['inv_std'] = (xp.empty(len(rows), rows.dtype) for _ in range(2))
 
     def channels(start, stop):
         block, c = rows[start:stop], slice(start, stop)
@@ -292,6 +297,8 @@ def batch_norm_train(xp, data, gamma, beta, running_mean, running_var, eps, mome
         running_mean[c] += (1 - momentum) * mean
         running_var[c] *= momentum
         running_var[c] += (1 - momentum) * var * (n / max(n - 1, 1))   # unbiased, as MXNet's
+        if saved is not None:           # as the backward pass would find them again
+            saved['mean'][c], saved['inv_std'][c] = mean, 1 / xp.sqrt(var + eps)
         centred *= (gamma[c] / xp.sqrt(var + eps))[:, None]
         centred += beta[c, None]
     pieces.over_axis(xp, len(rows), data.nbytes, channels)
@@ -304,10 +311,13 @@ def row_dots(xp, a, b):
 
 
 def batch_norm_train_vjp(xp, g, out, data, gamma, beta, running_mean, running_var, eps,
-                         momentum):
+                         momentum, saved=None):
     """dx = k·g − (k/n)·(x̂·dγ + dβ), with k = γ/σ, built in place in the rows that first
-    hold x̂. On a GPU, one cuDNN graph where cuDNN is installed (cudnn.py)."""
-    fused = None if xp is numpy else cudnn.batch_norm_backward(xp, g, data, gamma, eps)
+    hold x̂. On a GPU, one cuDNN graph where cuDNN is installed (cudnn.py). The batch's mean
+    and inverse deviation come from the forward pass (`saved`), or are found again where it
+    kept none."""
+    kept = (saved['mean'], saved['inv_std']) if saved else None
+    fused = None if xp is numpy else cudnn.batch_norm_backward(xp, g, data, gamma, eps, kept)
     if fused is not None:
         return fused + (None, None)
     rows, g_rows, n = channel_rows(xp, data), channel_rows(xp, g), data.size // data.shape[1]
@@ -317,8 +327,12 @@ def batch_norm_train_vjp(xp, g, out, data, gamma, beta, running_mean, running_va
     def channels(start, stop):
         block, g_block, c = rows[start:stop], g_rows[start:stop], slice(start, stop)
         x_hat = d_rows[c]
-        xp.subtract(block, block.mean(axis=1)[:, None], out=x_hat)
-        inv_std = 1 / xp.sqrt(row_dots(xp, x_hat, x_hat) / n + eps)
+        if kept:
+            xp.subtract(block, kept[0][c, None], out=x_hat)
+            inv_std = kept[1][c]
+        else:
+            xp.subtract(block, block.mean(axis=1)[:, None], out=x_hat)
+            inv_std = 1 / xp.sqrt(row_dots(xp, x_hat, x_hat) / n + eps)
         x_hat *= inv_std[:, None]
         d_beta[c], d_gamma[c] = g_block.sum(axis=1), row_dots(xp, g_block, x_hat)
         k = gamma[c] * inv_std
@@ -345,5 +359,5 @@ def batch_norm_predict_vjp(xp, g, out, data, gamma, beta, running_mean, running_
 
 
 defop('batch_norm_train', batch_norm_train, batch_norm_infer, batch_norm_train_vjp,
-      writes=(3, 4))
+      writes=(3, 4), saves=True)
 defop('batch_norm_predict', batch_norm_predict, batch_norm_infer, batch_norm_predict_vjp)

@@ -458,33 +458,40 @@ def build_attention(module, gpu_handle, kind, layouts, dtype, causal, scale):
 # one graph serves every layer of a shape. float32 only, as ResNet-18 trains; the data is
 # read in its own memory order where cuDNN takes that, else in NHWC (a copy).
 
-def batch_norm_forward(xp, data, gamma, beta, running_mean, running_var, eps, momentum):
+def batch_norm_forward(xp, data, gamma, beta, running_mean, running_var, eps, momentum,
+                       saved=None):
     """The normalized batch (data's shape, in data's memory order or NHWC) by a cuDNN
-    batchnorm graph, with the running statistics updated in place; None where CuPy must."""
+    batchnorm graph, with the running statistics updated in place and the batch's mean and
+    inverse deviation kept in `saved` (when autograd records); None where CuPy must."""
     if not norm_usable(xp, data, gamma, beta, running_mean, running_var):
         return None
     channels = data.shape[1]
     for x in layouts_to_try(xp, image(data)):
-        stats = [xp.empty(channels, xp.float32) for _ in range(2)]    # the batch's: unused
+        stats = [xp.empty(channels, xp.float32) for _ in range(2)]    # the batch's
         out = like(xp, x)
         arrays = (x, gamma, beta, running_mean, running_var, scalar(eps), scalar(1 - momentum),
                   out, *stats, running_mean, running_var)
         graph = norm_graph(xp, 'batchnorm', arrays)
         if graph is not None:
             run(xp, graph, arrays)
+            if saved is not None:
+                saved['mean'], saved['inv_std'] = stats
             return out.reshape(data.shape)
     return None
 
 
-def batch_norm_backward(xp, g, data, gamma, eps):
+def batch_norm_backward(xp, g, data, gamma, eps, kept=None):
     """(d_data, d_gamma, d_beta) by a cuDNN batchnorm_backward graph; None where CuPy must.
-    The op keeps only its output, so the batch's mean and inverse deviation are computed
-    again here (two reductions), as the CuPy path does."""
+    The batch's mean and inverse deviation are the forward pass's (`kept`), or are computed
+    again here (two reductions) where it kept none."""
     if not norm_usable(xp, g, data, gamma):
         return None
-    axes = (0,) + tuple(range(2, data.ndim))
-    mean = data.mean(axis=axes)
-    inverse_deviation = 1 / xp.sqrt(data.var(axis=axes) + eps)
+    if kept:
+        mean, inverse_deviation = kept
+    else:
+        axes = (0,) + tuple(range(2, data.ndim))
+        mean = data.mean(axis=axes)
+        inverse_deviation = 1 / xp.sqrt(data.var(axis=axes) + eps)
     for x in layouts_to_try(xp, image(data)):
         d_out = image(g)
         if d_out.strides != x.strides:                  # cuDNN reads both in one layout

@@ -32,6 +32,13 @@ the one place the kinds are defined:
 `partial_vjp` says that the vjp takes `needs=`, one bool per input, and may skip (return None
 for) the gradients nobody needs: a convolution whose input is the data computes no gradient
 for it. Autograd and the compiler's gradient walk both pass it.
+
+`saves` says that `compute` takes `saved=`, a dict it fills with what its vjp would otherwise
+compute again (batch normalization's batch mean and inverse deviation), and that the vjp takes
+the same dict back as `saved=`: PyTorch's `ctx.save_for_backward`, MXNet's hidden outputs.
+Only a run that records for autograd passes one (`apply`, the compiler's recorded run); any
+other leaves it out and nothing is kept. A vjp given an empty dict (its forward failed)
+computes what it needs itself.
 """
 import numpy
 
@@ -45,10 +52,10 @@ class Op:
     existing array (`out=`), for the elementwise and comparison ops that have one."""
 
     __slots__ = ('name', 'compute', 'infer', 'vjp', 'kind', 'c_expr', 'ufunc', 'writes',
-                 'partial_vjp')
+                 'partial_vjp', 'saves')
 
     def __init__(self, name, compute, infer, vjp=None, kind='opaque', c_expr=None, writes=(),
-                 partial_vjp=False):
+                 partial_vjp=False, saves=False):
         if kind not in OP_KINDS:
             raise ValueError(f'op {name!r}: kind must be one of {OP_KINDS}, not {kind!r}')
         if c_expr is not None and kind != 'elementwise':
@@ -57,7 +64,7 @@ class Op:
         if writes and kind != 'opaque':
             raise ValueError(f'op {name!r}: only opaque ops may update their inputs')
         self.kind, self.c_expr, self.writes = kind, c_expr, tuple(writes)
-        self.partial_vjp = partial_vjp
+        self.partial_vjp, self.saves = partial_vjp, saves
         is_ufunc = isinstance(getattr(numpy, name, None), numpy.ufunc)
         self.ufunc = name if kind in ('elementwise', 'compare') and is_ufunc else None
 
@@ -69,11 +76,11 @@ REGISTRY = {}
 
 
 def defop(name, compute, infer, vjp=None, kind='opaque', c_expr=None, writes=(),
-          partial_vjp=False):
+          partial_vjp=False, saves=False):
     """Register an operation under `name` (every frontend and the compiler find it there)."""
     if name in REGISTRY:
         raise ValueError(f'an op named {name!r} is already registered')
-    REGISTRY[name] = Op(name, compute, infer, vjp, kind, c_expr, writes, partial_vjp)
+    REGISTRY[name] = Op(name, compute, infer, vjp, kind, c_expr, writes, partial_vjp, saves)
     return REGISTRY[name]
 
 
